@@ -1,0 +1,51 @@
+"""torchinstruments: passive PyTorch model telemetry.
+
+One call instruments a model; training runs unchanged; a small, ranked, byte-bounded
+report says which internal signals (module activations and output gradients) moved,
+where, when and how much::
+
+    from torchinstruments import inject_observer, remove_observer
+
+    inject_observer(model, output_dir="stats")
+    ...  # train as usual
+    remove_observer(model)  # writes stats/report.json and stats/index.md
+"""
+
+from __future__ import annotations
+
+import contextlib as _contextlib
+
+from .api import ObserverHandle, inject_observer, observer_of, remove_observer
+from .config import ReportConfig, TrackConfig
+from .errors import ConfigError, ObserverStateError, ReportReadError, TorchInstrumentsError
+from .sampling import DefaultSampling, EveryNSampling, SamplingPolicy
+from .sinks import DirectorySink, MemorySink, Sink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DefaultSampling",
+    "DirectorySink",
+    "EveryNSampling",
+    "MemorySink",
+    "ObserverHandle",
+    "ObserverStateError",
+    "ReportConfig",
+    "ReportReadError",
+    "SamplingPolicy",
+    "Sink",
+    "TorchInstrumentsError",
+    "TrackConfig",
+    "__version__",
+    "inject_observer",
+    "observer_of",
+    "remove_observer",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) or callable(_obj):
+        with _contextlib.suppress(AttributeError, TypeError):
+            _obj.__module__ = "torchinstruments"
+del _name, _obj

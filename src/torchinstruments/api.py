@@ -1,0 +1,360 @@
+"""Public entry points: :func:`inject_observer` and :func:`remove_observer`."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from torch import nn
+
+from .config import ReportConfig, TrackConfig
+from .distributed import RANK_POLICIES, detect_rank
+from .errors import ConfigError, ObserverStateError
+from .observer import Observer
+from .sampling import SamplingPolicy, resolve_sampling
+from .sinks import DirectorySink, Sink
+
+__all__ = ["ObserverHandle", "inject_observer", "remove_observer"]
+
+_REGISTRY: weakref.WeakKeyDictionary[nn.Module, ObserverHandle] = weakref.WeakKeyDictionary()
+_ACTIVE_DIRS: dict[str, weakref.ref[ObserverHandle]] = {}
+_LOCK = threading.Lock()
+
+
+class ObserverHandle:
+    """What :func:`inject_observer` returns: flush the report now, or remove the observer.
+
+    Attributes:
+        output_dir: the directory this observer writes to (``rank-NNN`` under the given
+            directory with ``rank_policy="all"``), or None on a rank that does not observe.
+        active: False on a rank that ``rank_policy="rank0"`` leaves unobserved.
+
+    Works as a context manager: leaving the ``with`` block removes the observer.
+    """
+
+    def __init__(self, model: nn.Module, observer: Observer | None, output_dir: Path | None):
+        self._model = weakref.ref(model)
+        self._observer = observer
+        self.output_dir = output_dir
+        self.active = observer is not None
+        self.removed = False
+
+    def flush(self) -> Path | None:
+        """Write the report now; return the path of ``report.json`` (None if not observing).
+
+        Errors while writing are counted in the report, never raised.
+        """
+        if self._observer is None or self.removed:
+            return None
+        self._observer.write_report()
+        return self.output_dir / "report.json" if self.output_dir is not None else None
+
+    def report(self) -> dict[str, Any] | None:
+        """Build and return the current report dict without writing it."""
+        if self._observer is None:
+            return None
+        return self._observer.build_report()
+
+    def remove(self) -> None:
+        """Detach, write the final report and restore the model; a second call does nothing."""
+        model = self._model()
+        if model is not None:
+            remove_observer(model)
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.removed:
+            return
+        self.removed = True
+        observer = self._observer
+        if observer is not None:
+            observer.detach()
+            observer.write_report()
+            for sink in observer.sinks:
+                try:
+                    sink.flush()
+                except Exception as error:
+                    observer.record_error("sink", type(sink).__name__, error)
+        if self.output_dir is not None:
+            with _LOCK:
+                key = str(self.output_dir.resolve())
+                ref = _ACTIVE_DIRS.get(key)
+                if ref is not None and ref() is self:
+                    del _ACTIVE_DIRS[key]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else ("active" if self.active else "inactive rank")
+        return f"<ObserverHandle {state} output_dir={str(self.output_dir)!r}>"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module that does the work inside DDP / DataParallel / FSDP1-style wrappers."""
+    inner = model
+    while isinstance(getattr(inner, "module", None), nn.Module) and type(inner).__name__ in (
+        "DistributedDataParallel",
+        "DataParallel",
+        "FullyShardedDataParallel",
+    ):
+        inner = inner.module  # type: ignore[assignment]
+    return inner
+
+
+def _as_patterns(name: str, value: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(
+        f"inject_observer: {name} must be a glob pattern string or a sequence of them, "
+        f"got {value!r}"
+    )
+
+
+def _as_types(value: type | Sequence[type] | None) -> tuple[type, ...] | None:
+    if value is None:
+        return None
+    types = (value,) if isinstance(value, type) else tuple(value)
+    if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise ConfigError(
+            "inject_observer: module_types must be an nn.Module subclass or a sequence of "
+            f"them, got {value!r}"
+        )
+    return types
+
+
+def select_modules(
+    root: nn.Module,
+    include: tuple[str, ...] | None,
+    exclude: tuple[str, ...] | None,
+    module_types: tuple[type, ...] | None,
+) -> list[tuple[str, nn.Module]]:
+    """Pick the observed modules, in ``named_modules()`` order, root first.
+
+    Default: the root and every leaf module (one without children). With ``include``
+    (glob patterns on qualified names, ``""`` is the root) and/or ``module_types``, the
+    modules matching any pattern or type, plus the root. ``exclude`` patterns remove
+    modules (never the root, whose hooks define the sample).
+    """
+    chosen: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for name, module in root.named_modules():
+        if id(module) in seen:
+            continue
+        if module is root:
+            selected = True
+        elif include is None and module_types is None:
+            selected = next(module.children(), None) is None
+        else:
+            by_name = include is not None and any(fnmatch.fnmatchcase(name, p) for p in include)
+            by_type = module_types is not None and isinstance(module, module_types)
+            selected = by_name or by_type
+        if selected and module is not root and exclude is not None:
+            selected = not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+        if selected:
+            seen.add(id(module))
+            chosen.append((name, module))
+    return chosen
+
+
+def inject_observer(
+    model: nn.Module,
+    *,
+    output_dir: str | os.PathLike[str] = "stats",
+    sampling: int | SamplingPolicy | None = None,
+    report_config: ReportConfig | None = None,
+    track_config: TrackConfig | None = None,
+    rank_policy: str = "rank0",
+    capture_direct_forwards: bool = False,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    module_types: type | Sequence[type] | None = None,
+    sinks: Iterable[Sink] = (),
+    write_files: bool = True,
+) -> ObserverHandle:
+    """Attach a passive observer to ``model`` in place; train as usual.
+
+    Hooks record activations (module outputs) and output gradients of the selected
+    modules on sampled training forwards; the report is rewritten every
+    ``report_config.rewrite_interval_s`` seconds, at :func:`remove_observer` and at
+    interpreter exit. Outputs, gradients, parameters and ``state_dict()`` are unchanged;
+    no parameter, buffer or submodule is added.
+
+    Args:
+        model: the root module (a DDP or DataParallel wrapper is unwrapped; names are
+            shown without its ``module.`` prefix).
+        output_dir: directory for ``report.json`` and ``index.md``. Default ``"stats"``.
+            Two live observers may not share one directory.
+        sampling: ``None`` for :class:`~torchinstruments.DefaultSampling` (dense first,
+            then one forward in 32), an int N to sample every N-th training forward
+            (``1`` = every forward), or a :class:`~torchinstruments.SamplingPolicy`.
+        report_config: report limits; default :class:`~torchinstruments.ReportConfig`.
+        track_config: tracker settings; default :class:`~torchinstruments.TrackConfig`.
+        rank_policy: ``"rank0"`` (only rank 0 observes and writes) or ``"all"`` (each
+            rank writes ``rank-NNN/`` under ``output_dir``).
+        capture_direct_forwards: also observe ``module.forward(...)`` calls that bypass
+            ``module(...)``, by reversibly wrapping ``forward`` on each selected module
+            instance. Every call is still observed exactly once.
+        include: glob pattern(s) of qualified module names to observe (``"blocks.*"``).
+        exclude: glob pattern(s) of module names not to observe.
+        module_types: observe modules of these types (``nn.Linear``, ...).
+        sinks: extra sinks that receive every report (see :class:`~torchinstruments.Sink`).
+        write_files: write ``report.json`` and ``index.md`` to ``output_dir``. Default True.
+
+    Returns:
+        An :class:`ObserverHandle`.
+
+    Raises:
+        ConfigError: an argument is invalid (the message names it, what was expected
+            and what was given).
+        ObserverStateError: ``model`` already carries an observer, or another live
+            observer writes to ``output_dir``.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> handle = inject_observer(model, output_dir=tempfile.mkdtemp())  # doctest: +SKIP
+        >>> model(torch.randn(2, 4)).sum().backward()  # doctest: +SKIP
+        >>> remove_observer(model)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"inject_observer: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    if not isinstance(output_dir, str | os.PathLike) or str(output_dir) == "":
+        raise ConfigError(
+            f"inject_observer: output_dir must be a non-empty path, got {output_dir!r}"
+        )
+    policy = resolve_sampling(sampling)
+    report_config = _typed("report_config", report_config, ReportConfig)
+    track_config = _typed("track_config", track_config, TrackConfig)
+    if rank_policy not in RANK_POLICIES:
+        raise ConfigError(
+            f"inject_observer: rank_policy must be one of {RANK_POLICIES}, got {rank_policy!r}"
+        )
+    if not isinstance(capture_direct_forwards, bool):
+        raise ConfigError(
+            "inject_observer: capture_direct_forwards must be a bool, "
+            f"got {capture_direct_forwards!r}"
+        )
+    if not isinstance(write_files, bool):
+        raise ConfigError(f"inject_observer: write_files must be a bool, got {write_files!r}")
+    sink_list = list(sinks)
+    for sink in sink_list:
+        if not callable(getattr(sink, "write", None)):
+            raise ConfigError(
+                f"inject_observer: each sink needs a write(report) method, got {sink!r}"
+            )
+    include_patterns = _as_patterns("include", include)
+    exclude_patterns = _as_patterns("exclude", exclude)
+    types = _as_types(module_types)
+
+    root = _unwrap(model)
+    with _LOCK:
+        for candidate in {id(model): model, id(root): root}.values():
+            existing = _REGISTRY.get(candidate)
+            if existing is not None and not existing.removed:
+                raise ObserverStateError(
+                    "inject_observer: this model already carries an observer; call "
+                    "remove_observer(model) before injecting again"
+                )
+        rank_info = detect_rank()
+        directory = Path(output_dir)
+        if rank_policy == "all":
+            directory = directory / f"rank-{rank_info.rank:03d}"
+        if rank_policy == "rank0" and rank_info.rank != 0:
+            handle = ObserverHandle(model, None, None)
+            _REGISTRY[model] = handle
+            return handle
+        key = str(directory.resolve())
+        holder = _ACTIVE_DIRS.get(key)
+        if holder is not None and holder() is not None and not holder().removed:  # type: ignore[union-attr]
+            raise ObserverStateError(
+                f"inject_observer: output_dir {str(directory)!r} is already used by another "
+                "live observer; give each observed model its own output_dir"
+            )
+        modules = select_modules(root, include_patterns, exclude_patterns, types)
+        observer = Observer(
+            target=model,
+            root=root,
+            modules=modules,
+            policy=policy,
+            report_config=report_config,
+            track_config=track_config,
+            capture_direct_forwards=capture_direct_forwards,
+            rank_info=rank_info,
+            writer=DirectorySink(directory) if write_files else None,
+            sinks=sink_list,
+            options={
+                "rank_policy": rank_policy,
+                "include": list(include_patterns) if include_patterns else None,
+                "exclude": list(exclude_patterns) if exclude_patterns else None,
+                "module_types": [t.__name__ for t in types] if types else None,
+            },
+        )
+        handle = ObserverHandle(model, observer, directory)
+        observer.attach()
+        _REGISTRY[model] = handle
+        if root is not model:
+            _REGISTRY[root] = handle
+        _ACTIVE_DIRS[key] = weakref.ref(handle)
+    return handle
+
+
+def _typed(name: str, value: object, kind: type) -> Any:
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise ConfigError(
+            f"inject_observer: {name} must be a {kind.__name__} or None, got {type(value).__name__}"
+        )
+    return value
+
+
+def remove_observer(model: nn.Module) -> None:
+    """Detach the observer of ``model``, write its final report, restore the model.
+
+    Every hook and wrapper of ours is removed and instance attributes are restored; a
+    second call (or a call on a model without an observer) does nothing.
+
+    Raises:
+        ConfigError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"remove_observer: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    with _LOCK:
+        handle = _REGISTRY.get(model)
+        if handle is None:
+            handle = _REGISTRY.get(_unwrap(model))
+        if handle is None:
+            return
+        for key in [k for k, v in list(_REGISTRY.items()) if v is handle]:
+            del _REGISTRY[key]
+    handle._finish()
+
+
+def observer_of(model: nn.Module) -> ObserverHandle | None:
+    """The live handle attached to ``model``, or None."""
+    handle = _REGISTRY.get(model)
+    return handle if handle is not None and not handle.removed else None

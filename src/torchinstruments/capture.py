@@ -1,0 +1,226 @@
+"""Capture: hook objects and the walk over module outputs.
+
+Hooks are small callable objects that hold only a weak reference to their observer, so a
+model never keeps a detached observer alive. Each returns ``None`` (outputs are never
+replaced) and never raises: the observer catches and counts its own errors.
+
+Copying a model that carries hooks (``copy.deepcopy`` for EMA models, ``pickle``,
+``torch.save``) copies the hook dictionaries too; our hooks then copy as inert
+placeholders that do nothing, so a copy is never observed by the original's observer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .observer import Observer
+
+__all__ = ["iter_output_tensors", "in_backward"]
+
+#: Deepest nesting of containers walked inside one module output.
+MAX_OUTPUT_DEPTH = 6
+#: Most tensors taken from one module output; the rest are counted as dropped paths.
+MAX_TENSORS_PER_OUTPUT = 64
+
+_graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """True while the calling thread runs inside an autograd backward pass.
+
+    Forward calls made then are recomputations (activation checkpointing), never new
+    samples.
+    """
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
+def iter_output_tensors(output: object, prefix: str = "output") -> Iterator[tuple[str, object]]:
+    """Yield ``(tensor_path, leaf)`` for every tensor-like leaf of a module output.
+
+    Paths follow DESIGN.md: ``output``, ``output[0]``, ``output['logits']`` (dicts),
+    ``output.last_hidden_state`` (namedtuples, dataclasses and attribute-style mappings
+    such as Hugging Face ``ModelOutput``). ``None`` and non-tensor leaves are skipped;
+    tensor leaves are yielded whatever their dtype, for the caller to reduce or count.
+    The walk stops at :data:`MAX_OUTPUT_DEPTH`; a caller bounds the number of leaves.
+    """
+    yield from _walk(output, prefix, 0)
+
+
+def _walk(node: object, path: str, depth: int) -> Iterator[tuple[str, object]]:
+    if isinstance(node, Tensor):
+        yield path, node
+        return
+    if node is None or depth >= MAX_OUTPUT_DEPTH or isinstance(node, str | bytes | int | float):
+        return
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        for field in node._fields:  # namedtuple
+            yield from _walk(getattr(node, field), f"{path}.{field}", depth + 1)
+    elif isinstance(node, list | tuple):
+        for index, item in enumerate(node):
+            yield from _walk(item, f"{path}[{index}]", depth + 1)
+    elif isinstance(node, Mapping):
+        attribute_style = type(node) not in (dict, OrderedDict)
+        for key, item in node.items():
+            if attribute_style and isinstance(key, str) and key.isidentifier():
+                yield from _walk(item, f"{path}.{key}", depth + 1)
+            else:
+                yield from _walk(item, f"{path}[{key!r}]", depth + 1)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            yield from _walk(getattr(node, field.name), f"{path}.{field.name}", depth + 1)
+
+
+def _inert_hook(*_args: object, **_kwargs: object) -> None:
+    """What an observer's hook becomes in a copied or unpickled model: nothing."""
+    return None
+
+
+class _HookBase:
+    """Weakly bound to an observer; copies and pickles as :func:`_inert_hook`."""
+
+    __slots__ = ("_observer",)
+
+    def __init__(self, observer: Observer) -> None:
+        self._observer = weakref.ref(observer)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
+        return _inert_hook
+
+    def __copy__(self) -> Callable[..., None]:
+        return _inert_hook
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_inert_hook_factory, ())
+
+
+def _inert_hook_factory() -> Callable[..., None]:
+    return _inert_hook
+
+
+class RootPreHook(_HookBase):
+    """Forward pre-hook on the root: opens a root forward and decides sampling once."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        observer = self._observer()
+        if observer is not None:
+            observer.enter_root(module)
+
+
+class RootPostHook(_HookBase):
+    """Forward hook on the root, always called: observes the root output, closes."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, observer: Observer, index: int) -> None:
+        super().__init__(observer)
+        self._index = index
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        observer = self._observer()
+        if observer is None:
+            return
+        if observer.state == observer.SAMPLED:
+            observer.on_forward(self._index, args, output)
+        observer.exit_root()
+
+
+class ForwardHook(_HookBase):
+    """Forward hook on one observed module; returns at once in unsampled forwards."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, observer: Observer, index: int) -> None:
+        super().__init__(observer)
+        self._index = index
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        observer = self._observer()
+        if observer is None or observer.state == 0:  # 0 == Observer.SKIP: the fast path
+            return
+        observer.on_forward(self._index, args, output)
+
+
+class GradHook:
+    """Tensor hook that receives the output gradient of one sampled tensor.
+
+    Holds no reference to the tensor itself (no cycle) and a weak one to the observer.
+    """
+
+    __slots__ = ("_key", "_observer", "_sample")
+
+    def __init__(self, observer: Observer, key: tuple[int, int, str], sample: int) -> None:
+        self._observer = weakref.ref(observer)
+        self._key = key
+        self._sample = sample
+
+    def __call__(self, grad: Tensor) -> None:
+        observer = self._observer()
+        if observer is not None:
+            observer.on_grad(self._key, self._sample, grad)
+
+
+class ForwardWrapper:
+    """Reversible instance-level ``forward`` that observes direct ``module.forward`` calls.
+
+    Installed only with ``capture_direct_forwards=True``. ``module(x)`` and
+    ``module.forward(x)`` both reach it exactly once. ``copy.deepcopy`` turns it into the
+    class's plain ``forward`` bound to the copy; pickling raises with the fix.
+    """
+
+    __slots__ = ("_index", "_is_root", "_module", "_observer", "_original")
+
+    def __init__(
+        self,
+        observer: Observer,
+        module: nn.Module,
+        original: Callable[..., object],
+        index: int,
+        is_root: bool,
+    ) -> None:
+        self._observer = weakref.ref(observer)
+        self._module = weakref.ref(module)
+        self._original = original
+        self._index = index
+        self._is_root = is_root
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        observer = self._observer()
+        module = self._module()
+        if observer is None or module is None:
+            return self._original(*args, **kwargs)
+        if self._is_root:
+            observer.enter_root(module)
+            try:
+                output = self._original(*args, **kwargs)
+                if observer.state == observer.SAMPLED:
+                    observer.on_forward(self._index, args, output)
+                return output
+            finally:
+                observer.exit_root()
+        output = self._original(*args, **kwargs)
+        if observer.state != 0:
+            observer.on_forward(self._index, args, output)
+        return output
+
+    def __deepcopy__(self, memo: dict[int, object]) -> object:
+        module = self._module()
+        copied = memo.get(id(module)) if module is not None else None
+        if isinstance(copied, nn.Module):
+            return type(copied).forward.__get__(copied)
+        return _inert_hook
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError(
+            "torchinstruments: this model carries capture_direct_forwards wrappers, which "
+            "cannot be pickled; call remove_observer(model) first, or save model.state_dict()"
+        )

@@ -1,0 +1,116 @@
+"""Frozen, validated configuration objects.
+
+Each field carries its unit in its name (``max_bytes``, ``rewrite_interval_s``) and is
+checked in ``__post_init__``; invalid values raise :class:`~torchinstruments.ConfigError`
+naming the owner, the field, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._validate import require_float, require_int
+
+__all__ = ["ReportConfig", "TrackConfig"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportConfig:
+    """How the report is selected, bounded and rewritten.
+
+    Args:
+        max_bytes: upper bound, in bytes, on ``report.json`` as written (indented UTF-8
+            JSON). Findings are dropped round-robin from the weakest until it fits; what was
+            dropped is counted under ``coverage.findings_omitted``. Default 256,000.
+        top_k_per_category: most findings kept per category before the byte limit applies.
+            Default 20.
+        max_error_entries: most distinct hook errors listed under ``errors`` (all are
+            counted). Default 20.
+        rewrite_interval_s: seconds between report rewrites during training; the report is
+            also written at ``remove_observer`` and at interpreter exit. Default 60.
+        max_echo_modules: most echoing modules listed in one finding's evidence. Default 8.
+
+    Raises:
+        ConfigError: a field is out of range or of the wrong type.
+
+    Example:
+        >>> ReportConfig(max_bytes=64_000).top_k_per_category
+        20
+    """
+
+    max_bytes: int = 256_000
+    top_k_per_category: int = 20
+    max_error_entries: int = 20
+    rewrite_interval_s: float = 60.0
+    max_echo_modules: int = 8
+
+    def __post_init__(self) -> None:
+        require_int("ReportConfig", "max_bytes", self.max_bytes, minimum=4_096)
+        require_int("ReportConfig", "top_k_per_category", self.top_k_per_category, minimum=1)
+        require_int("ReportConfig", "max_error_entries", self.max_error_entries, minimum=0)
+        require_float(
+            "ReportConfig",
+            "rewrite_interval_s",
+            self.rewrite_interval_s,
+            minimum=0.0,
+            exclusive_minimum=True,
+        )
+        require_int("ReportConfig", "max_echo_modules", self.max_echo_modules, minimum=0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrackConfig:
+    """How each series is tracked over samples.
+
+    Args:
+        warmup_samples: samples a series must see before its baseline (mean and standard
+            deviation of the first ``warmup_samples`` values, in the series' own scale:
+            log for scale metrics) is frozen and its temporal indicators mean something.
+            Default 24: the first few dozen updates of a run move every signal fast.
+        fast_ema_alpha: smoothing factor of the fast exponential moving average, in (0, 1].
+            Default 0.3 (about 6 samples of memory).
+        slow_ema_alpha: smoothing factor of the slow EMA, in (0, 1]. Default 0.05 (about
+            40 samples).
+        cusum_allowance: CUSUM reference value k, in baseline standard deviations. Default
+            0.5, the usual choice for detecting a one-sigma shift (Montgomery, *Introduction
+            to Statistical Quality Control*, ch. 9).
+        cusum_threshold: CUSUM decision interval h, in baseline standard deviations.
+            Default 5.0 (Montgomery, ch. 9).
+        history_points: points of bounded history kept per series (downsampled by two each
+            time it fills). Default 32.
+        max_series: most series tracked; series beyond it are not created and are counted
+            under ``coverage.series_dropped``. Default 50,000.
+
+    Raises:
+        ConfigError: a field is out of range or of the wrong type.
+    """
+
+    warmup_samples: int = 24
+    fast_ema_alpha: float = 0.3
+    slow_ema_alpha: float = 0.05
+    cusum_allowance: float = 0.5
+    cusum_threshold: float = 5.0
+    history_points: int = 32
+    max_series: int = 50_000
+
+    def __post_init__(self) -> None:
+        require_int("TrackConfig", "warmup_samples", self.warmup_samples, minimum=3)
+        for name in ("fast_ema_alpha", "slow_ema_alpha"):
+            require_float(
+                "TrackConfig",
+                name,
+                getattr(self, name),
+                minimum=0.0,
+                maximum=1.0,
+                exclusive_minimum=True,
+            )
+        require_float("TrackConfig", "cusum_allowance", self.cusum_allowance, minimum=0.0)
+        require_float(
+            "TrackConfig",
+            "cusum_threshold",
+            self.cusum_threshold,
+            minimum=0.0,
+            exclusive_minimum=True,
+        )
+        require_int("TrackConfig", "history_points", self.history_points, minimum=4)
+        require_int("TrackConfig", "max_series", self.max_series, minimum=1)

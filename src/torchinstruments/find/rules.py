@@ -1,0 +1,719 @@
+"""One rule per finding category.
+
+Each rule looks only at the series and metrics of its category, ranks only within it, and
+states its noise floor: the threshold above which a candidate is ``notable``. Thresholds
+are expressed in the series' own warm-up variability (baseline standard deviations,
+floored per metric, see :mod:`torchinstruments.series`) and, for scale metrics, also as a
+least relative change, so that ordinary training drift is not flagged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from dataclasses import dataclass, field
+
+from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
+from ..track import ChangePoint, SeriesTracker
+from .base import Candidate, display_module, format_value
+
+__all__ = ["CATEGORIES", "RULES", "Rule", "RuleContext"]
+
+CATEGORIES: tuple[str, ...] = (
+    "non_finite",
+    "activation_scale_drift",
+    "gradient_scale_change",
+    "heavy_tail_growth",
+    "zero_fraction_growth",
+    "regime_change",
+    "relative_volatility",
+    "oscillation",
+)
+
+#: Least size of a notable shift or step, in standard deviations of the reference
+#: (the warm-up baseline or the segment before the step).
+SHIFT_Z_NOTABLE = 6.0
+#: Least factor (up or down) of a notable abrupt scale step.
+STEP_FACTOR_NOTABLE = 2.0
+#: Least factor (up or down) of a notable end-to-end scale drift without one large step
+#: (healthy training moves logits and gradients several-fold, gradually).
+DRIFT_FACTOR_NOTABLE = 16.0
+
+
+@dataclass(slots=True)
+class RuleContext:
+    """What rules need beyond one series.
+
+    Attributes:
+        positions: forward call position per (module, call index, tensor path).
+        root_gradient: the root output's output-gradient trackers by metric (the loss
+            gradient), used as the reference that gradient rules measure net of.
+    """
+
+    positions: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    root_gradient: dict[str, SeriesTracker] = field(default_factory=dict)
+
+
+def _where(c: Candidate) -> str:
+    s = c.series
+    return (
+        f"{display_module(s.module)} (call {s.call_index}, {s.tensor_path}) {s.signal}.{c.metric}"
+    )
+
+
+def _span(c: Candidate) -> str:
+    first, latest = c.tracker.first, c.tracker.latest
+    assert first is not None and latest is not None
+    return (
+        f"{format_value(first.value)} at sample {first.sample} to "
+        f"{format_value(latest.value)} at sample {latest.sample}"
+    )
+
+
+def _keep_fixed(text: str) -> str:
+    return f"{text} Keep seed, data order and precision fixed so the runs compare."
+
+
+class Rule:
+    """Base class: a category, the series it reads, and its texts.
+
+    Subclasses implement :meth:`candidates`, :meth:`interpretation` and
+    :meth:`next_experiment`.
+    """
+
+    category = ""
+    metrics: tuple[str, ...] = ("rms",)
+    signals: tuple[str, ...] = (ACTIVATION, GRAD_OUTPUT)
+
+    def candidates(self, series: Iterable[TensorSeries], context: RuleContext) -> list[Candidate]:
+        """Return one candidate per eligible series and metric (unranked)."""
+        found: list[Candidate] = []
+        for item in series:
+            if item.signal not in self.signals:
+                continue
+            position = context.positions.get(_tensor_key(item), 0)
+            for metric in self.metrics:
+                tracker = item.trackers.get(metric)
+                if tracker is None or tracker.count == 0:
+                    continue
+                candidate = self.judge(item, metric, tracker, position, context)
+                if candidate is not None:
+                    found.append(candidate)
+        return found
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        """Return the candidate for one series and metric, or None if not eligible."""
+        raise NotImplementedError
+
+    def interpretation(self, c: Candidate) -> str:
+        raise NotImplementedError
+
+    def next_experiment(self, c: Candidate) -> str:
+        raise NotImplementedError
+
+
+def _tensor_key(series: TensorSeries) -> tuple[str, int, str]:
+    return (series.module, series.call_index, series.tensor_path)
+
+
+def _basis_tracker(series: TensorSeries, tracker: SeriesTracker) -> SeriesTracker | None:
+    """The tracker a rule judges: ``rms_to_root`` for output-gradient RMS (None for the
+    root's own output gradient, the loss gradient that is the reference), else ``tracker``.
+    """
+    if series.signal != GRAD_OUTPUT or tracker is not series.trackers.get("rms"):
+        return tracker
+    return series.trackers.get(RMS_TO_ROOT)
+
+
+def _net(series: TensorSeries) -> str:
+    return ", net of the loss gradient" if series.signal == GRAD_OUTPUT else ""
+
+
+def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[str, object]:
+    if change is None:
+        return {}
+    return {
+        "step_start_sample": change.start_sample,
+        "step_alarm_sample": change.alarm_sample,
+        "step_level_before": tracker.level(change.level_before),
+        "step_level_after": tracker.level(change.level_after),
+        "step_in_std_before": change.step_z,
+        "step_confirmed": change.confirmed,
+    }
+
+
+def _scale_evidence(tracker: SeriesTracker) -> dict[str, object]:
+    return {
+        "baseline": tracker.level(tracker.baseline_mean),
+        "fast_ema": tracker.level(tracker.ema_fast),
+        "slow_ema": tracker.level(tracker.ema_slow),
+        "log_ratio_to_baseline": tracker.shift,
+        "shift_in_baseline_std": tracker.shift_z,
+        "ema_divergence_log": tracker.ema_fast - tracker.ema_slow,
+        "momentum_log_per_sample": tracker.momentum,
+        "max_drawdown_log": tracker.max_drawdown,
+        "cusum_peak": tracker.cusum_peak,
+        "level_changes": tracker.change_count,
+        **_step_evidence(tracker.strongest_change, tracker),
+    }
+
+
+def _notable_step(change: ChangePoint | None, factor: float) -> bool:
+    return (
+        change is not None
+        and abs(change.step) >= math.log(factor)
+        and abs(change.step_z) >= SHIFT_Z_NOTABLE
+    )
+
+
+class _ScaleRule(Rule):
+    """Shared logic of the two scale categories (activation and output-gradient RMS).
+
+    Ranking basis ``abs_log_ratio_to_baseline``: ``|ln(fast EMA / warm-up baseline)|``
+    (relative movement). Output gradients are judged on ``rms_to_root``, the module's
+    gradient RMS divided by the root output's (the loss gradient) in the same sample, so
+    that loss scaling, a changed loss reduction and the loss shrinking as the model fits
+    cancel; the root's own output gradient is that reference and ranks last (score 0).
+
+    Noise floor: notable when warm-up is complete and either one abrupt step (a CUSUM
+    change point) moved the level by at least ``STEP_FACTOR_NOTABLE`` (2x) and 6
+    standard deviations of the segment before it, or the end-to-end movement reached
+    ``DRIFT_FACTOR_NOTABLE`` (16x) and 6 baseline standard deviations.
+    """
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        judged = _basis_tracker(series, tracker)
+        evidence = _scale_evidence(tracker)
+        if judged is None:
+            evidence["reference"] = "loss gradient (root output); others are measured net of it"
+            return Candidate(
+                category=self.category,
+                series=series,
+                metric=metric,
+                tracker=tracker,
+                score=0.0,
+                basis="abs_log_ratio_to_baseline_net_of_loss_gradient",
+                notable=False,
+                direction=1 if tracker.shift > 0 else -1,
+                onset=None,
+                position=position,
+                evidence=evidence,
+            )
+        basis = "abs_log_ratio_to_baseline"
+        if judged is not tracker:
+            basis += "_net_of_loss_gradient"
+            evidence["net_of_loss_gradient"] = _scale_evidence(judged)
+        shift = judged.shift
+        change = judged.strongest_change
+        by_step = _notable_step(change, STEP_FACTOR_NOTABLE)
+        by_drift = (
+            abs(shift) >= math.log(DRIFT_FACTOR_NOTABLE) and abs(judged.shift_z) >= SHIFT_Z_NOTABLE
+        )
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=abs(shift),
+            basis=basis,
+            notable=judged.warmup_complete and (by_step or by_drift),
+            direction=1 if shift > 0 else -1,
+            onset=change.alarm_sample if by_step and change is not None else None,
+            position=position,
+            evidence=evidence,
+            basis_tracker=judged,
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        t = c.judged
+        if c.score == 0.0 and c.basis.endswith("loss_gradient") and t is c.tracker:
+            return (
+                f"{_where(c)} went from {_span(c)}. This is the loss gradient itself, the "
+                f"reference that other output gradients are measured against."
+            )
+        verb = "rose" if c.direction > 0 else "fell"
+        text = (
+            f"{_where(c)} {verb}{_net(c.series)}: its fast EMA is "
+            f"{format_value(math.exp(abs(t.shift)))}x {'above' if c.direction > 0 else 'below'} "
+            f"the warm-up baseline ({format_value(abs(t.shift_z))} baseline standard "
+            f"deviations); raw values went from {_span(c)}."
+        )
+        change = t.strongest_change
+        if change is not None:
+            text += (
+                f" Largest step: {format_value(t.level(change.level_before))} to "
+                f"{format_value(t.level(change.level_after))} from sample {change.start_sample}."
+            )
+        return text
+
+
+class ActivationScaleDrift(_ScaleRule):
+    """``activation_scale_drift``: activation RMS moved away from its warm-up baseline."""
+
+    category = "activation_scale_drift"
+    signals = (ACTIVATION,)
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        if c.direction > 0:
+            return _keep_fixed(
+                f"Rerun with {module}'s normalization, initialization or residual scale "
+                f"restored to the baseline's, at this module only, and check whether "
+                f"its activation RMS returns to the baseline."
+            )
+        return _keep_fixed(
+            f"Check what shrinks {module}'s output: compare its input and weight scale "
+            f"against the baseline run, then restore its residual scale or normalization "
+            f"at this module only."
+        )
+
+
+class GradientScaleChange(_ScaleRule):
+    """``gradient_scale_change``: output-gradient RMS moved, net of the loss gradient.
+
+    A factor that rescaled every output gradient at once (loss scaling, a changed loss
+    reduction) is reported as one ``<all>`` finding; module findings are net of it.
+    """
+
+    category = "gradient_scale_change"
+    signals = (GRAD_OUTPUT,)
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        if c.direction < 0:
+            return _keep_fixed(
+                f"Restore the previous normalization or residual scale at {module} and "
+                f"the modules after it, one at a time starting at {module}, and check "
+                f"whether the gradient reaching {module} recovers."
+            )
+        return _keep_fixed(
+            f"Find what amplifies the gradient reaching {module}: revert changes to "
+            f"{module} and the modules after it (in forward order) one at a time."
+        )
+
+
+class HeavyTailGrowth(Rule):
+    """``heavy_tail_growth``: a few elements grew large relative to the rest.
+
+    Metrics: ``excess_kurtosis`` and ``tail_ratio`` (max_abs / rms). Ranking basis
+    ``tail_shift_in_baseline_std``: increase of the fast EMA over the warm-up baseline in
+    baseline standard deviations (log units for ``tail_ratio``). Activations only:
+    output-gradient tails follow the per-example losses (as easy examples are fitted,
+    a few hard ones carry the whole gradient), which the report cannot tell from a
+    fault. Noise floor: notable when warm-up is complete,
+    the increase exceeds 6 baseline standard deviations and it is large in absolute
+    terms (excess kurtosis up by at least 3, or tail ratio up by at least 1.5x).
+    """
+
+    category = "heavy_tail_growth"
+    metrics = ("excess_kurtosis", "tail_ratio")
+    signals = (ACTIVATION,)
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        shift = tracker.shift
+        evidence: dict[str, object] = {}
+        if shift <= 0:
+            return None
+        z = shift / tracker.baseline_std
+        large = shift >= (math.log(1.5) if metric == "tail_ratio" else 3.0)
+        change = tracker.strongest_change
+        evidence.update(
+            {
+                "baseline": tracker.level(tracker.baseline_mean),
+                "fast_ema": tracker.level(tracker.ema_fast),
+                "increase_over_baseline": shift,
+                "shift_in_baseline_std": z,
+                "cusum_peak": tracker.cusum_peak,
+                **_step_evidence(change, tracker),
+            }
+        )
+        notable = tracker.warmup_complete and z >= SHIFT_Z_NOTABLE and large
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=z,
+            basis="tail_shift_in_baseline_std",
+            notable=notable,
+            direction=1,
+            onset=change.alarm_sample if notable and change is not None else None,
+            position=position,
+            evidence=evidence,
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        return (
+            f"{_where(c)} grew from {_span(c)}: the largest elements moved away from the "
+            f"bulk ({format_value(c.score)} baseline standard deviations above warm-up)."
+        )
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        return _keep_fixed(
+            f"Log which channels or positions hold {module}'s largest "
+            f"{c.series.signal} values at the latest samples; then try a normalization "
+            f"or clipping change at {module} only."
+        )
+
+
+class NonFinite(Rule):
+    """``non_finite``: NaN or infinity appeared in a tensor.
+
+    Metric ``nonfinite_fraction``. Every series with a non-finite value is a candidate
+    and notable (there is no noise floor for NaN). Ranking basis
+    ``first_nonfinite_sample``, as its negative (earlier ranks first); within one sample
+    the earliest module in forward order for activations (the latest for gradients) is
+    the origin and the rest are its echoes.
+    """
+
+    category = "non_finite"
+    metrics = ("nonfinite_fraction",)
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        first = tracker.first_nonzero
+        if first is None:
+            return None
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=-float(first.sample),
+            basis="negative_first_nonfinite_sample",
+            notable=True,
+            direction=1,
+            onset=first.sample,
+            position=position,
+            evidence={
+                "first_nonfinite_sample": first.sample,
+                "first_nonfinite_fraction": first.value,
+                "samples_with_nonfinite": tracker.nonzero_count,
+                "samples_observed": tracker.count,
+                "latest_nonfinite_fraction": tracker.latest.value if tracker.latest else None,
+            },
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        t = c.tracker
+        first = t.first_nonzero
+        assert first is not None and t.latest is not None
+        recovered = t.latest.value == 0
+        return (
+            f"{_where(c)}: non-finite values first appeared at sample {first.sample} "
+            f"({format_value(first.value * 100)}% of elements) and were present in "
+            f"{t.nonzero_count} of {t.count} samples"
+            + ("; the latest sample is finite again." if recovered else ".")
+        )
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        first = c.tracker.first_nonzero
+        sample = first.sample if first is not None else "?"
+        return _keep_fixed(
+            f"Replay the batch of sample {sample} and check {module}'s inputs, weights "
+            f"and any division, log, sqrt or exp in its forward; "
+            f"torch.autograd.detect_anomaly around that step names the failing op."
+        )
+
+
+class ZeroFractionGrowth(Rule):
+    """``zero_fraction_growth``: more exact zeros than during warm-up (dying units).
+
+    Ranking basis ``zero_fraction_increase`` (fast EMA minus baseline, a fraction).
+    Candidates: increases of at least 0.01. Noise floor: notable when warm-up is
+    complete, the increase is at least 0.1 and at least 6 baseline standard deviations
+    (floor 0.005). The root's output gradient (the loss gradient) is not a candidate.
+    """
+
+    category = "zero_fraction_growth"
+    metrics = ("zero_fraction",)
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        shift = tracker.shift
+        if shift < 0.01 or (series.signal == GRAD_OUTPUT and series.module == ""):
+            return None
+        notable = tracker.warmup_complete and shift >= 0.1 and tracker.shift_z >= SHIFT_Z_NOTABLE
+        change = tracker.strongest_change
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=shift,
+            basis="zero_fraction_increase",
+            notable=notable,
+            direction=1,
+            onset=change.alarm_sample if notable and change is not None else None,
+            position=position,
+            evidence={
+                "baseline": tracker.baseline_mean,
+                "fast_ema": tracker.ema_fast,
+                "shift_in_baseline_std": tracker.shift_z,
+                **_step_evidence(change, tracker),
+            },
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        t = c.tracker
+        return (
+            f"{_where(c)} rose from {_span(c)}: {format_value(t.shift * 100)} percentage "
+            f"points more exact zeros than during warm-up."
+        )
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        return _keep_fixed(
+            f"Look for dying units feeding {module}: compare the preceding layer's bias "
+            f"and input scale with the baseline, and rerun with a lower learning rate "
+            f"or a leaky activation at this module only."
+        )
+
+
+class RegimeChange(Rule):
+    """``regime_change``: an abrupt, persistent level shift found by CUSUM.
+
+    Two-sided CUSUM on the RMS (``rms_to_root`` for output gradients), in standard
+    deviations of the current segment, with allowance k and threshold h from
+    :class:`~torchinstruments.TrackConfig` (Page 1954; k = 0.5, h = 5 by default); the
+    detector re-arms after each alarm. Ranking basis ``largest_step_in_std_before``:
+    the largest step's size in standard deviations of the segment before it. Noise
+    floor: notable when that step is at least 1.5x and 8 standard deviations.
+    """
+
+    category = "regime_change"
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        judged = _basis_tracker(series, tracker)
+        change = judged.strongest_change if judged is not None else None
+        if judged is None or change is None:
+            return None
+        notable = (
+            judged.warmup_complete
+            and abs(change.step) >= math.log(1.5)
+            and abs(change.step_z) >= 8.0
+        )
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=abs(change.step_z),
+            basis="largest_step_in_std_before"
+            + ("_net_of_loss_gradient" if judged is not tracker else ""),
+            notable=notable,
+            direction=1 if change.step > 0 else -1,
+            onset=change.alarm_sample,
+            position=position,
+            evidence={"level_changes": judged.change_count, **_step_evidence(change, judged)},
+            basis_tracker=judged,
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        t = c.judged
+        change = t.strongest_change
+        assert change is not None
+        return (
+            f"{_where(c)}{_net(c.series)} changed level "
+            f"{'upwards' if c.direction > 0 else 'downwards'} from sample {change.start_sample} "
+            f"(CUSUM alarm at sample {change.alarm_sample}): from "
+            f"{format_value(t.level(change.level_before))} to "
+            f"{format_value(t.level(change.level_after))}, "
+            f"{format_value(abs(change.step_z))} standard deviations of the level before."
+        )
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        change = c.judged.strongest_change
+        sample = change.start_sample if change is not None else "?"
+        return _keep_fixed(
+            f"Find what changed near sample {sample} (a schedule step, a data shard, a "
+            f"code path, a module switched); rerun to just past it and compare {module} "
+            f"before and after."
+        )
+
+
+class RelativeVolatility(Rule):
+    """``relative_volatility``: sample-to-sample changes grew relative to warm-up.
+
+    On the RMS (``rms_to_root`` for output gradients; the root's own output gradient is
+    not a candidate). Ranking basis ``volatility_ratio``: EMA volatility of log changes
+    divided by the warm-up volatility (floored at 0.05). Noise floor: notable when
+    warm-up is complete, the ratio is at least 4 and the volatility at least 0.25 (about
+    28% per sample).
+    """
+
+    category = "relative_volatility"
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        judged = _basis_tracker(series, tracker)
+        if judged is None or not judged.warmup_complete:
+            return None
+        reference = max(judged.baseline_volatility, 0.05)
+        ratio = judged.volatility / reference
+        if ratio <= 1.0:
+            return None
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=ratio,
+            basis="volatility_ratio",
+            notable=ratio >= 4.0 and judged.volatility >= 0.25,
+            direction=0,
+            onset=None,
+            position=position,
+            evidence={
+                "volatility_log": judged.volatility,
+                "warmup_volatility_log": judged.baseline_volatility,
+                "flip_rate": judged.flip_rate,
+            },
+            basis_tracker=judged,
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        t = c.judged
+        return (
+            f"{_where(c)}{_net(c.series)} now changes by about "
+            f"{format_value(t.volatility * 100)}% (log) from one sample to the next, "
+            f"{format_value(c.score)}x its warm-up volatility."
+        )
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        return _keep_fixed(
+            f"Halve the learning rate (or add warm-up) and check whether {module}'s "
+            f"{c.series.signal} steadies; if not, compare batch composition at the "
+            f"volatile samples."
+        )
+
+
+class Oscillation(Rule):
+    """``oscillation``: consecutive changes alternate in sign (up, down, up, ...).
+
+    On the RMS (``rms_to_root`` for output gradients). Ranking basis ``flip_rate``: slow
+    EMA of sign flips between consecutive differences (2/3 for independent noise).
+    Candidates: flip rate above 0.77 after a warm-up's worth of differences. Noise floor:
+    notable when at least twice the warm-up length of differences were seen, the flip
+    rate is at least 0.9 and the volatility at least 0.05 (5% per sample).
+    """
+
+    category = "oscillation"
+
+    def judge(
+        self,
+        series: TensorSeries,
+        metric: str,
+        tracker: SeriesTracker,
+        position: int,
+        context: RuleContext,
+    ) -> Candidate | None:
+        judged = _basis_tracker(series, tracker)
+        if judged is None:
+            return None
+        warmup = judged.config.warmup_samples
+        if judged.diffs < warmup or judged.flip_rate <= 2.0 / 3.0 + 0.1:
+            return None
+        notable = (
+            judged.diffs >= 2 * warmup and judged.flip_rate >= 0.9 and judged.volatility >= 0.05
+        )
+        return Candidate(
+            category=self.category,
+            series=series,
+            metric=metric,
+            tracker=tracker,
+            score=judged.flip_rate,
+            basis="flip_rate",
+            notable=notable,
+            direction=0,
+            onset=None,
+            position=position,
+            evidence={
+                "sign_flips": judged.flips,
+                "differences": judged.diffs,
+                "volatility_log": judged.volatility,
+            },
+            basis_tracker=judged,
+        )
+
+    def interpretation(self, c: Candidate) -> str:
+        t = c.judged
+        return (
+            f"{_where(c)}{_net(c.series)} alternates direction from sample to sample: flip "
+            f"rate {format_value(t.flip_rate)} (2/3 is noise), {t.flips} flips in {t.diffs} "
+            f"changes."
+        )
+
+    def next_experiment(self, c: Candidate) -> str:
+        module = display_module(c.series.module)
+        return _keep_fixed(
+            f"Lower the learning rate or momentum 2-4x and check whether the alternation "
+            f"at {module} stops; alternation often means an update overshoots."
+        )
+
+
+RULES: dict[str, Rule] = {
+    rule.category: rule
+    for rule in (
+        NonFinite(),
+        ActivationScaleDrift(),
+        GradientScaleChange(),
+        HeavyTailGrowth(),
+        ZeroFractionGrowth(),
+        RegimeChange(),
+        RelativeVolatility(),
+        Oscillation(),
+    )
+}
+assert tuple(RULES) == CATEGORIES

@@ -1,0 +1,606 @@
+"""The Observer: owns the hooks and the sample context, and wires the stages.
+
+    capture (hooks) -> reduce (device vectors) -> track (host, in batches) -> find -> report
+
+Hooks call :meth:`Observer.enter_root`, :meth:`Observer.on_forward` and
+:meth:`Observer.on_grad`; each catches its own errors, counts them and returns ``None``.
+Statistics stay on the tensor's device until a flush moves a whole batch to the host.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _amp
+from .capture import (
+    MAX_TENSORS_PER_OUTPUT,
+    ForwardHook,
+    ForwardWrapper,
+    GradHook,
+    RootPostHook,
+    RootPreHook,
+    in_backward,
+    iter_output_tensors,
+)
+from .config import ReportConfig, TrackConfig
+from .reduce import STAT_WIDTH, finish_statistics, skip_reason, tensor_statistics
+from .sampling import SamplingPolicy
+from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
+from .track import SeriesTracker
+
+__all__ = ["Observer", "RankInfo"]
+
+#: Records kept on the device before a flush moves them to the host.
+MAX_PENDING_RECORDS = 4_096
+#: Index of the root among the observed modules (``select_modules`` puts it first).
+ROOT_INDEX = 0
+#: Pending-record signal carrying the GradScaler loss scale of a sample.
+_LOSS_SCALE = "loss_scale"
+#: Gradient values of these metrics are divided by the GradScaler loss scale.
+_SCALE_METRICS = ("rms", "mean_abs", "max_abs")
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where this process sits in a distributed job (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single_process"
+
+
+@dataclass(slots=True)
+class _ErrorEntry:
+    stage: str
+    module: str
+    error_type: str
+    message: str
+    count: int = 0
+    first_sample: int | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Statistics records waiting on the device, in arrival order."""
+
+    keys: list[tuple[int, int, str, str]] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    stats: list[Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class Observer:
+    """Observes one model; created by :func:`~torchinstruments.inject_observer`.
+
+    Not meant to be constructed directly. Use the handle returned by ``inject_observer``.
+    """
+
+    SKIP = 0  # inside a root forward that is not sampled (or eval / no-grad)
+    SAMPLED = 1  # inside a sampled training root forward
+    IDLE = 2  # no root forward open: direct submodule calls or recomputation
+    RECOMPUTE = 3  # inside a root forward re-run during backward (checkpointing)
+
+    def __init__(
+        self,
+        *,
+        target: nn.Module,
+        root: nn.Module,
+        modules: list[tuple[str, nn.Module]],
+        policy: SamplingPolicy,
+        report_config: ReportConfig,
+        track_config: TrackConfig,
+        capture_direct_forwards: bool,
+        rank_info: RankInfo,
+        writer: Any,
+        sinks: Iterable[Any],
+        options: dict[str, object],
+    ) -> None:
+        self.target = target
+        self.root = root
+        self.names = [name for name, _ in modules]
+        self._modules = [weakref.ref(module) for _, module in modules]
+        self.policy = policy
+        self.report_config = report_config
+        self.track_config = track_config
+        self.capture_direct_forwards = capture_direct_forwards
+        self.rank_info = rank_info
+        self.writer = writer
+        self.sinks = list(sinks)
+        self.options = options
+        self.attached = False
+
+        # Sample context (shared across threads on purpose: worker threads inside a
+        # root forward belong to that forward).
+        self.state = self.IDLE
+        self._state_stack: list[int] = []
+        self._sample = -1
+        self._calls: dict[int, int] = {}
+        self._position = 0
+        self._implicit_opener: int | None = None
+        self._implicit_backward_seen = False
+        self._no_grad_calls: dict[int, list[tuple[int, int, int]]] = {}
+        self._lock = threading.Lock()
+
+        # Pipeline state.
+        self._pending = _Pending()
+        self._in_flight: list[_InFlight] = []
+        self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
+        self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
+
+        # Counters.
+        self.forwards_seen = 0
+        self.samples_observed = 0
+        self.backward_samples_observed = 0
+        self._last_grad_samples: list[int] = []
+        self.eval_forwards_skipped = 0
+        self.recompute_calls = 0
+        self.implicit_samples = 0
+        self.repeated_gradients = 0
+        self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
+        self.series_dropped = 0
+        self.paths_dropped = 0
+        self.skipped_tensors: Counter[str] = Counter()
+        self.errors: dict[tuple[str, str, str, str], _ErrorEntry] = {}
+        self.error_count = 0
+        self.reports_written = 0
+        self.started_at = time.time()
+        self._last_write = time.monotonic()
+        self._handles: list[Any] = []
+        self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
+        self._atexit = _AtExit(self)
+
+    # ------------------------------------------------------------------ attach
+    def attach(self) -> None:
+        """Register hooks (or forward wrappers) on every selected module."""
+        root = self.root
+        for index, ref in enumerate(self._modules):
+            module = ref()
+            assert module is not None
+            is_root = module is root
+            if self.capture_direct_forwards:
+                had = "forward" in module.__dict__
+                previous = module.__dict__.get("forward")
+                original = module.forward
+                module.forward = ForwardWrapper(self, module, original, index, is_root)  # type: ignore[method-assign]
+                self._wrapped.append((ref, had, previous))
+                continue
+            if is_root:
+                self._handles.append(module.register_forward_pre_hook(RootPreHook(self)))
+                post = RootPostHook(self, index)
+                try:
+                    handle = module.register_forward_hook(post, always_call=True)
+                except TypeError:  # torch < 2.1 has no always_call
+                    handle = module.register_forward_hook(post)
+                self._handles.append(handle)
+            else:
+                self._handles.append(module.register_forward_hook(ForwardHook(self, index)))
+        self.attached = True
+        _amp.install(self)
+        atexit.register(self._atexit)
+
+    def detach(self) -> None:
+        """Remove every hook and wrapper; restore previous instance attributes."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for ref, had, previous in self._wrapped:
+            module = ref()
+            if module is None:
+                continue
+            if had:
+                module.__dict__["forward"] = previous
+            else:
+                module.__dict__.pop("forward", None)
+        self._wrapped.clear()
+        self.attached = False
+        _amp.uninstall(self)
+        self.state = self.IDLE
+        self._state_stack.clear()
+        self._no_grad_calls.clear()
+        atexit.unregister(self._atexit)
+
+    # ------------------------------------------------------------------ context
+    def enter_root(self, module: nn.Module) -> None:
+        """Open a root forward: decide once whether it is sampled."""
+        try:
+            self._state_stack.append(self.state)
+            if in_backward():
+                self.state = self.RECOMPUTE
+                self.recompute_calls += 1
+                return
+            if len(self._state_stack) > 1 and self._state_stack[-1] in (self.SAMPLED, self.SKIP):
+                return  # the root calling itself: same forward
+            if (
+                not torch.is_grad_enabled()
+                or torch.is_inference_mode_enabled()
+                or not module.training
+            ):
+                self.state = self.SKIP
+                self.eval_forwards_skipped += 1
+                return
+            self._implicit_opener = None
+            self._open_sample()
+            self.state = self.SAMPLED if self._sample_open else self.SKIP
+            self._maybe_flush()
+        except Exception as error:  # never break training
+            self.state = self.SKIP
+            self.record_error("enter_root", "", error)
+
+    def exit_root(self) -> None:
+        """Close the innermost root forward."""
+        self.state = self._state_stack.pop() if self._state_stack else self.IDLE
+
+    def _open_sample(self) -> None:
+        index = self.forwards_seen
+        self.forwards_seen += 1
+        sampled = bool(self.policy.should_sample(index))
+        self._sample_open = sampled
+        if sampled:
+            self._sample = self.samples_observed
+            self.samples_observed += 1
+            self._calls = {}
+            self._position = 0
+            self._no_grad_calls = {}
+
+    _sample_open = False
+
+    # ------------------------------------------------------------------ capture
+    def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
+        """A selected module returned ``output`` (only called when not in SKIP state)."""
+        try:
+            state = self.state
+            if state != self.SAMPLED:
+                if in_backward():
+                    self._on_recompute(index, args, output)
+                    return
+                if state != self.IDLE or not self._open_implicit(index):
+                    return
+            elif in_backward():
+                return
+            self._observe_call(index, args, output)
+        except Exception as error:  # never break training
+            self.record_error("forward", self.names[index], error)
+
+    def _open_implicit(self, index: int) -> bool:
+        """A module ran with no root forward open: group such calls into samples."""
+        module = self._modules[index]()
+        if (
+            module is None
+            or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or not module.training
+        ):
+            return False
+        if (
+            self._implicit_opener is not None
+            and not self._implicit_backward_seen
+            and index != self._implicit_opener
+        ):
+            return self._sample_open
+        self._implicit_opener = index
+        self._implicit_backward_seen = False
+        self.implicit_samples += 1
+        self._open_sample()
+        self._maybe_flush()
+        return self._sample_open
+
+    def _observe_call(self, index: int, args: tuple[object, ...], output: object) -> None:
+        calls = self._calls
+        call = calls.get(index, 0)
+        calls[index] = call + 1
+        position = self._position
+        self._position = position + 1
+        sample = self._sample
+        grad_enabled = torch.is_grad_enabled()
+        pending = self._pending
+        taken = 0
+        for path, leaf in iter_output_tensors(output):
+            reason = skip_reason(leaf)
+            if reason is not None:
+                self.skipped_tensors[reason] += 1
+                continue
+            taken += 1
+            if taken > MAX_TENSORS_PER_OUTPUT:
+                self.paths_dropped += 1
+                continue
+            assert isinstance(leaf, Tensor)
+            pending.keys.append((index, call, ACTIVATION, path))
+            pending.samples.append(sample)
+            pending.positions.append(position)
+            pending.stats.append(tensor_statistics(leaf))
+            if leaf.requires_grad:
+                if grad_enabled:
+                    leaf.register_hook(GradHook(self, (index, call, path), sample))
+            elif not grad_enabled:
+                # Under no_grad inside a training forward (reentrant checkpointing): the
+                # gradient flows through a recomputation during backward.
+                self._no_grad_calls.setdefault(index, []).append(
+                    (call, sample, _first_tensor_pointer(args))
+                )
+
+    def _on_recompute(self, index: int, args: tuple[object, ...], output: object) -> None:
+        """A forward re-run during backward: attach gradient hooks for reentrant calls."""
+        self.recompute_calls += 1
+        waiting = self._no_grad_calls.get(index)
+        if not waiting or not torch.is_grad_enabled():
+            return
+        pointer = _first_tensor_pointer(args)
+        chosen = next((item for item in waiting if item[2] == pointer and pointer), None)
+        if chosen is None:
+            chosen = waiting[-1]
+        waiting.remove(chosen)
+        call, sample, _ = chosen
+        for path, leaf in iter_output_tensors(output):
+            if isinstance(leaf, Tensor) and skip_reason(leaf) is None and leaf.requires_grad:
+                leaf.register_hook(GradHook(self, (index, call, path), sample))
+
+    def on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
+        """An output gradient arrived for a sampled tensor."""
+        try:
+            seen = self._grad_keys_seen.get(sample)
+            if seen is None:
+                seen = set()
+                self._grad_keys_seen[sample] = seen
+                if len(self._grad_keys_seen) > 8:
+                    del self._grad_keys_seen[min(self._grad_keys_seen)]
+                self.backward_samples_observed += 1
+                if self._implicit_opener is not None and sample == self._sample:
+                    self._implicit_backward_seen = True
+            elif key in seen:
+                self.repeated_gradients += 1  # retain_graph: a second backward
+                return
+            seen.add(key)
+            reason = skip_reason(grad)
+            if reason is not None:
+                self.skipped_tensors[f"grad_{reason}"] += 1
+                return
+            index, call, path = key
+            pending = self._pending
+            pending.keys.append((index, call, GRAD_OUTPUT, path))
+            pending.samples.append(sample)
+            pending.positions.append(-1)
+            pending.stats.append(tensor_statistics(grad))
+        except Exception as error:  # never break training
+            self.record_error("backward", self.names[key[0]], error)
+
+    def note_loss_scale(self, scale: Tensor) -> None:
+        """``GradScaler.scale`` ran: the next backward's gradients carry ``scale``."""
+        if not self._sample_open or self._sample < 0:
+            return
+        try:
+            row = torch.zeros(STAT_WIDTH, dtype=torch.float64, device=scale.device)
+            row[0] = scale.detach().reshape(-1)[0]
+            pending = self._pending
+            pending.keys.append((-1, 0, _LOSS_SCALE, ""))
+            pending.samples.append(self._sample)
+            pending.positions.append(-1)
+            pending.stats.append(row)
+        except Exception as error:
+            self.record_error("loss_scale", "", error)
+
+    def record_error(self, stage: str, module: str, error: BaseException) -> None:
+        """Count an error raised inside a hook; keep the first few distinct ones."""
+        self.error_count += 1
+        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        key = (stage, module, type(error).__name__, message)
+        entry = self.errors.get(key)
+        if entry is None:
+            if len(self.errors) >= max(self.report_config.max_error_entries, 1) * 4:
+                return
+            entry = _ErrorEntry(stage, module, type(error).__name__, message)
+            entry.first_sample = self._sample if self._sample >= 0 else None
+            self.errors[key] = entry
+        entry.count += 1
+
+    # ------------------------------------------------------------------ flush
+    def _maybe_flush(self) -> None:
+        if len(self._pending) >= MAX_PENDING_RECORDS:
+            self.flush_statistics(block=False)
+        if time.monotonic() - self._last_write >= self.report_config.rewrite_interval_s:
+            self.write_report(block=False)
+
+    def flush_statistics(self, *, block: bool = True) -> None:
+        """Move pending statistics to the host and update the trackers.
+
+        Each flush stacks the pending vectors per device and starts one copy to the host
+        (non-blocking into pinned memory on CUDA). With ``block=False`` (inside hooks)
+        only batches whose copy has completed are processed, so no hook waits on the
+        device; ``block=True`` waits for all of them.
+        """
+        pending = self._pending
+        if len(pending):
+            self._pending = _Pending()
+            try:
+                self._in_flight.append(_launch_transfer(pending))
+            except Exception as error:
+                self.record_error("flush", "", error)
+        while self._in_flight:
+            batch = self._in_flight[0]
+            if not block and not batch.ready():
+                break
+            self._in_flight.pop(0)
+            try:
+                self._process(batch.pending, batch.rows())
+            except Exception as error:
+                self.record_error("flush", "", error)
+
+    def _process(self, pending: _Pending, rows: list[list[float]]) -> None:
+        grad_groups: dict[int, list[tuple[tuple[int, int, str, str], dict[str, float | None]]]]
+        grad_groups = {}
+        loss_scales: dict[int, float] = {}
+        config = self.track_config
+        for key, sample, position, row in zip(
+            pending.keys, pending.samples, pending.positions, rows, strict=True
+        ):
+            if key[2] == _LOSS_SCALE:
+                if row[0] > 0 and math.isfinite(row[0]):
+                    loss_scales[sample] = row[0]
+                continue
+            values = finish_statistics(row)
+            if key[2] == GRAD_OUTPUT:
+                grad_groups.setdefault(sample, []).append((key, values))
+                continue
+            series = self._series_for(key)
+            if series is None:
+                continue
+            series.forward_position = position
+            series.update(config, sample, values)
+        for sample in sorted(grad_groups):
+            group = grad_groups[sample]
+            loss_scale = loss_scales.get(sample)
+            if loss_scale is not None:
+                self.loss_scale.update(sample, loss_scale)
+                for _, values in group:
+                    for metric in _SCALE_METRICS:
+                        value = values[metric]
+                        if value is not None:
+                            values[metric] = value / loss_scale
+            reference = next(
+                (v["rms"] for k, v in group if k[0] == ROOT_INDEX and v["rms"] is not None),
+                None,
+            )
+            for key, values in group:
+                series = self._series_for(key)
+                if series is None:
+                    continue
+                rms = values["rms"]
+                if key[0] != ROOT_INDEX and reference and rms is not None:
+                    # Net of the loss gradient: what the model between here and the
+                    # output does to the gradient (loss scale and loss size cancel).
+                    values[RMS_TO_ROOT] = rms / reference
+                series.update(config, sample, values)
+
+    def _series_for(self, key: tuple[int, int, str, str]) -> TensorSeries | None:
+        series = self.series.get(key)
+        if series is not None:
+            return series
+        if len(self.series) >= self.track_config.max_series:
+            self.series_dropped += 1
+            return None
+        index, call, signal, path = key
+        series = TensorSeries(
+            module=self.names[index],
+            call_index=call,
+            signal=signal,
+            tensor_path=path,
+            forward_position=-1,
+            trackers={},
+        )
+        self.series[key] = series
+        return series
+
+    # ------------------------------------------------------------------ report
+    def build_report(self, *, block: bool = True) -> dict[str, Any]:
+        """Flush statistics and build the report dict (JSON-safe).
+
+        ``block=False`` (inside hooks) uses only batches already on the host.
+        """
+        from .report import build_report
+
+        self.flush_statistics(block=block)
+        return build_report(self)
+
+    def write_report(self, *, block: bool = True) -> None:
+        """Build the report and hand it to the writer and sinks; never raises."""
+        self._last_write = time.monotonic()
+        try:
+            report = self.build_report(block=block)
+        except Exception as error:
+            self.record_error("report", "", error)
+            return
+        if self.writer is not None:
+            try:
+                self.writer.write(report)
+                self.reports_written += 1
+            except Exception as error:
+                self.record_error("write", "", error)
+        for sink in self.sinks:
+            try:
+                sink.write(report)
+            except Exception as error:
+                self.record_error("sink", type(sink).__name__, error)
+
+
+class _AtExit:
+    """Writes the final report at interpreter exit, holding the observer weakly."""
+
+    __slots__ = ("_observer",)
+
+    def __init__(self, observer: Observer) -> None:
+        self._observer = weakref.ref(observer)
+
+    def __call__(self) -> None:
+        observer = self._observer()
+        if observer is not None and observer.attached:
+            observer.write_report()
+
+
+def _first_tensor_pointer(args: tuple[object, ...]) -> int:
+    for arg in args:
+        if isinstance(arg, Tensor) and arg.layout == torch.strided and arg.device.type != "meta":
+            try:
+                return arg.data_ptr()
+            except Exception:
+                return 0
+    return 0
+
+
+class _InFlight:
+    """One batch of statistics on its way to the host."""
+
+    __slots__ = ("_events", "_host", "pending")
+
+    def __init__(self, pending: _Pending, host: list[tuple[list[int], Tensor]], events: list[Any]):
+        self.pending = pending
+        self._host = host
+        self._events = events
+
+    def ready(self) -> bool:
+        return all(event.query() for event in self._events)
+
+    def rows(self) -> list[list[float]]:
+        for event in self._events:
+            event.synchronize()
+        rows: list[list[float]] = [[] for _ in range(len(self.pending))]
+        for positions, host in self._host:
+            for i, row in zip(positions, host.tolist(), strict=True):
+                rows[i] = row
+        return rows
+
+
+def _launch_transfer(pending: _Pending) -> _InFlight:
+    """Stack the pending vectors per device and start one host copy per device."""
+    stats = pending.stats
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(stats):
+        by_device.setdefault(tensor.device, []).append(i)
+    host: list[tuple[list[int], Tensor]] = []
+    events: list[Any] = []
+    for device, positions in by_device.items():
+        stacked = torch.stack([stats[i] for i in positions])
+        if device.type == "cuda":
+            buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            buffer.copy_(stacked, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+            host.append((positions, buffer))
+        else:
+            host.append((positions, stacked.cpu()))
+    pending.stats = []  # the device vectors are no longer needed
+    return _InFlight(pending, host, events)

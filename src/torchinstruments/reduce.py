@@ -1,0 +1,188 @@
+"""Per-tensor reductions: a few fused scalar statistics, computed on the tensor's device.
+
+``tensor_statistics`` turns one floating tensor of any shape, dtype and size into a short
+float64 vector of partial sums (layout below) without leaving the device; the host turns
+batches of such vectors into metrics with ``finish_statistics``. Raw tensors are never kept.
+
+Numerics. Values are divided by the tensor's largest finite magnitude before any power is
+taken, and accumulated in float32 (float64 inputs are divided in float64 first), so sums
+of squares and fourth powers neither overflow (bfloat16 near its maximum, float64 beyond
+float32's range) nor underflow (gradients of 1e-12). Non-finite elements are counted and
+excluded from every scale metric.
+
+Statistics vector layout (``STAT_WIDTH`` float64 values):
+
+====  =================  ==========================================================
+idx   name               meaning
+====  =================  ==========================================================
+0     numel              number of elements
+1     finite             number of finite elements
+2     zeros              number of elements exactly equal to zero
+3     max_abs            largest finite magnitude ``m``
+4     sum_scaled         sum of ``x / m`` over finite elements
+5     sum_abs_scaled     sum of ``|x| / m``
+6     sum_sq_scaled      sum of ``(x / m)^2``
+7     central2_scaled    sum of ``(x / m - mean)^2``
+8     central4_scaled    sum of ``(x / m - mean)^4``
+====  =================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "METRICS",
+    "STAT_WIDTH",
+    "finish_statistics",
+    "is_reducible",
+    "skip_reason",
+    "tensor_statistics",
+]
+
+STAT_WIDTH = 9
+
+#: Metric names produced by :func:`finish_statistics`, in a fixed order.
+METRICS: tuple[str, ...] = (
+    "rms",
+    "mean_abs",
+    "max_abs",
+    "tail_ratio",
+    "excess_kurtosis",
+    "zero_fraction",
+    "nonfinite_fraction",
+)
+
+
+def skip_reason(value: object) -> str | None:
+    """Return why a tensor cannot be reduced (``"integer"``, ``"sparse"``, ...), or None.
+
+    Floating and complex dense tensors with at least one element are reducible.
+    """
+    if not isinstance(value, Tensor):
+        return "not_a_tensor"
+    if value.layout != torch.strided:
+        return "sparse"
+    if value.device.type == "meta":
+        return "meta"
+    if not (value.is_floating_point() or value.is_complex()):
+        return "non_floating"
+    if value.numel() == 0:
+        return "empty"
+    return None
+
+
+def is_reducible(value: object) -> bool:
+    """True if :func:`tensor_statistics` accepts ``value``."""
+    return skip_reason(value) is None
+
+
+@torch.no_grad()
+def tensor_statistics(x: Tensor) -> Tensor:
+    """Reduce one tensor to its statistics vector, on its own device.
+
+    Args:
+        x: a dense floating or complex tensor of any shape with at least one element;
+            complex tensors are reduced by magnitude. It is not modified and not kept.
+
+    Returns:
+        A float64 tensor of shape ``(STAT_WIDTH,)`` on ``x.device`` (layout in the module
+        docstring). No host synchronisation happens on CUDA.
+
+    Raises:
+        ValueError: ``x`` is not reducible (see :func:`skip_reason`).
+    """
+    reason = skip_reason(x)
+    if reason is not None:
+        raise ValueError(f"tensor_statistics: x must be a dense floating tensor, got {reason}")
+    x = x.detach()
+    if x.is_complex():
+        x = x.abs()
+    numel = x.numel()
+    on_cpu = x.device.type == "cpu"
+    low, high = torch.aminmax(x)
+    masked = True
+    if on_cpu:
+        # On the CPU reading two scalars costs nothing; take the cheap path when all
+        # values are finite (a non-finite value makes the extremes non-finite).
+        masked = not (math.isfinite(float(low)) and math.isfinite(float(high)))
+    if masked:
+        finite_mask = torch.isfinite(x)
+        finite = finite_mask.sum()
+        x = torch.where(finite_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        low, high = torch.aminmax(x)
+    else:
+        finite = torch.tensor(numel, device=x.device)
+    max_abs = torch.maximum(low.abs(), high.abs())
+    divisor = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    if x.dtype == torch.float64:
+        scaled = (x / divisor).to(torch.float32).reshape(-1)
+    else:
+        scaled = x.to(torch.float32, copy=True).reshape(-1)
+        scaled.div_(divisor.to(torch.float32))
+    nonzero = torch.count_nonzero(x)
+    sum_scaled = scaled.sum()
+    sum_abs = torch.linalg.vector_norm(scaled, 1)
+    sum_sq = torch.dot(scaled, scaled)
+    finite32 = finite.to(torch.float32)
+    mean = sum_scaled / finite32.clamp_min(1.0)
+    scaled.sub_(mean)
+    # Masked positions were set to zero; remove their (0 - mean) contributions.
+    padded = numel - finite32
+    central2 = torch.dot(scaled, scaled) - padded * mean * mean
+    scaled.square_()
+    central4 = torch.dot(scaled, scaled) - padded * mean.pow(4)
+    zeros = (numel - nonzero) - (numel - finite)
+    parts = (
+        torch.tensor(float(numel), dtype=torch.float64, device=x.device),
+        finite.to(torch.float64),
+        zeros.to(torch.float64),
+        max_abs.to(torch.float64),
+        sum_scaled.to(torch.float64),
+        sum_abs.to(torch.float64),
+        sum_sq.to(torch.float64),
+        central2.clamp_min(0.0).to(torch.float64),
+        central4.clamp_min(0.0).to(torch.float64),
+    )
+    return torch.stack(parts)
+
+
+def finish_statistics(row: Sequence[float]) -> dict[str, float | None]:
+    """Turn one statistics vector (already on the host) into metric values.
+
+    Args:
+        row: ``STAT_WIDTH`` floats, as returned by :func:`tensor_statistics`.
+
+    Returns:
+        A dict over :data:`METRICS`. A value is ``None`` where the metric does not exist:
+        scale metrics when no element is finite, ``tail_ratio`` when the RMS is zero,
+        ``excess_kurtosis`` with fewer than 4 finite elements or zero variance.
+
+        * ``rms`` = sqrt(mean(x^2)) over finite elements;
+        * ``mean_abs`` = mean(|x|); ``max_abs`` = max(|x|);
+        * ``tail_ratio`` = max_abs / rms (1 for a constant tensor, sqrt(n) at most);
+        * ``excess_kurtosis`` = m4 / m2^2 - 3 with central moments m2, m4 (0 for a
+          Gaussian, -1.2 for a uniform distribution; Pearson's definition);
+        * ``zero_fraction`` = exact zeros / finite elements;
+        * ``nonfinite_fraction`` = (NaN + inf elements) / all elements.
+    """
+    numel, finite, zeros, max_abs, _s1, s_abs, s2, c2, c4 = (float(v) for v in row)
+    values: dict[str, float | None] = dict.fromkeys(METRICS)
+    values["nonfinite_fraction"] = (numel - finite) / numel if numel > 0 else None
+    if finite <= 0:
+        return values
+    rms = max_abs * math.sqrt(max(s2, 0.0) / finite)
+    values["rms"] = rms
+    values["mean_abs"] = max_abs * s_abs / finite
+    values["max_abs"] = max_abs
+    values["tail_ratio"] = max_abs / rms if rms > 0 else None
+    m2 = c2 / finite
+    # In units of max_abs^2: below 1e-10 the variance is float32 rounding of a constant.
+    if finite >= 4 and m2 > 1e-10:
+        values["excess_kurtosis"] = (c4 / finite) / (m2 * m2) - 3.0
+    values["zero_fraction"] = zeros / finite
+    return values

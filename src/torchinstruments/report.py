@@ -1,0 +1,555 @@
+"""⑤ report: a byte-bounded, deterministic report dict, its JSON bytes and its Markdown.
+
+Findings are taken round-robin across categories (rank 1 of each category, then rank 2,
+...), at most ``top_k_per_category`` each; the longest prefix of that order whose exact
+indented UTF-8 JSON fits ``max_bytes`` is kept, and what was left out is counted per
+category. The same run gives the same report but for ``generated_at`` and ``run.elapsed_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .find import CATEGORIES, RULES, Candidate, display_module, format_value, run_rules
+from .series import GRAD_OUTPUT
+
+if TYPE_CHECKING:
+    from .observer import Observer
+
+__all__ = ["LLM_PROMPT", "SCHEMA", "build_report", "dumps_report", "render_markdown"]
+
+SCHEMA = "torchinstruments.report/1"
+#: Points of series history carried by each finding.
+HISTORY_POINTS_PER_FINDING = 12
+
+LLM_PROMPT = """\
+You are analysing passive telemetry from one PyTorch training run (torchinstruments).
+The report lists, per category, the internal signals that moved most: module activations
+("activation") and gradients of the loss with respect to module outputs ("grad_output").
+
+Rules for your answer:
+1. Cite every claim with category, module, call index, signal, tensor path, metric and
+   the values (first, latest, min, max with their sample indices) from the report.
+2. Separate measurement (what the numbers show) from mechanism (why it might happen);
+   label mechanisms as hypotheses.
+3. Treat findings with "warmup_complete": false, or "notable": false, as weak evidence.
+4. A finding's "evidence.echoes" are modules that changed at the same samples downstream
+   (activations) or upstream (gradients) of it: prefer the finding itself as the origin.
+5. Do not infer anything about losses, labels, optimizer updates, inputs or parameter
+   gradients: they are not observed. Samples are sampled forwards, not optimizer steps.
+6. End with the single narrowest next experiment (one change, same seed, data order and
+   precision) that would confirm or refute your leading hypothesis.
+"""
+
+
+def _round(value: float) -> float | dict[str, object]:
+    if not math.isfinite(value):
+        return {"value": None, "reason": f"not finite ({value})"}
+    return float(f"{value:.6g}")
+
+
+def _clean(obj: object) -> Any:
+    """JSON-safe copy: floats rounded to 6 significant digits, no NaN or infinity."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
+        return obj
+    if isinstance(obj, float):
+        return _round(obj)
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return str(obj)
+
+
+def _point(point: object) -> dict[str, object]:
+    assert point is not None
+    return {"sample": point.sample, "value": point.value}  # type: ignore[attr-defined]
+
+
+def _finding(c: Candidate, rank: int, max_echoes: int) -> dict[str, Any]:
+    s, t = c.series, c.tracker
+    rule = RULES[c.category]
+    evidence = {k: v for k, v in c.evidence.items() if v is not None}
+    if c.echoes:
+        evidence["echoes"] = [
+            {
+                "module": display_module(e.series.module),
+                "call_index": e.series.call_index,
+                "tensor_path": e.series.tensor_path,
+                "metric": e.metric,
+                "ranking_value": e.score,
+            }
+            for e in c.echoes[:max_echoes]
+        ]
+        if len(c.echoes) > max_echoes:
+            evidence["echoes_omitted"] = len(c.echoes) - max_echoes
+    history = t.history()
+    if len(history) > HISTORY_POINTS_PER_FINDING:
+        step = (len(history) - 1) / (HISTORY_POINTS_PER_FINDING - 1)
+        history = [history[round(i * step)] for i in range(HISTORY_POINTS_PER_FINDING)]
+    return {
+        "category": c.category,
+        "rank": rank,
+        "notable": c.notable,
+        "module": display_module(s.module),
+        "call_index": s.call_index,
+        "signal": s.signal,
+        "tensor_path": s.tensor_path,
+        "metric": c.metric,
+        "observations": t.count,
+        "first": _point(t.first),
+        "latest": _point(t.latest),
+        "min": _point(t.min),
+        "max": _point(t.max),
+        "warmup_complete": t.warmup_complete,
+        "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
+        "evidence": evidence,
+        "interpretation": rule.interpretation(c),
+        "next_experiment": rule.next_experiment(c),
+        "history": [[sample, value] for sample, value in history],
+    }
+
+
+#: Least factor of a step in the loss gradient reported as a model-wide event.
+MODEL_WIDE_FACTOR = 4.0
+
+
+def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
+    """``<all>`` findings: what rescaled every output gradient at once.
+
+    Two sources: the ``torch.amp.GradScaler`` loss scale, known exactly and divided out
+    of every output-gradient value (not notable: scaling is expected); and an abrupt step
+    of at least ``MODEL_WIDE_FACTOR`` (4x) and 6 standard deviations in the loss gradient
+    (the root output's gradient RMS), such as a changed loss reduction or accumulation
+    factor (notable). Module findings are measured net of both.
+    """
+    findings: list[dict[str, Any]] = []
+    scale = observer.loss_scale
+    if scale.count and scale.first and scale.latest and scale.min and scale.max:
+        findings.append(
+            {
+                **_model_wide_header(),
+                "notable": False,
+                "metric": "loss_scale",
+                "observations": scale.count,
+                "first": _point(scale.first),
+                "latest": _point(scale.latest),
+                "min": _point(scale.min),
+                "max": _point(scale.max),
+                "warmup_complete": scale.warmup_complete,
+                "ranking": {
+                    "basis": "abs_log_loss_scale_range",
+                    "value": math.log(scale.max.value / scale.min.value),
+                },
+                "evidence": {"level_changes": scale.change_count},
+                "interpretation": (
+                    f"torch.amp.GradScaler scaled the loss by {format_value(scale.first.value)} at "
+                    f"sample {scale.first.sample} and by {format_value(scale.latest.value)} at "
+                    f"sample {scale.latest.sample} (between {format_value(scale.min.value)} and "
+                    f"{format_value(scale.max.value)}). Every output-gradient value in this "
+                    f"report is divided by the scale of its own sample."
+                ),
+                "next_experiment": (
+                    "None needed for the scaling itself; if the scale keeps falling, look for "
+                    "the non_finite findings that make the scaler back off."
+                ),
+            }
+        )
+    roots = sorted(
+        (s for s in observer.series.values() if s.module == "" and s.signal == GRAD_OUTPUT),
+        key=lambda s: (s.call_index, s.tensor_path),
+    )
+    tracker = roots[0].trackers.get("rms") if roots else None
+    change = tracker.strongest_change if tracker is not None else None
+    if (
+        tracker is not None
+        and change is not None
+        and abs(change.step) >= math.log(MODEL_WIDE_FACTOR)
+        and abs(change.step_z) >= 6.0
+        and tracker.first
+        and tracker.latest
+        and tracker.min
+        and tracker.max
+    ):
+        factor = math.exp(change.step)
+        findings.append(
+            {
+                **_model_wide_header(),
+                "notable": True,
+                "metric": "rms",
+                "observations": tracker.count,
+                "first": _point(tracker.first),
+                "latest": _point(tracker.latest),
+                "min": _point(tracker.min),
+                "max": _point(tracker.max),
+                "warmup_complete": tracker.warmup_complete,
+                "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
+                "evidence": {
+                    "factor": factor,
+                    "step_start_sample": change.start_sample,
+                    "step_alarm_sample": change.alarm_sample,
+                    "step_in_std_before": change.step_z,
+                },
+                "interpretation": (
+                    f"The loss gradient (the root output's gradient RMS) and with it every "
+                    f"output gradient changed by {format_value(factor)}x from sample "
+                    f"{change.start_sample}. A changed loss reduction or weighting, a changed "
+                    f"accumulation factor or unscaled loss scaling do this. Module findings "
+                    f"are measured net of it."
+                ),
+                "next_experiment": (
+                    f"Check the loss computation around sample {change.start_sample}: its "
+                    f"reduction, weighting and any division by the accumulation count."
+                ),
+            }
+        )
+    return findings
+
+
+def _model_wide_header() -> dict[str, Any]:
+    return {
+        "category": "gradient_scale_change",
+        "rank": 0,
+        "module": "<all>",
+        "call_index": None,
+        "signal": "grad_output",
+        "tensor_path": None,
+        "not_applicable": "call_index and tensor_path: a model-wide event has neither",
+    }
+
+
+def _module_count(observer: Observer) -> int:
+    return len({s.module for s in observer.series.values()})
+
+
+def _limits_hit(observer: Observer, omitted_bytes: int, omitted_top_k: int) -> list[str]:
+    limits = []
+    if omitted_bytes:
+        limits.append("max_bytes")
+    if omitted_top_k:
+        limits.append("top_k_per_category")
+    if observer.series_dropped:
+        limits.append("max_series")
+    if observer.paths_dropped:
+        limits.append("max_tensors_per_output")
+    if len(observer.errors) > observer.report_config.max_error_entries:
+        limits.append("max_error_entries")
+    return limits
+
+
+def build_report(observer: Observer) -> dict[str, Any]:
+    """Build the bounded report of an observer (call after flushing statistics).
+
+    Returns:
+        A JSON-safe dict whose :func:`dumps_report` bytes are at most
+        ``observer.report_config.max_bytes`` long.
+    """
+    config = observer.report_config
+    ranked = run_rules(observer.series.values())
+    per_category: dict[str, list[dict[str, Any]]] = {}
+    notable_counts: dict[str, int] = {}
+    candidate_counts: dict[str, int] = {}
+    for category in CATEGORIES:
+        candidates = ranked[category]
+        items: list[dict[str, Any]] = []
+        offset = 0
+        if category == "gradient_scale_change":
+            for model_wide in _model_wide_findings(observer):
+                offset += 1
+                items.append({**model_wide, "rank": offset})
+        for position, candidate in enumerate(candidates[: config.top_k_per_category - offset]):
+            items.append(_finding(candidate, position + 1 + offset, config.max_echo_modules))
+        per_category[category] = items
+        candidate_counts[category] = len(candidates) + offset
+        notable_counts[category] = sum(1 for c in candidates if c.notable) + sum(
+            1 for item in items[:offset] if item["notable"]
+        )
+    order: list[dict[str, Any]] = []
+    depth = max((len(v) for v in per_category.values()), default=0)
+    for level in range(depth):
+        for category in CATEGORIES:
+            if level < len(per_category[category]):
+                order.append(per_category[category][level])
+    first_non_finite = _first_non_finite(ranked["non_finite"])
+
+    def assemble(kept: int) -> dict[str, Any]:
+        findings = order[:kept]
+        returned = {c: 0 for c in CATEGORIES}
+        for finding in findings:
+            returned[finding["category"]] += 1
+        omitted = {
+            c: {
+                "by_top_k": candidate_counts[c] - len(per_category[c]),
+                "by_bytes": len(per_category[c]) - returned[c],
+            }
+            for c in CATEGORIES
+        }
+        omitted_bytes = sum(v["by_bytes"] for v in omitted.values())
+        omitted_top_k = sum(v["by_top_k"] for v in omitted.values())
+        notable_returned = sum(1 for f in findings if f["notable"])
+        return _clean(
+            {
+                "schema": SCHEMA,
+                "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "run": _run_section(observer),
+                "config": _config_section(observer),
+                "summary": {
+                    "notable_findings": sum(notable_counts.values()),
+                    "notable_findings_returned": notable_returned,
+                    "headline": _headline(findings, sum(notable_counts.values())),
+                    "first_non_finite": first_non_finite,
+                },
+                "coverage": {
+                    "modules_selected": len(observer.names),
+                    "modules_observed": _module_count(observer),
+                    "tensor_paths_observed": len(
+                        {(s.module, s.call_index, s.tensor_path) for s in observer.series.values()}
+                    ),
+                    "tensor_series": len(observer.series),
+                    "series": sum(len(s.trackers) for s in observer.series.values()),
+                    "histograms": 0,
+                    "forwards_seen": observer.forwards_seen,
+                    "samples_observed": observer.samples_observed,
+                    "backward_samples_observed": observer.backward_samples_observed,
+                    "eval_forwards_skipped": observer.eval_forwards_skipped,
+                    "recompute_calls_ignored": observer.recompute_calls,
+                    "direct_call_samples": observer.implicit_samples,
+                    "repeated_backward_gradients": observer.repeated_gradients,
+                    "loss_scaled_samples": observer.loss_scale.count,
+                    "tensors_skipped": dict(sorted(observer.skipped_tensors.items())),
+                    "series_dropped": observer.series_dropped,
+                    "paths_dropped": observer.paths_dropped,
+                    "candidates": candidate_counts,
+                    "notable": notable_counts,
+                    "findings_returned": returned,
+                    "findings_omitted": omitted,
+                    "errors_total": observer.error_count,
+                    "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k),
+                },
+                "findings": findings,
+                "errors": _errors_section(observer),
+            }
+        )
+
+    limit = config.max_bytes
+    low, high = 0, len(order)
+    best = assemble(high)
+    if len(dumps_report(best)) <= limit:
+        return best
+    # Binary search for the longest round-robin prefix that fits.
+    best = assemble(0)
+    while low < high:
+        middle = (low + high + 1) // 2
+        candidate = assemble(middle)
+        if len(dumps_report(candidate)) <= limit:
+            low, best = middle, candidate
+        else:
+            high = middle - 1
+    return best
+
+
+def _first_non_finite(candidates: Sequence[Candidate]) -> dict[str, object] | None:
+    activations = [c for c in candidates if c.series.signal != GRAD_OUTPUT]
+    chosen = activations[0] if activations else (candidates[0] if candidates else None)
+    if chosen is None or chosen.tracker.first_nonzero is None:
+        return None
+    s = chosen.series
+    return {
+        "sample": chosen.tracker.first_nonzero.sample,
+        "module": display_module(s.module),
+        "call_index": s.call_index,
+        "signal": s.signal,
+        "tensor_path": s.tensor_path,
+        "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
+    }
+
+
+def _headline(findings: Sequence[dict[str, Any]], notable: int) -> str:
+    if notable == 0:
+        return "No finding stands out: every ranked series stays within its noise floor."
+    top = next(f for f in findings if f["notable"]) if any(f["notable"] for f in findings) else None
+    if top is None:
+        return f"{notable} notable finding(s); none fit within the byte limit."
+    return (
+        f"{notable} notable finding(s); strongest in {top['category']}: {top['module']} "
+        f"(call {top['call_index']}, {top['signal']}.{top['metric']})."
+    )
+
+
+def _run_section(observer: Observer) -> dict[str, Any]:
+    from . import __version__
+
+    info = observer.rank_info
+    return {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "local_rank": info.local_rank,
+        "rank_source": info.source,
+        "samples_seen": observer.samples_observed,
+        "forwards_seen": observer.forwards_seen,
+        "started_at": datetime.fromtimestamp(observer.started_at, UTC).isoformat(
+            timespec="seconds"
+        ),
+        "elapsed_s": round(time.time() - observer.started_at, 3),
+        "versions": {
+            "torchinstruments": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    }
+
+
+def _config_section(observer: Observer) -> dict[str, Any]:
+    return {
+        "sampling": observer.policy.describe(),
+        "report": dataclasses.asdict(observer.report_config),
+        "track": dataclasses.asdict(observer.track_config),
+        "capture_direct_forwards": observer.capture_direct_forwards,
+        **observer.options,
+    }
+
+
+def _errors_section(observer: Observer) -> list[dict[str, Any]]:
+    entries = sorted(observer.errors.values(), key=lambda e: (-e.count, e.stage, e.module))
+    return [
+        {
+            "stage": e.stage,
+            "module": display_module(e.module) if e.stage in ("forward", "backward") else e.module,
+            "error_type": e.error_type,
+            "message": e.message,
+            "count": e.count,
+            "first_sample": e.first_sample,
+        }
+        for e in entries[: observer.report_config.max_error_entries]
+    ]
+
+
+def dumps_report(report: dict[str, Any]) -> bytes:
+    """The exact bytes written to ``report.json``: indented (2), UTF-8, no NaN."""
+    return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def _markdown_finding(f: dict[str, Any]) -> list[str]:
+    title = f["category"].replace("_", " ").capitalize()
+    call = "" if f.get("call_index") is None else f", call {f['call_index']}"
+    path = f" ({f['tensor_path']})" if f.get("tensor_path") else ""
+    lines = [
+        f"### {title} #{f['rank']}: `{f['module']}`{call}, {f['signal']}.{f['metric']}{path}",
+        "",
+        f["interpretation"],
+        "",
+    ]
+    ranking = f.get("ranking", {})
+    warm = "complete" if f.get("warmup_complete") else "NOT complete (weak evidence)"
+    lines.append(
+        f"- Ranked by `{ranking.get('basis')}` = {ranking.get('value')}; warm-up {warm}; "
+        f"{f.get('observations')} observations."
+    )
+    echoes = f.get("evidence", {}).get("echoes")
+    if echoes:
+        names = ", ".join(f"`{e['module']}`" for e in echoes)
+        lines.append(f"- Echoes at the same samples (not listed separately): {names}.")
+    lines.append(f"- Next experiment: {f['next_experiment']}")
+    lines.append("")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Render a report dict as ``index.md`` for people, with the LLM prompt."""
+    run, coverage, summary = report["run"], report["coverage"], report["summary"]
+    findings = report["findings"]
+    lines = [
+        "# torchinstruments report",
+        "",
+        f"Rank {run['rank']} of {run['world_size']}; {run['forwards_seen']} training root "
+        f"forwards, {run['samples_seen']} sampled ({coverage['backward_samples_observed']} "
+        f"with a backward); generated {report['generated_at']}.",
+        "",
+        "## Summary",
+        "",
+        summary["headline"],
+        "",
+    ]
+    if summary.get("first_non_finite"):
+        first = summary["first_non_finite"]
+        lines += [
+            f"First non-finite value: sample {first['sample']}, `{first['module']}` call "
+            f"{first['call_index']}, {first['signal']} {first['tensor_path']}"
+            + (" (the run recovered)." if first.get("recovered") else "."),
+            "",
+        ]
+    notable = [f for f in findings if f["notable"]]
+    if notable:
+        lines += ["## Notable findings", ""]
+        shown: dict[str, int] = {}
+        for f in notable:
+            if shown.get(f["category"], 0) >= 3:
+                continue
+            shown[f["category"]] = shown.get(f["category"], 0) + 1
+            lines += _markdown_finding(f)
+    others = [f for f in findings if not f["notable"]]
+    if others:
+        lines += [
+            "## Other ranked series (below their noise floor)",
+            "",
+            "| category | rank | module | call | signal.metric | path | first | latest |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        shown = {}
+        for f in others:
+            if shown.get(f["category"], 0) >= 3:
+                continue
+            shown[f["category"]] = shown.get(f["category"], 0) + 1
+            lines.append(
+                f"| {f['category']} | {f['rank']} | `{f['module']}` | {f.get('call_index', '')} "
+                f"| {f['signal']}.{f['metric']} | {f.get('tensor_path', '')} "
+                f"| {f['first']['value']} @{f['first']['sample']} "
+                f"| {f['latest']['value']} @{f['latest']['sample']} |"
+            )
+        lines.append("")
+    lines += [
+        "## Coverage and limits",
+        "",
+        f"- Modules observed: {coverage['modules_observed']} of {coverage['modules_selected']} "
+        f"selected; tensor paths: {coverage['tensor_paths_observed']}; series: "
+        f"{coverage['series']}.",
+        f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
+        f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
+        f"- Tensors skipped: {coverage['tensors_skipped'] or 'none'}.",
+        f"- Findings returned: {sum(coverage['findings_returned'].values())}; limits that "
+        f"removed evidence: {', '.join(coverage['limits_hit']) or 'none'}.",
+        f"- Hook errors: {coverage['errors_total']}.",
+        "",
+    ]
+    if report["errors"]:
+        lines += ["## Errors caught in hooks", ""]
+        for e in report["errors"]:
+            lines.append(
+                f"- {e['stage']} `{e['module']}`: {e['error_type']}: {e['message']} ({e['count']}x)"
+            )
+        lines.append("")
+    lines += [
+        "## What is not measured",
+        "",
+        "Losses, labels, inputs, parameters, parameter gradients and optimizer updates are "
+        "not observed; a sample is a sampled forward, not an optimizer step.",
+        "",
+        "## Prompt for an LLM",
+        "",
+        "Send `report.json` with this prompt:",
+        "",
+        "```text",
+        LLM_PROMPT.rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

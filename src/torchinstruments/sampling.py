@@ -1,0 +1,174 @@
+"""Sampling policies: which root forwards are observed.
+
+A policy sees the 0-based index of each training root forward (eval and no-grad forwards
+are not counted) and answers whether it is sampled. The decision is made once per root
+forward; every hook of an unsampled forward returns after one attribute check.
+
+Policies are deterministic functions of the forward index, so a baseline run and a
+candidate run that make the same calls sample the same forwards.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ._validate import require_int
+from .errors import ConfigError
+
+__all__ = ["DefaultSampling", "EveryNSampling", "SamplingPolicy", "resolve_sampling"]
+
+
+@runtime_checkable
+class SamplingPolicy(Protocol):
+    """Decides which training root forwards are sampled.
+
+    Implementations must be deterministic in ``forward_index`` and cheap: the call happens
+    once per training root forward.
+    """
+
+    def should_sample(self, forward_index: int) -> bool:
+        """Return True if the root forward with this 0-based index is sampled."""
+        ...
+
+    def describe(self) -> dict[str, object]:
+        """Return a JSON-safe description of the effective schedule, for the report."""
+        ...
+
+
+class EveryNSampling:
+    """Samples every ``n``-th training root forward, starting with the first.
+
+    Args:
+        n: interval in root forwards; ``n=1`` samples every forward.
+
+    Raises:
+        ConfigError: ``n`` is not an int >= 1.
+
+    Example:
+        >>> [i for i in range(7) if EveryNSampling(3).should_sample(i)]
+        [0, 3, 6]
+    """
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = require_int("EveryNSampling", "n", n, minimum=1)
+
+    def should_sample(self, forward_index: int) -> bool:
+        return forward_index % self.n == 0
+
+    def describe(self) -> dict[str, object]:
+        return {"policy": "every_n", "interval_forwards": self.n}
+
+    def __repr__(self) -> str:
+        return f"EveryNSampling({self.n})"
+
+
+class DefaultSampling:
+    """Dense at the start, sparser later: the default deterministic schedule.
+
+    The run is cut into stages of ``samples_per_stage`` samples each. Stage 0 samples every
+    forward, stage 1 every 2nd, stage 2 every 4th, and so on, doubling until
+    ``max_interval_forwards``, which then holds for the rest of the run. With the defaults
+    (64 samples per stage, interval at most 32) a run samples its first 64 forwards, 128
+    samples fall in the first 192 forwards (enough for warm-up in a few-hundred-step run),
+    and after 1,984 forwards one forward in 32 is sampled.
+
+    Args:
+        samples_per_stage: samples taken at each interval before it doubles. Default 64.
+        max_interval_forwards: largest interval, in root forwards. Default 32.
+
+    Raises:
+        ConfigError: an argument is not an int >= 1.
+
+    Example:
+        >>> policy = DefaultSampling(samples_per_stage=2, max_interval_forwards=4)
+        >>> [i for i in range(16) if policy.should_sample(i)]
+        [0, 1, 2, 4, 6, 10, 14]
+    """
+
+    __slots__ = ("_stage_starts", "max_interval_forwards", "samples_per_stage")
+
+    def __init__(self, *, samples_per_stage: int = 64, max_interval_forwards: int = 32) -> None:
+        self.samples_per_stage = require_int(
+            "DefaultSampling", "samples_per_stage", samples_per_stage, minimum=1
+        )
+        self.max_interval_forwards = require_int(
+            "DefaultSampling", "max_interval_forwards", max_interval_forwards, minimum=1
+        )
+        # (first forward of the stage, interval) for each stage until the interval caps.
+        starts: list[tuple[int, int]] = []
+        start, interval = 0, 1
+        while True:
+            starts.append((start, interval))
+            if interval >= self.max_interval_forwards:
+                break
+            start += self.samples_per_stage * interval
+            interval = min(interval * 2, self.max_interval_forwards)
+        self._stage_starts = tuple(starts)
+
+    def interval_at(self, forward_index: int) -> int:
+        """Return the sampling interval, in forwards, in force at ``forward_index``."""
+        interval = 1
+        for start, stage_interval in self._stage_starts:
+            if forward_index < start:
+                break
+            interval = stage_interval
+        return interval
+
+    def should_sample(self, forward_index: int) -> bool:
+        stage_start, interval = self._stage_starts[0]
+        for start, stage_interval in self._stage_starts:
+            if forward_index < start:
+                break
+            stage_start, interval = start, stage_interval
+        return (forward_index - stage_start) % interval == 0
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "policy": "default",
+            "samples_per_stage": self.samples_per_stage,
+            "max_interval_forwards": self.max_interval_forwards,
+            "stages": [
+                {"from_forward": start, "interval_forwards": interval}
+                for start, interval in self._stage_starts
+            ],
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultSampling(samples_per_stage={self.samples_per_stage}, "
+            f"max_interval_forwards={self.max_interval_forwards})"
+        )
+
+
+def resolve_sampling(sampling: object) -> SamplingPolicy:
+    """Turn the ``sampling`` argument of ``inject_observer`` into a policy.
+
+    Args:
+        sampling: ``None`` (the default schedule), an int ``N >= 1`` (every N-th forward),
+            or an object with ``should_sample(forward_index) -> bool`` and ``describe()``.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if sampling is None:
+        return DefaultSampling()
+    if isinstance(sampling, bool):
+        raise ConfigError(
+            f"inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy, "
+            f"got {sampling!r}"
+        )
+    if isinstance(sampling, int):
+        if sampling < 1:
+            raise ConfigError(
+                f"inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy, "
+                f"got {sampling!r}"
+            )
+        return EveryNSampling(sampling)
+    if isinstance(sampling, SamplingPolicy):
+        return sampling
+    raise ConfigError(
+        "inject_observer: sampling must be None, an int >= 1 or an object with "
+        f"should_sample(forward_index) and describe(), got {type(sampling).__name__}"
+    )
