@@ -23,7 +23,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from .observer import Observer
 
-__all__ = ["iter_output_tensors", "in_backward"]
+__all__ = ["in_backward", "iter_output_tensors"]
 
 #: Deepest nesting of containers walked inside one module output.
 MAX_OUTPUT_DEPTH = 6

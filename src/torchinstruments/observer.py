@@ -34,7 +34,13 @@ from .capture import (
     iter_output_tensors,
 )
 from .config import ReportConfig, TrackConfig
-from .reduce import STAT_WIDTH, finish_statistics, skip_reason, tensor_statistics
+from .reduce import (
+    STAT_WIDTH,
+    cpu_statistics,
+    finish_statistics,
+    skip_reason,
+    tensor_statistics,
+)
 from .sampling import SamplingPolicy
 from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from .track import SeriesTracker
@@ -78,7 +84,7 @@ class _Pending:
     keys: list[tuple[int, int, str, str]] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    stats: list[Tensor] = field(default_factory=list)
+    stats: list[Tensor | list[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -322,7 +328,7 @@ class Observer:
             pending.keys.append((index, call, ACTIVATION, path))
             pending.samples.append(sample)
             pending.positions.append(position)
-            pending.stats.append(tensor_statistics(leaf))
+            pending.stats.append(_statistics(leaf))
             if leaf.requires_grad:
                 if grad_enabled:
                     leaf.register_hook(GradHook(self, (index, call, path), sample))
@@ -374,7 +380,7 @@ class Observer:
             pending.keys.append((index, call, GRAD_OUTPUT, path))
             pending.samples.append(sample)
             pending.positions.append(-1)
-            pending.stats.append(tensor_statistics(grad))
+            pending.stats.append(_statistics(grad))
         except Exception as error:  # never break training
             self.record_error("backward", self.names[key[0]], error)
 
@@ -550,6 +556,13 @@ class _AtExit:
             observer.write_report()
 
 
+def _statistics(tensor: Tensor) -> Tensor | list[float]:
+    """Host floats on the CPU (no synchronisation to avoid), a device vector elsewhere."""
+    if tensor.device.type == "cpu":
+        return cpu_statistics(tensor)
+    return tensor_statistics(tensor)
+
+
 def _first_tensor_pointer(args: tuple[object, ...]) -> int:
     for arg in args:
         if isinstance(arg, Tensor) and arg.layout == torch.strided and arg.device.type != "meta":
@@ -565,7 +578,12 @@ class _InFlight:
 
     __slots__ = ("_events", "_host", "pending")
 
-    def __init__(self, pending: _Pending, host: list[tuple[list[int], Tensor]], events: list[Any]):
+    def __init__(
+        self,
+        pending: _Pending,
+        host: list[tuple[list[int], Tensor | list[list[float]]]],
+        events: list[Any],
+    ) -> None:
         self.pending = pending
         self._host = host
         self._events = events
@@ -578,21 +596,31 @@ class _InFlight:
             event.synchronize()
         rows: list[list[float]] = [[] for _ in range(len(self.pending))]
         for positions, host in self._host:
-            for i, row in zip(positions, host.tolist(), strict=True):
+            values = host.tolist() if isinstance(host, Tensor) else host
+            for i, row in zip(positions, values, strict=True):
                 rows[i] = row
         return rows
 
 
 def _launch_transfer(pending: _Pending) -> _InFlight:
-    """Stack the pending vectors per device and start one host copy per device."""
+    """Stack the pending device vectors per device and start one host copy per device.
+
+    Rows already on the host (CPU tensors are reduced to host floats) pass through.
+    """
     stats = pending.stats
     by_device: dict[torch.device, list[int]] = {}
-    for i, tensor in enumerate(stats):
-        by_device.setdefault(tensor.device, []).append(i)
-    host: list[tuple[list[int], Tensor]] = []
+    host_rows: list[int] = []
+    for i, item in enumerate(stats):
+        if isinstance(item, Tensor):
+            by_device.setdefault(item.device, []).append(i)
+        else:
+            host_rows.append(i)
+    host: list[tuple[list[int], Tensor | list[list[float]]]] = []
+    if host_rows:
+        host.append((host_rows, [stats[i] for i in host_rows]))  # type: ignore[misc]
     events: list[Any] = []
     for device, positions in by_device.items():
-        stacked = torch.stack([stats[i] for i in positions])
+        stacked = torch.stack([stats[i] for i in positions])  # type: ignore[misc]
         if device.type == "cuda":
             buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
             buffer.copy_(stacked, non_blocking=True)

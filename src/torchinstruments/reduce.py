@@ -38,6 +38,7 @@ from torch import Tensor
 __all__ = [
     "METRICS",
     "STAT_WIDTH",
+    "cpu_statistics",
     "finish_statistics",
     "is_reducible",
     "skip_reason",
@@ -149,6 +150,71 @@ def tensor_statistics(x: Tensor) -> Tensor:
         central4.clamp_min(0.0).to(torch.float64),
     )
     return torch.stack(parts)
+
+
+#: Largest ``max_abs`` for which the CPU fast path is used, given ``n`` elements: the
+#: fourth-power sums must stay below float32's range (about 3.4e38) with margin.
+def _fast_path_limit(numel: int) -> float:
+    return (1e36 / numel) ** 0.25
+
+
+#: Smallest ``max_abs`` for the CPU fast path: below it fourth powers underflow float32.
+_FAST_PATH_FLOOR = 1e-8
+
+
+@torch.no_grad()
+def cpu_statistics(x: Tensor) -> list[float]:
+    """Reduce one CPU tensor to its statistics row, as host floats.
+
+    Same contract and layout as :func:`tensor_statistics`, for tensors on the CPU, where
+    reading a scalar costs no device synchronisation. When every element is finite and
+    the largest magnitude lies where float32 powers neither overflow nor underflow, the
+    sums are taken without the scaled copy (about three times faster on small tensors);
+    otherwise it falls back to :func:`tensor_statistics`.
+
+    Raises:
+        ValueError: ``x`` is not reducible (see :func:`skip_reason`).
+    """
+    reason = skip_reason(x)
+    if reason is not None:
+        raise ValueError(f"cpu_statistics: x must be a dense floating tensor, got {reason}")
+    x = x.detach()
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.is_complex():
+        return tensor_statistics(x).tolist()
+    low, high = torch.aminmax(x)
+    low_value, high_value = float(low), float(high)
+    numel = x.numel()
+    max_abs = max(-low_value, high_value)
+    if not (
+        math.isfinite(low_value)
+        and math.isfinite(high_value)
+        and _FAST_PATH_FLOOR <= max_abs <= _fast_path_limit(numel)
+    ):
+        return tensor_statistics(x).tolist()
+    flat = x.reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.to(torch.float32)
+    total = float(flat.sum())
+    sum_abs = float(flat.abs().sum())
+    sum_sq = float(torch.dot(flat, flat))
+    mean = total / numel
+    centred = flat - mean
+    central2 = float(torch.dot(centred, centred))
+    centred.square_()
+    central4 = float(torch.dot(centred, centred))
+    zeros = numel - int(torch.count_nonzero(flat))
+    scale = 1.0 / max_abs
+    return [
+        float(numel),
+        float(numel),
+        float(zeros),
+        max_abs,
+        total * scale,
+        sum_abs * scale,
+        sum_sq * scale * scale,
+        central2 * scale * scale,
+        central4 * scale**4,
+    ]
 
 
 def finish_statistics(row: Sequence[float]) -> dict[str, float | None]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-
 from dataclasses import dataclass, field
 
 from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
