@@ -72,9 +72,9 @@ class ResidualMLP(nn.Module):
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pixel intensities 0..16 as given (the blocks' LayerNorms handle the scale)."""
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.long)
+    data, target = load_digits(return_X_y=True)
+    x = torch.tensor(data, dtype=torch.float32)
+    y = torch.tensor(target, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     x, y = x[order], y[order]
     split = int(0.8 * len(x))

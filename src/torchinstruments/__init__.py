@@ -43,9 +43,15 @@ __all__ = [
     "remove_observer",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type) or callable(_obj):
-        with _contextlib.suppress(AttributeError, TypeError):
-            _obj.__module__ = "torchinstruments"
-del _name, _obj
+
+
+def _present_as_public() -> None:
+    """Show public objects as ``torchinstruments.X`` (in reprs and documentation)."""
+    for name in __all__:
+        value = globals()[name]
+        if isinstance(value, type) or callable(value):
+            with _contextlib.suppress(AttributeError, TypeError):
+                value.__module__ = "torchinstruments"
+
+
+_present_as_public()

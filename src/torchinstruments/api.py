@@ -105,15 +105,17 @@ class ObserverHandle:
         return f"<ObserverHandle {state} output_dir={str(self.output_dir)!r}>"
 
 
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module that does the work inside DDP / DataParallel / FSDP1-style wrappers."""
-    inner = model
-    while isinstance(getattr(inner, "module", None), nn.Module) and type(inner).__name__ in (
-        "DistributedDataParallel",
-        "DataParallel",
-        "FullyShardedDataParallel",
-    ):
-        inner = inner.module  # type: ignore[assignment]
+    inner: nn.Module = model
+    while type(inner).__name__ in _WRAPPERS:
+        wrapped = getattr(inner, "module", None)
+        if not isinstance(wrapped, nn.Module):
+            break
+        inner = wrapped
     return inner
 
 
@@ -245,8 +247,8 @@ def inject_observer(
             f"inject_observer: output_dir must be a non-empty path, got {output_dir!r}"
         )
     policy = resolve_sampling(sampling)
-    report_config = _typed("report_config", report_config, ReportConfig)
-    track_config = _typed("track_config", track_config, TrackConfig)
+    reporting: ReportConfig = _typed("report_config", report_config, ReportConfig)
+    tracking: TrackConfig = _typed("track_config", track_config, TrackConfig)
     if rank_policy not in RANK_POLICIES:
         raise ConfigError(
             f"inject_observer: rank_policy must be one of {RANK_POLICIES}, got {rank_policy!r}"
@@ -298,8 +300,8 @@ def inject_observer(
             root=root,
             modules=modules,
             policy=policy,
-            report_config=report_config,
-            track_config=track_config,
+            report_config=reporting,
+            track_config=tracking,
             capture_direct_forwards=capture_direct_forwards,
             rank_info=rank_info,
             writer=DirectorySink(directory) if write_files else None,

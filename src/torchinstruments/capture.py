@@ -33,6 +33,17 @@ MAX_TENSORS_PER_OUTPUT = 64
 _graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 
+def _opaque_to_compiler(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep ``torch.compile`` from tracing into a hook: it calls it eagerly instead.
+
+    Our hooks do Python bookkeeping that must run for real (and must not be baked into
+    a compiled graph); Dynamo turns a disabled function into one clean graph break.
+    """
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return disable(function) if disable is not None else function
+
+
 def in_backward() -> bool:
     """True while the calling thread runs inside an autograd backward pass.
 
@@ -110,6 +121,7 @@ class RootPreHook(_HookBase):
 
     __slots__ = ()
 
+    @_opaque_to_compiler
     def __call__(self, module: nn.Module, args: object) -> None:
         observer = self._observer()
         if observer is not None:
@@ -125,6 +137,7 @@ class RootPostHook(_HookBase):
         super().__init__(observer)
         self._index = index
 
+    @_opaque_to_compiler
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         observer = self._observer()
         if observer is None:
@@ -143,6 +156,7 @@ class ForwardHook(_HookBase):
         super().__init__(observer)
         self._index = index
 
+    @_opaque_to_compiler
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         observer = self._observer()
         if observer is None or observer.state == 0:  # 0 == Observer.SKIP: the fast path
@@ -163,6 +177,7 @@ class GradHook:
         self._key = key
         self._sample = sample
 
+    @_opaque_to_compiler
     def __call__(self, grad: Tensor) -> None:
         observer = self._observer()
         if observer is not None:

@@ -13,6 +13,7 @@ import atexit
 import math
 import threading
 import time
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ from .capture import (
     GradHook,
     RootPostHook,
     RootPreHook,
+    _opaque_to_compiler,
     in_backward,
     iter_output_tensors,
 )
@@ -166,6 +168,7 @@ class Observer:
         self.reports_written = 0
         self.started_at = time.time()
         self._last_write = time.monotonic()
+        self._warned_write = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = _AtExit(self)
@@ -221,6 +224,7 @@ class Observer:
         atexit.unregister(self._atexit)
 
     # ------------------------------------------------------------------ context
+    @_opaque_to_compiler
     def enter_root(self, module: nn.Module) -> None:
         """Open a root forward: decide once whether it is sampled."""
         try:
@@ -247,6 +251,7 @@ class Observer:
             self.state = self.SKIP
             self.record_error("enter_root", "", error)
 
+    @_opaque_to_compiler
     def exit_root(self) -> None:
         """Close the innermost root forward."""
         self.state = self._state_stack.pop() if self._state_stack else self.IDLE
@@ -254,7 +259,8 @@ class Observer:
     def _open_sample(self) -> None:
         index = self.forwards_seen
         self.forwards_seen += 1
-        sampled = bool(self.policy.should_sample(index))
+        decision: object = self.policy.should_sample(index)  # user policies may return ints
+        sampled = bool(decision)
         self._sample_open = sampled
         if sampled:
             self._sample = self.samples_observed
@@ -266,6 +272,7 @@ class Observer:
     _sample_open = False
 
     # ------------------------------------------------------------------ capture
+    @_opaque_to_compiler
     def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
         """A selected module returned ``output`` (only called when not in SKIP state)."""
         try:
@@ -535,6 +542,14 @@ class Observer:
                 self.reports_written += 1
             except Exception as error:
                 self.record_error("write", "", error)
+                if not self._warned_write:
+                    self._warned_write = True
+                    warnings.warn(
+                        f"torchinstruments could not write its report ({error}); training "
+                        "continues, the error is counted and the next write is retried",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         for sink in self.sinks:
             try:
                 sink.write(report)

@@ -39,6 +39,6 @@ def run_rules(series: Iterable[TensorSeries]) -> dict[str, list[Candidate]]:
     if root_gradients:
         context.root_gradient = dict(root_gradients[0].trackers)
     return {
-        category: rank_candidates(rule.candidates(items, context))
+        category: rank_candidates(rule.candidates(items, context), rule.onset_tolerance)
         for category, rule in RULES.items()
     }

@@ -98,8 +98,13 @@ def _origin_order(candidate: Candidate) -> tuple[int, int, tuple[str, int, str, 
     return (1 if is_grad else 0, position, candidate.sort_key)
 
 
-def rank_candidates(candidates: Sequence[Candidate]) -> list[Candidate]:
+def rank_candidates(
+    candidates: Sequence[Candidate], onset_tolerance: int = ONSET_TOLERANCE_SAMPLES
+) -> list[Candidate]:
     """Fold echoes into origins and order candidates, strongest first.
+
+    Notable candidates of one signal whose onsets lie within ``onset_tolerance`` samples
+    of the group's earliest onset form a group (0: the same sample only).
 
     Order: notable before not notable; groups by their strongest score; within a group
     the origin (see module docstring); ties by (module, call index, signal, tensor path,
@@ -111,7 +116,7 @@ def rank_candidates(candidates: Sequence[Candidate]) -> list[Candidate]:
     for candidate in sorted(notable, key=lambda c: (c.onset, _origin_order(c))):
         for group in groups:
             same_signal = group[0].series.signal == candidate.series.signal
-            if same_signal and abs(group[0].onset - candidate.onset) <= ONSET_TOLERANCE_SAMPLES:  # type: ignore[operator]
+            if same_signal and abs(group[0].onset - candidate.onset) <= onset_tolerance:  # type: ignore[operator]
                 group.append(candidate)
                 break
         else:

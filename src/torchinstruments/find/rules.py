@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import ChangePoint, SeriesTracker
-from .base import Candidate, display_module, format_value
+from .base import ONSET_TOLERANCE_SAMPLES, Candidate, display_module, format_value
 
 __all__ = ["CATEGORIES", "RULES", "Rule", "RuleContext"]
 
@@ -83,6 +83,8 @@ class Rule:
 
     category = ""
     metrics: tuple[str, ...] = ("rms",)
+    #: Samples between onsets that still count as "the same samples" for echoes.
+    onset_tolerance = ONSET_TOLERANCE_SAMPLES
     signals: tuple[str, ...] = (ACTIVATION, GRAD_OUTPUT)
 
     def candidates(self, series: Iterable[TensorSeries], context: RuleContext) -> list[Candidate]:
@@ -390,6 +392,7 @@ class NonFinite(Rule):
 
     category = "non_finite"
     metrics = ("nonfinite_fraction",)
+    onset_tolerance = 0
 
     def judge(
         self,

@@ -1,0 +1,66 @@
+"""Shared fixtures: small seeded models and a training loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+
+class ResidualNet(nn.Module):
+    """Linear -> (LayerNorm, Linear, in-place ReLU) residual block -> head."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + self.act(self.fc(self.norm(h)))
+        return self.head(h)
+
+
+def make_batches(count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))
+        for _ in range(count)
+    ]
+
+
+def train(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    lr: float = 0.05,
+    on_step: Callable[[int], None] | None = None,
+) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        if on_step is not None:
+            on_step(step)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def read_report(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "report.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return make_batches(30)

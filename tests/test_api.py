@@ -1,0 +1,239 @@
+"""The public surface: injection, removal, errors, selection, handles."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchinstruments
+from torchinstruments import (
+    ConfigError,
+    MemorySink,
+    ObserverStateError,
+    ReportConfig,
+    TorchInstrumentsError,
+    inject_observer,
+    observer_of,
+    remove_observer,
+)
+
+from .conftest import ResidualNet, make_batches, read_report, train
+
+
+def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    keys = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return {
+        name: tuple(len(getattr(module, key)) for key in keys)
+        for name, module in model.named_modules()
+    }
+
+
+def test_exported_members_are_the_public_api() -> None:
+    assert sorted(torchinstruments.__all__) == sorted(
+        [
+            "ConfigError",
+            "DefaultSampling",
+            "DirectorySink",
+            "EveryNSampling",
+            "MemorySink",
+            "ObserverHandle",
+            "ObserverStateError",
+            "ReportConfig",
+            "ReportReadError",
+            "SamplingPolicy",
+            "Sink",
+            "TorchInstrumentsError",
+            "TrackConfig",
+            "__version__",
+            "inject_observer",
+            "observer_of",
+            "remove_observer",
+        ]
+    )
+    for name in torchinstruments.__all__:
+        assert hasattr(torchinstruments, name)
+    assert issubclass(ConfigError, TorchInstrumentsError) and issubclass(ConfigError, ValueError)
+
+
+def test_inject_train_remove_writes_both_files(tmp_path: Path) -> None:
+    model = ResidualNet()
+    handle = inject_observer(model, output_dir=tmp_path, sampling=1)
+    assert observer_of(model) is handle
+    train(model, make_batches(5))
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["schema"] == "torchinstruments.report/1"
+    assert report["coverage"]["samples_observed"] == 5
+    assert report["coverage"]["backward_samples_observed"] == 5
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert index.startswith("# torchinstruments report")
+    assert "Prompt for an LLM" in index
+    assert observer_of(model) is None
+
+
+def test_second_injection_raises_and_keeps_one_hook_set(tmp_path: Path) -> None:
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path / "a")
+    counts = hook_counts(model)
+    with pytest.raises(ObserverStateError, match="already carries an observer"):
+        inject_observer(model, output_dir=tmp_path / "b")
+    assert hook_counts(model) == counts
+    remove_observer(model)
+
+
+def test_remove_restores_hooks_and_attributes_and_second_remove_is_noop(tmp_path: Path) -> None:
+    model = ResidualNet()
+    before_hooks = hook_counts(model)
+    before_attrs = {n: sorted(m.__dict__) for n, m in model.named_modules()}
+    keys = list(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, capture_direct_forwards=True)
+    assert "forward" in model.__dict__
+    assert list(model.state_dict()) == keys
+    remove_observer(model)
+    remove_observer(model)
+    assert hook_counts(model) == before_hooks
+    assert {n: sorted(m.__dict__) for n, m in model.named_modules()} == before_attrs
+
+
+def test_direct_forward_wrapper_restores_a_previous_instance_forward(tmp_path: Path) -> None:
+    model = ResidualNet()
+    calls = []
+
+    def custom_forward(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return ResidualNet.forward(model, x)
+
+    model.forward = custom_forward  # type: ignore[method-assign]
+    inject_observer(model, output_dir=tmp_path, capture_direct_forwards=True, sampling=1)
+    model.forward(torch.randn(2, 8)).sum().backward()
+    model(torch.randn(2, 8)).sum().backward()
+    remove_observer(model)
+    assert model.__dict__["forward"] is custom_forward
+    assert len(calls) == 2
+    report = read_report(tmp_path)
+    assert report["coverage"]["samples_observed"] == 2
+
+
+def test_shared_output_dir_is_refused(tmp_path: Path) -> None:
+    first, second = ResidualNet(), ResidualNet()
+    inject_observer(first, output_dir=tmp_path)
+    with pytest.raises(ObserverStateError, match="already used by another live observer"):
+        inject_observer(second, output_dir=tmp_path)
+    remove_observer(first)
+    inject_observer(second, output_dir=tmp_path)
+    remove_observer(second)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sampling": 0}, "sampling must be None, an int >= 1"),
+        ({"sampling": "often"}, "sampling must be None, an int >= 1"),
+        ({"rank_policy": "some"}, "rank_policy must be one of"),
+        ({"report_config": {"max_bytes": 10}}, "report_config must be a ReportConfig"),
+        ({"capture_direct_forwards": 1}, "capture_direct_forwards must be a bool"),
+        ({"include": 3}, "include must be a glob pattern"),
+        ({"module_types": [int]}, "module_types must be an nn.Module subclass"),
+        ({"output_dir": ""}, "output_dir must be a non-empty path"),
+        ({"sinks": [object()]}, "each sink needs a write"),
+    ],
+)
+def test_bad_arguments_name_argument_expected_and_given(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    arguments: dict[str, object] = {"output_dir": tmp_path, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        inject_observer(ResidualNet(), **arguments)  # type: ignore[arg-type]
+
+
+def test_non_module_model_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model must be a torch\.nn\.Module, got int"):
+        inject_observer(3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"model must be a torch\.nn\.Module, got str"):
+        remove_observer("model")  # type: ignore[arg-type]
+
+
+def test_report_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"ReportConfig.max_bytes must be an int >= 4096, got 0"):
+        ReportConfig(max_bytes=0)
+
+
+def test_selection_by_pattern_and_type(tmp_path: Path) -> None:
+    model = ResidualNet()
+    inject_observer(
+        model, output_dir=tmp_path, sampling=1, include=["fc"], module_types=nn.LayerNorm
+    )
+    train(model, make_batches(3))
+    remove_observer(model)
+    modules = {f["module"] for f in read_report(tmp_path)["findings"]}
+    assert modules <= {"<root>", "fc", "norm"}
+    assert {"fc", "norm"} <= modules
+
+
+def test_exclude_removes_modules(tmp_path: Path) -> None:
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1, exclude="head")
+    train(model, make_batches(3))
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert "head" not in {f["module"] for f in report["findings"]}
+    assert report["coverage"]["modules_selected"] == 5  # root, inp, norm, fc, act
+
+
+def test_handle_flush_report_and_context_manager(tmp_path: Path) -> None:
+    model = ResidualNet()
+    sink = MemorySink()
+    with inject_observer(model, output_dir=tmp_path, sampling=1, sinks=[sink]) as handle:
+        train(model, make_batches(2))
+        path = handle.flush()
+        assert path == tmp_path / "report.json" and path.is_file()
+        current = handle.report()
+        assert current is not None and current["coverage"]["samples_observed"] == 2
+    assert observer_of(model) is None
+    assert handle.removed
+    assert len(sink.reports) == 2  # the flush and the final report
+
+
+def test_unwritable_output_dir_warns_once_counts_and_never_stops_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model = ResidualNet()
+    handle = inject_observer(model, output_dir=blocker / "stats", sampling=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, make_batches(3))
+        handle.flush()
+        handle.flush()
+        report = handle.report()
+        remove_observer(model)
+    ours = [w for w in caught if "could not write its report" in str(w.message)]
+    assert len(ours) == 1
+    assert report is not None
+    assert report["coverage"]["errors_total"] == 2
+    assert report["errors"][0]["stage"] == "write"
+
+
+def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch) -> None:
+    import torchinstruments.observer as observer_module
+
+    def broken(tensor: torch.Tensor) -> list[float]:
+        raise RuntimeError("reduction failed on purpose")
+
+    monkeypatch.setattr(observer_module, "_statistics", broken)
+    model = ResidualNet()
+    twin = ResidualNet()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    batches = make_batches(4)
+    losses = train(model, batches)
+    remove_observer(model)
+    assert losses == train(twin, batches)
+    report = read_report(tmp_path)
+    assert report["coverage"]["errors_total"] > 0
+    first = report["errors"][0]
+    assert first["error_type"] == "RuntimeError"
+    assert first["message"] == "reduction failed on purpose"

@@ -1,0 +1,189 @@
+"""The report: byte bound, omitted counts, determinism, JSON safety, cadence, index.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import ReportConfig, inject_observer, remove_observer
+from torchinstruments.report import dumps_report
+
+from .conftest import ResidualNet, make_batches, read_report, train
+
+
+def wide_model(blocks: int) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(blocks)))
+
+
+def observe_wide(tmp_path: Path, config: ReportConfig, steps: int = 3) -> dict:
+    torch.manual_seed(0)
+    model = wide_model(2_000)
+    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    return read_report(tmp_path)
+
+
+def test_two_thousand_modules_fit_the_byte_limit_and_count_what_was_left_out(
+    tmp_path: Path,
+) -> None:
+    report = observe_wide(tmp_path, ReportConfig(top_k_per_category=1_000))
+    size = (tmp_path / "report.json").stat().st_size
+    assert size <= 256_000
+    assert size == len(dumps_report(report))
+    coverage = report["coverage"]
+    assert coverage["modules_observed"] == 2_001
+    assert coverage["modules_selected"] == 2_001
+    omitted_by_bytes = sum(v["by_bytes"] for v in coverage["findings_omitted"].values())
+    assert omitted_by_bytes > 0
+    assert "max_bytes" in coverage["limits_hit"]
+    returned = sum(coverage["findings_returned"].values())
+    assert returned == len(report["findings"])
+    for category, counts in coverage["findings_omitted"].items():
+        kept = coverage["findings_returned"][category]
+        assert kept + counts["by_bytes"] + counts["by_top_k"] == coverage["candidates"][category]
+
+
+def test_default_top_k_is_counted_as_omitted(tmp_path: Path) -> None:
+    report = observe_wide(tmp_path, ReportConfig(), steps=2)
+    coverage = report["coverage"]
+    drift = coverage["findings_omitted"]["activation_scale_drift"]
+    assert coverage["findings_returned"]["activation_scale_drift"] == 20
+    assert drift["by_top_k"] == 2_001 - 20
+    assert "top_k_per_category" in coverage["limits_hit"]
+
+
+def test_small_byte_limit_keeps_a_round_robin_prefix(tmp_path: Path) -> None:
+    model = ResidualNet()
+    inject_observer(
+        model, output_dir=tmp_path, sampling=1, report_config=ReportConfig(max_bytes=8_192)
+    )
+    train(model, make_batches(30))
+    remove_observer(model)
+    raw = (tmp_path / "report.json").read_bytes()
+    assert len(raw) <= 8_192
+    report = json.loads(raw)
+    ranks: dict[str, list[int]] = {}
+    for finding in report["findings"]:
+        ranks.setdefault(finding["category"], []).append(finding["rank"])
+    for values in ranks.values():
+        assert values == list(range(values[0], values[0] + len(values)))
+
+
+def _strip_times(report: dict) -> dict:
+    report = json.loads(json.dumps(report))
+    report.pop("generated_at")
+    report["run"].pop("elapsed_s")
+    report["run"].pop("started_at")
+    return report
+
+
+def test_same_run_gives_the_same_report(tmp_path: Path) -> None:
+    reports = []
+    for attempt in range(2):
+        torch.manual_seed(0)
+        model = ResidualNet()
+        inject_observer(model, output_dir=tmp_path / str(attempt), sampling=1)
+        train(model, make_batches(40))
+        remove_observer(model)
+        reports.append(_strip_times(read_report(tmp_path / str(attempt))))
+    assert reports[0] == reports[1]
+
+
+def test_non_finite_values_never_reach_the_json(tmp_path: Path) -> None:
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for step, (x, y) in enumerate(make_batches(8)):
+        with torch.no_grad():
+            model.fc.bias[0] = float("inf") if step == 5 else 0.0
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()  # no update: the run recovers
+    remove_observer(model)
+    text = (tmp_path / "report.json").read_text(encoding="utf-8")
+
+    def refuse(name: str) -> float:
+        raise ValueError(f"{name} in report.json")
+
+    report = json.loads(text, parse_constant=refuse)
+    first = report["summary"]["first_non_finite"]
+    assert (first["module"], first["sample"], first["recovered"]) == ("fc", 5, True)
+    non_finite = [f for f in report["findings"] if f["category"] == "non_finite"]
+    assert non_finite[0]["module"] == "fc"
+    assert {e["module"] for e in non_finite[0]["evidence"]["echoes"]} == {"act", "head", "<root>"}
+
+
+def test_quiet_run_says_no_finding_stands_out(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train(model, make_batches(60), lr=0.01)
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["summary"]["notable_findings"] == 0
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "No finding stands out" in index
+    assert "infer" in index and "warmup_complete" in index
+
+
+def test_report_is_rewritten_during_training_and_survives_a_kill(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import time, torch
+        from torch import nn
+        from torchinstruments import ReportConfig, inject_observer
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        inject_observer(model, output_dir={str(tmp_path)!r}, sampling=1,
+                        report_config=ReportConfig(rewrite_interval_s=0.05))
+        print("ready", flush=True)
+        while True:
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            time.sleep(0.001)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        report_path = tmp_path / "report.json"
+        while not report_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    assert report["coverage"]["samples_observed"] > 0
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert all(
+        name.startswith(".report.json.") or name.startswith(".index.md.") for name in leftovers
+    )
+
+
+def test_report_is_written_at_interpreter_exit(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from torch import nn
+        from torchinstruments import inject_observer
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        inject_observer(model, output_dir={str(tmp_path)!r}, sampling=1)
+        for _ in range(3):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert read_report(tmp_path)["coverage"]["samples_observed"] == 3
