@@ -46,6 +46,7 @@ def test_exported_members_are_the_public_api() -> None:
             "ReportReadError",
             "SamplingPolicy",
             "Sink",
+            "TimeBudgetSampling",
             "TorchInstrumentsError",
             "TrackConfig",
             "__version__",

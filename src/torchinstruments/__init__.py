@@ -18,7 +18,7 @@ import contextlib as _contextlib
 from .api import ObserverHandle, inject_observer, observer_of, remove_observer
 from .config import ReportConfig, TrackConfig
 from .errors import ConfigError, ObserverStateError, ReportReadError, TorchInstrumentsError
-from .sampling import DefaultSampling, EveryNSampling, SamplingPolicy
+from .sampling import DefaultSampling, EveryNSampling, SamplingPolicy, TimeBudgetSampling
 from .sinks import DirectorySink, MemorySink, Sink
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ __all__ = [
     "ReportReadError",
     "SamplingPolicy",
     "Sink",
+    "TimeBudgetSampling",
     "TorchInstrumentsError",
     "TrackConfig",
     "__version__",
@@ -42,7 +43,6 @@ __all__ = [
     "observer_of",
     "remove_observer",
 ]
-
 
 
 def _present_as_public() -> None:

@@ -187,6 +187,7 @@ def inject_observer(
     track_config: TrackConfig | None = None,
     rank_policy: str = "rank0",
     capture_direct_forwards: bool = False,
+    full_sentinel: bool = False,
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     module_types: type | Sequence[type] | None = None,
@@ -216,6 +217,11 @@ def inject_observer(
         capture_direct_forwards: also observe ``module.forward(...)`` calls that bypass
             ``module(...)``, by reversibly wrapping ``forward`` on each selected module
             instance. Every call is still observed exactly once.
+        full_sentinel: on every unsampled training forward, check every observed
+            module's output for non-finite values (one reduction per tensor), so that a
+            one-off NaN is localised to the first module in forward order that produced
+            it. Off by default: without it only the root output is checked between
+            samples (one tensor per forward), and a hit makes the next 8 forwards sampled.
         include: glob pattern(s) of qualified module names to observe (``"blocks.*"``).
         exclude: glob pattern(s) of module names not to observe.
         module_types: observe modules of these types (``nn.Linear``, ...).
@@ -258,6 +264,8 @@ def inject_observer(
             "inject_observer: capture_direct_forwards must be a bool, "
             f"got {capture_direct_forwards!r}"
         )
+    if not isinstance(full_sentinel, bool):
+        raise ConfigError(f"inject_observer: full_sentinel must be a bool, got {full_sentinel!r}")
     if not isinstance(write_files, bool):
         raise ConfigError(f"inject_observer: write_files must be a bool, got {write_files!r}")
     sink_list = list(sinks)
@@ -303,6 +311,7 @@ def inject_observer(
             report_config=reporting,
             track_config=tracking,
             capture_direct_forwards=capture_direct_forwards,
+            full_sentinel=full_sentinel,
             rank_info=rank_info,
             writer=DirectorySink(directory) if write_files else None,
             sinks=sink_list,

@@ -144,6 +144,10 @@ class RootPostHook(_HookBase):
             return
         if observer.state == observer.SAMPLED:
             observer.on_forward(self._index, args, output)
+        elif observer.state == observer.SENTINEL:
+            observer.on_forward(self._index, args, output)
+        else:
+            observer.root_sentinel(output)
         observer.exit_root()
 
 
@@ -217,8 +221,10 @@ class ForwardWrapper:
             observer.enter_root(module)
             try:
                 output = self._original(*args, **kwargs)
-                if observer.state == observer.SAMPLED:
+                if observer.state in (observer.SAMPLED, observer.SENTINEL):
                     observer.on_forward(self._index, args, output)
+                else:
+                    observer.root_sentinel(output)
                 return output
             finally:
                 observer.exit_root()

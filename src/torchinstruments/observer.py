@@ -51,6 +51,8 @@ __all__ = ["Observer", "RankInfo"]
 
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
+#: Pending-record signal carrying a device-side sentinel count (CUDA).
+_SENTINEL = "sentinel"
 #: Index of the root among the observed modules (``select_modules`` puts it first).
 ROOT_INDEX = 0
 #: Pending-record signal carrying the GradScaler loss scale of a sample.
@@ -102,6 +104,12 @@ class Observer:
     SAMPLED = 1  # inside a sampled training root forward
     IDLE = 2  # no root forward open: direct submodule calls or recomputation
     RECOMPUTE = 3  # inside a root forward re-run during backward (checkpointing)
+    SENTINEL = 4  # unsampled training forward with the full sentinel: non-finite checks only
+
+    #: Forwards sampled after a sentinel saw a non-finite value, to localise a recurrence.
+    FORCED_SAMPLES_AFTER_NONFINITE = 8
+    #: Most sentinel events kept for the report (all are counted).
+    MAX_SENTINEL_EVENTS = 16
 
     def __init__(
         self,
@@ -113,6 +121,7 @@ class Observer:
         report_config: ReportConfig,
         track_config: TrackConfig,
         capture_direct_forwards: bool,
+        full_sentinel: bool,
         rank_info: RankInfo,
         writer: Any,
         sinks: Iterable[Any],
@@ -126,6 +135,7 @@ class Observer:
         self.report_config = report_config
         self.track_config = track_config
         self.capture_direct_forwards = capture_direct_forwards
+        self.full_sentinel = full_sentinel
         self.rank_info = rank_info
         self.writer = writer
         self.sinks = list(sinks)
@@ -143,6 +153,13 @@ class Observer:
         self._implicit_backward_seen = False
         self._no_grad_calls: dict[int, list[tuple[int, int, int]]] = {}
         self._lock = threading.Lock()
+        self._unsampled_training = False
+        self._forced_samples = 0
+        self._sentinel_calls: dict[int, int] = {}
+        self.sentinel_checks = 0
+        self.sentinel_nonfinite_forwards = 0
+        self.sentinel_events: list[dict[str, object]] = []
+        self._last_sentinel_forward = -1
 
         # Pipeline state.
         self._pending = _Pending()
@@ -166,6 +183,9 @@ class Observer:
         self.errors: dict[tuple[str, str, str, str], _ErrorEntry] = {}
         self.error_count = 0
         self.reports_written = 0
+        self.telemetry_seconds = 0.0
+        listener = getattr(policy, "note_cost", None)
+        self._cost_listener = listener if callable(listener) else None
         self.started_at = time.time()
         self._last_write = time.monotonic()
         self._warned_write = False
@@ -245,7 +265,12 @@ class Observer:
                 return
             self._implicit_opener = None
             self._open_sample()
-            self.state = self.SAMPLED if self._sample_open else self.SKIP
+            if self._sample_open:
+                self.state = self.SAMPLED
+            else:
+                self._unsampled_training = True
+                self._sentinel_calls = {}
+                self.state = self.SENTINEL if self.full_sentinel else self.SKIP
             self._maybe_flush()
         except Exception as error:  # never break training
             self.state = self.SKIP
@@ -255,12 +280,60 @@ class Observer:
     def exit_root(self) -> None:
         """Close the innermost root forward."""
         self.state = self._state_stack.pop() if self._state_stack else self.IDLE
+        if self.state == self.IDLE:
+            self._unsampled_training = False
+
+    @_opaque_to_compiler
+    def root_sentinel(self, output: object) -> None:
+        """Check the root output of an unsampled training forward for non-finite values.
+
+        One reduction per output tensor. On the CPU the answer is read at once; on CUDA
+        the count stays on the device and is read at the next flush (no host sync).
+        A hit counts, is recorded, and makes the next forwards sampled.
+        """
+        if not self._unsampled_training or self.full_sentinel:
+            return
+        try:
+            for path, leaf in iter_output_tensors(output):
+                if isinstance(leaf, Tensor) and skip_reason(leaf) is None:
+                    self._sentinel_check(ROOT_INDEX, 0, path, leaf)
+        except Exception as error:  # never break training
+            self.record_error("sentinel", "", error)
+
+    def _sentinel_check(self, index: int, call: int, path: str, tensor: Tensor) -> None:
+        self.sentinel_checks += 1
+        forward = self.forwards_seen - 1
+        if tensor.device.type == "cpu":
+            if not bool(torch.isfinite(tensor.detach()).all()):
+                self._sentinel_hit(forward, index, call, path)
+            return
+        bad = (~torch.isfinite(tensor.detach())).sum().to(torch.float64).reshape(1)
+        self._append_record((index, call, _SENTINEL, path), forward, _padded_row(bad))
+
+    def _sentinel_hit(self, forward: int, index: int, call: int, path: str) -> None:
+        self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
+        if forward == self._last_sentinel_forward:
+            return  # only the first (earliest in forward order) per forward
+        self._last_sentinel_forward = forward
+        self.sentinel_nonfinite_forwards += 1
+        if len(self.sentinel_events) < self.MAX_SENTINEL_EVENTS:
+            self.sentinel_events.append(
+                {
+                    "forward_index": forward,
+                    "module": self.names[index],
+                    "call_index": call,
+                    "tensor_path": path,
+                }
+            )
 
     def _open_sample(self) -> None:
         index = self.forwards_seen
         self.forwards_seen += 1
         decision: object = self.policy.should_sample(index)  # user policies may return ints
         sampled = bool(decision)
+        if self._forced_samples > 0:
+            self._forced_samples -= 1
+            sampled = True
         self._sample_open = sampled
         if sampled:
             self._sample = self.samples_observed
@@ -275,8 +348,27 @@ class Observer:
     @_opaque_to_compiler
     def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
         """A selected module returned ``output`` (only called when not in SKIP state)."""
+        started = time.perf_counter()
+        try:
+            self._on_forward(index, args, output)
+        finally:
+            self._note_cost(time.perf_counter() - started)
+
+    def _note_cost(self, seconds: float) -> None:
+        self.telemetry_seconds += seconds
+        if self._cost_listener is not None:
+            self._cost_listener(seconds)
+
+    def _on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
         try:
             state = self.state
+            if state == self.SENTINEL:
+                call = self._sentinel_calls.get(index, 0)
+                self._sentinel_calls[index] = call + 1
+                for path, leaf in iter_output_tensors(output):
+                    if isinstance(leaf, Tensor) and skip_reason(leaf) is None:
+                        self._sentinel_check(index, call, path, leaf)
+                return
             if state != self.SAMPLED:
                 if in_backward():
                     self._on_recompute(index, args, output)
@@ -364,6 +456,13 @@ class Observer:
 
     def on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
         """An output gradient arrived for a sampled tensor."""
+        started = time.perf_counter()
+        try:
+            self._on_grad(key, sample, grad)
+        finally:
+            self._note_cost(time.perf_counter() - started)
+
+    def _on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
         try:
             seen = self._grad_keys_seen.get(sample)
             if seen is None:
@@ -396,15 +495,19 @@ class Observer:
         if not self._sample_open or self._sample < 0:
             return
         try:
-            row = torch.zeros(STAT_WIDTH, dtype=torch.float64, device=scale.device)
-            row[0] = scale.detach().reshape(-1)[0]
-            pending = self._pending
-            pending.keys.append((-1, 0, _LOSS_SCALE, ""))
-            pending.samples.append(self._sample)
-            pending.positions.append(-1)
-            pending.stats.append(row)
+            value = scale.detach().reshape(-1)[:1].to(torch.float64)
+            self._append_record((-1, 0, _LOSS_SCALE, ""), self._sample, _padded_row(value))
         except Exception as error:
             self.record_error("loss_scale", "", error)
+
+    def _append_record(
+        self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
+    ) -> None:
+        pending = self._pending
+        pending.keys.append(key)
+        pending.samples.append(sample)
+        pending.positions.append(-1)
+        pending.stats.append(row)
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook; keep the first few distinct ones."""
@@ -422,7 +525,8 @@ class Observer:
 
     # ------------------------------------------------------------------ flush
     def _maybe_flush(self) -> None:
-        if len(self._pending) >= MAX_PENDING_RECORDS:
+        pending = len(self._pending)
+        if pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % 32 == 0):
             self.flush_statistics(block=False)
         if time.monotonic() - self._last_write >= self.report_config.rewrite_interval_s:
             self.write_report(block=False)
@@ -463,6 +567,10 @@ class Observer:
             if key[2] == _LOSS_SCALE:
                 if row[0] > 0 and math.isfinite(row[0]):
                     loss_scales[sample] = row[0]
+                continue
+            if key[2] == _SENTINEL:
+                if row[0] > 0:
+                    self._sentinel_hit(sample, key[0], key[1], key[3])
                 continue
             values = finish_statistics(row)
             if key[2] == GRAD_OUTPUT:
@@ -530,6 +638,13 @@ class Observer:
 
     def write_report(self, *, block: bool = True) -> None:
         """Build the report and hand it to the writer and sinks; never raises."""
+        started = time.perf_counter()
+        try:
+            self._write_report(block)
+        finally:
+            self._note_cost(time.perf_counter() - started)
+
+    def _write_report(self, block: bool) -> None:
         self._last_write = time.monotonic()
         try:
             report = self.build_report(block=block)
@@ -569,6 +684,11 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _padded_row(values: Tensor) -> Tensor:
+    """A float64 row of ``STAT_WIDTH`` on the values' device: the values, then zeros."""
+    return torch.nn.functional.pad(values, (0, STAT_WIDTH - values.numel()))
 
 
 def _statistics(tensor: Tensor) -> Tensor | list[float]:

@@ -279,7 +279,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
         for category in CATEGORIES:
             if level < len(per_category[category]):
                 order.append(per_category[category][level])
-    first_non_finite = _first_non_finite(ranked["non_finite"])
+    first_non_finite = _first_non_finite(ranked["non_finite"], observer)
 
     def assemble(kept: int) -> dict[str, Any]:
         findings = order[:kept]
@@ -325,6 +325,9 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "direct_call_samples": observer.implicit_samples,
                     "repeated_backward_gradients": observer.repeated_gradients,
                     "loss_scaled_samples": observer.loss_scale.count,
+                    "telemetry_seconds": round(observer.telemetry_seconds, 6),
+                    "sentinel_checks": observer.sentinel_checks,
+                    "sentinel_nonfinite_forwards": observer.sentinel_nonfinite_forwards,
                     "tensors_skipped": dict(sorted(observer.skipped_tensors.items())),
                     "series_dropped": observer.series_dropped,
                     "paths_dropped": observer.paths_dropped,
@@ -357,20 +360,40 @@ def build_report(observer: Observer) -> dict[str, Any]:
     return best
 
 
-def _first_non_finite(candidates: Sequence[Candidate]) -> dict[str, object] | None:
+def _first_non_finite(
+    candidates: Sequence[Candidate], observer: Observer
+) -> dict[str, object] | None:
+    """Where non-finite values first appeared: in a sampled forward (exact sample,
+    module, tensor path) or, earlier, caught by the sentinel between samples."""
     activations = [c for c in candidates if c.series.signal != GRAD_OUTPUT]
     chosen = activations[0] if activations else (candidates[0] if candidates else None)
-    if chosen is None or chosen.tracker.first_nonzero is None:
-        return None
-    s = chosen.series
-    return {
-        "sample": chosen.tracker.first_nonzero.sample,
-        "module": display_module(s.module),
-        "call_index": s.call_index,
-        "signal": s.signal,
-        "tensor_path": s.tensor_path,
-        "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
+    sampled: dict[str, object] | None = None
+    if chosen is not None and chosen.tracker.first_nonzero is not None:
+        s = chosen.series
+        sampled = {
+            "source": "sampled_forward",
+            "sample": chosen.tracker.first_nonzero.sample,
+            "module": display_module(s.module),
+            "call_index": s.call_index,
+            "signal": s.signal,
+            "tensor_path": s.tensor_path,
+            "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
+        }
+    if not observer.sentinel_events:
+        return sampled
+    event = observer.sentinel_events[0]
+    sentinel = {
+        "source": "full_sentinel" if observer.full_sentinel else "root_sentinel",
+        "forward_index": event["forward_index"],
+        "module": display_module(str(event["module"])),
+        "call_index": event["call_index"],
+        "signal": "activation",
+        "tensor_path": event["tensor_path"],
+        "nonfinite_forwards_between_samples": observer.sentinel_nonfinite_forwards,
     }
+    if sampled is None:
+        return sentinel
+    return {**sampled, "earlier_between_samples": sentinel}
 
 
 def _headline(findings: Sequence[dict[str, Any]], notable: int) -> str:
@@ -470,19 +493,22 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# torchinstruments report",
         "",
+        f"**{summary['headline']}**",
+        "",
         f"Rank {run['rank']} of {run['world_size']}; {run['forwards_seen']} training root "
         f"forwards, {run['samples_seen']} sampled ({coverage['backward_samples_observed']} "
         f"with a backward); generated {report['generated_at']}.",
         "",
-        "## Summary",
-        "",
-        summary["headline"],
-        "",
     ]
-    if summary.get("first_non_finite"):
-        first = summary["first_non_finite"]
+    first = summary.get("first_non_finite")
+    if first:
+        where = (
+            f"sample {first['sample']}"
+            if "sample" in first
+            else f"training forward {first['forward_index']} (between samples)"
+        )
         lines += [
-            f"First non-finite value: sample {first['sample']}, `{first['module']}` call "
+            f"First non-finite value: {where}, `{first['module']}` call "
             f"{first['call_index']}, {first['signal']} {first['tensor_path']}"
             + (" (the run recovered)." if first.get("recovered") else "."),
             "",

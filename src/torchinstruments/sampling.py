@@ -10,12 +10,19 @@ candidate run that make the same calls sample the same forwards.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol, runtime_checkable
 
-from ._validate import require_int
+from ._validate import require_float, require_int
 from .errors import ConfigError
 
-__all__ = ["DefaultSampling", "EveryNSampling", "SamplingPolicy", "resolve_sampling"]
+__all__ = [
+    "DefaultSampling",
+    "EveryNSampling",
+    "SamplingPolicy",
+    "TimeBudgetSampling",
+    "resolve_sampling",
+]
 
 
 @runtime_checkable
@@ -140,6 +147,95 @@ class DefaultSampling:
             f"DefaultSampling(samples_per_stage={self.samples_per_stage}, "
             f"max_interval_forwards={self.max_interval_forwards})"
         )
+
+
+class TimeBudgetSampling:
+    """Samples while the measured telemetry cost stays under a fraction of wall time.
+
+    Opt-in and, unlike the other policies, not deterministic: the decision depends on
+    measured times. The observer reports the seconds it spends in hooks, flushes and
+    report writes through :meth:`note_cost`; a forward is sampled when the cost so far is
+    at most ``max_fraction`` of the wall time since the first forward, and always when
+    ``max_interval_forwards`` forwards passed without a sample. The first
+    ``dense_forwards`` forwards are all sampled so that warm-up completes.
+
+    Args:
+        max_fraction: largest share of wall time spent on telemetry, in (0, 1).
+            Default 0.02 (2%).
+        dense_forwards: forwards sampled unconditionally at the start. Default 32.
+        max_interval_forwards: most forwards between two samples. Default 1,000.
+
+    Raises:
+        ConfigError: an argument is out of range.
+    """
+
+    __slots__ = (
+        "_cost_s",
+        "_last_sampled",
+        "_started",
+        "dense_forwards",
+        "max_fraction",
+        "max_interval_forwards",
+    )
+
+    def __init__(
+        self,
+        max_fraction: float = 0.02,
+        *,
+        dense_forwards: int = 32,
+        max_interval_forwards: int = 1_000,
+    ) -> None:
+        self.max_fraction = require_float(
+            "TimeBudgetSampling",
+            "max_fraction",
+            max_fraction,
+            minimum=0.0,
+            maximum=1.0,
+            exclusive_minimum=True,
+        )
+        self.dense_forwards = require_int(
+            "TimeBudgetSampling", "dense_forwards", dense_forwards, minimum=0
+        )
+        self.max_interval_forwards = require_int(
+            "TimeBudgetSampling", "max_interval_forwards", max_interval_forwards, minimum=1
+        )
+        self._cost_s = 0.0
+        self._started: float | None = None
+        self._last_sampled = -1
+
+    def note_cost(self, seconds: float) -> None:
+        """Add telemetry time, in seconds (called by the observer)."""
+        self._cost_s += seconds
+
+    @property
+    def cost_s(self) -> float:
+        """Telemetry seconds noted so far."""
+        return self._cost_s
+
+    def should_sample(self, forward_index: int) -> bool:
+        now = time.perf_counter()
+        if self._started is None:
+            self._started = now
+        sampled = (
+            forward_index < self.dense_forwards
+            or forward_index - self._last_sampled >= self.max_interval_forwards
+            or self._cost_s <= self.max_fraction * (now - self._started)
+        )
+        if sampled:
+            self._last_sampled = forward_index
+        return sampled
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "policy": "time_budget",
+            "max_fraction": self.max_fraction,
+            "dense_forwards": self.dense_forwards,
+            "max_interval_forwards": self.max_interval_forwards,
+            "telemetry_seconds": round(self._cost_s, 6),
+        }
+
+    def __repr__(self) -> str:
+        return f"TimeBudgetSampling(max_fraction={self.max_fraction})"
 
 
 def resolve_sampling(sampling: object) -> SamplingPolicy:
