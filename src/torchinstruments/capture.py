@@ -142,9 +142,7 @@ class RootPostHook(_HookBase):
         observer = self._observer()
         if observer is None:
             return
-        if observer.state == observer.SAMPLED:
-            observer.on_forward(self._index, args, output)
-        elif observer.state == observer.SENTINEL:
+        if observer.state == observer.SAMPLED or observer.state == observer.SENTINEL:
             observer.on_forward(self._index, args, output)
         else:
             observer.root_sentinel(output)
