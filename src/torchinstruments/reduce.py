@@ -117,7 +117,7 @@ def tensor_statistics(x: Tensor) -> Tensor:
         x = torch.where(finite_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
         low, high = torch.aminmax(x)
     else:
-        finite = torch.tensor(numel, device=x.device)
+        finite = torch.full((), numel, dtype=torch.int64, device=x.device)
     max_abs = torch.maximum(low.abs(), high.abs())
     divisor = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
     if x.dtype == torch.float64:
@@ -139,7 +139,9 @@ def tensor_statistics(x: Tensor) -> Tensor:
     central4 = torch.dot(scaled, scaled) - padded * mean.pow(4)
     zeros = (numel - nonzero) - (numel - finite)
     parts = (
-        torch.tensor(float(numel), dtype=torch.float64, device=x.device),
+        # torch.full launches a fill kernel; torch.tensor(..., device=cuda) would copy
+        # from the host and synchronise.
+        torch.full((), float(numel), dtype=torch.float64, device=x.device),
         finite.to(torch.float64),
         zeros.to(torch.float64),
         max_abs.to(torch.float64),
