@@ -18,6 +18,7 @@ import contextlib as _contextlib
 from .api import ObserverHandle, inject_observer, observer_of, remove_observer
 from .config import ReportConfig, TrackConfig
 from .errors import ConfigError, ObserverStateError, ReportReadError, TorchInstrumentsError
+from .merge import merge_rank_reports
 from .sampling import DefaultSampling, EveryNSampling, SamplingPolicy, TimeBudgetSampling
 from .sinks import DirectorySink, MemorySink, Sink
 
@@ -40,6 +41,7 @@ __all__ = [
     "TrackConfig",
     "__version__",
     "inject_observer",
+    "merge_rank_reports",
     "observer_of",
     "remove_observer",
 ]

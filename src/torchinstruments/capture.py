@@ -78,9 +78,16 @@ def _walk(node: object, path: str, depth: int) -> Iterator[tuple[str, object]]:
         for index, item in enumerate(node):
             yield from _walk(item, f"{path}[{index}]", depth + 1)
     elif isinstance(node, Mapping):
-        attribute_style = type(node) not in (dict, OrderedDict)
+        # Attribute style (``output.logits``) only where the mapping really exposes its
+        # keys as attributes, as Hugging Face ModelOutput does; dicts use ``['key']``.
+        plain = type(node) in (dict, OrderedDict)
         for key, item in node.items():
-            if attribute_style and isinstance(key, str) and key.isidentifier():
+            if (
+                not plain
+                and isinstance(key, str)
+                and key.isidentifier()
+                and getattr(node, key, None) is item
+            ):
                 yield from _walk(item, f"{path}.{key}", depth + 1)
             else:
                 yield from _walk(item, f"{path}[{key!r}]", depth + 1)

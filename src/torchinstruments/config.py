@@ -48,13 +48,14 @@ class ReportConfig:
         require_int("ReportConfig", "max_bytes", self.max_bytes, minimum=4_096)
         require_int("ReportConfig", "top_k_per_category", self.top_k_per_category, minimum=1)
         require_int("ReportConfig", "max_error_entries", self.max_error_entries, minimum=0)
-        require_float(
+        interval = require_float(
             "ReportConfig",
             "rewrite_interval_s",
             self.rewrite_interval_s,
             minimum=0.0,
             exclusive_minimum=True,
         )
+        object.__setattr__(self, "rewrite_interval_s", interval)
         require_int("ReportConfig", "max_echo_modules", self.max_echo_modules, minimum=0)
 
 
@@ -96,7 +97,7 @@ class TrackConfig:
     def __post_init__(self) -> None:
         require_int("TrackConfig", "warmup_samples", self.warmup_samples, minimum=3)
         for name in ("fast_ema_alpha", "slow_ema_alpha"):
-            require_float(
+            value = require_float(
                 "TrackConfig",
                 name,
                 getattr(self, name),
@@ -104,13 +105,18 @@ class TrackConfig:
                 maximum=1.0,
                 exclusive_minimum=True,
             )
-        require_float("TrackConfig", "cusum_allowance", self.cusum_allowance, minimum=0.0)
-        require_float(
+            object.__setattr__(self, name, value)
+        allowance = require_float(
+            "TrackConfig", "cusum_allowance", self.cusum_allowance, minimum=0.0
+        )
+        object.__setattr__(self, "cusum_allowance", allowance)
+        threshold = require_float(
             "TrackConfig",
             "cusum_threshold",
             self.cusum_threshold,
             minimum=0.0,
             exclusive_minimum=True,
         )
+        object.__setattr__(self, "cusum_threshold", threshold)
         require_int("TrackConfig", "history_points", self.history_points, minimum=4)
         require_int("TrackConfig", "max_series", self.max_series, minimum=1)

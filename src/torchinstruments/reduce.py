@@ -126,17 +126,20 @@ def tensor_statistics(x: Tensor) -> Tensor:
         scaled = x.to(torch.float32, copy=True).reshape(-1)
         scaled.div_(divisor.to(torch.float32))
     nonzero = torch.count_nonzero(x)
+    # torch.sum adds pairwise (accurate in float32 for any length); torch.dot and
+    # vector_norm accumulate sequentially and lose digits beyond ~1e6 elements.
     sum_scaled = scaled.sum()
-    sum_abs = torch.linalg.vector_norm(scaled, 1)
-    sum_sq = torch.dot(scaled, scaled)
+    sum_abs = scaled.abs().sum()
+    sum_sq = (scaled * scaled).sum()
     finite32 = finite.to(torch.float32)
     mean = sum_scaled / finite32.clamp_min(1.0)
     scaled.sub_(mean)
     # Masked positions were set to zero; remove their (0 - mean) contributions.
     padded = numel - finite32
-    central2 = torch.dot(scaled, scaled) - padded * mean * mean
     scaled.square_()
-    central4 = torch.dot(scaled, scaled) - padded * mean.pow(4)
+    central2 = scaled.sum() - padded * mean * mean
+    scaled.square_()
+    central4 = scaled.sum() - padded * mean.pow(4)
     zeros = (numel - nonzero) - (numel - finite)
     parts = (
         # torch.full launches a fill kernel; torch.tensor(..., device=cuda) would copy
@@ -196,14 +199,16 @@ def cpu_statistics(x: Tensor) -> list[float]:
     flat = x.reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.to(torch.float32)
+    # Pairwise torch.sum rather than torch.dot: accurate in float32 at any length.
     total = float(flat.sum())
     sum_abs = float(flat.abs().sum())
-    sum_sq = float(torch.dot(flat, flat))
+    sum_sq = float((flat * flat).sum())
     mean = total / numel
     centred = flat - mean
-    central2 = float(torch.dot(centred, centred))
     centred.square_()
-    central4 = float(torch.dot(centred, centred))
+    central2 = float(centred.sum())
+    centred.square_()
+    central4 = float(centred.sum())
     zeros = numel - int(torch.count_nonzero(flat))
     scale = 1.0 / max_abs
     return [

@@ -1,0 +1,381 @@
+"""The find stage on hand-built series: exact orderings, echoes and determinism.
+
+Each test builds :class:`TensorSeries` objects directly and feeds them seeded synthetic
+values (multiplicative noise of about 1%, well inside the 2% noise floor of scale metrics),
+then runs :func:`torchinstruments.find.run_rules`. Module names are chosen so that
+alphabetical order is the reverse of forward order: a ranking that fell back on names
+instead of forward positions would fail.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from torchinstruments.config import TrackConfig
+from torchinstruments.find import CATEGORIES, Candidate, run_rules
+from torchinstruments.reduce import cpu_statistics, finish_statistics
+from torchinstruments.series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
+
+CONFIG = TrackConfig()  # warm-up 24 samples
+SAMPLES = 60
+STEP_AT = 40
+NOISE = 0.01  # relative, per sample
+
+
+def new_series(module: str, position: int, signal: str = ACTIVATION) -> TensorSeries:
+    return TensorSeries(
+        module=module,
+        call_index=0,
+        signal=signal,
+        tensor_path="output",
+        forward_position=position,
+        trackers={},
+    )
+
+
+def noisy(rng: random.Random, level: float) -> float:
+    return level * math.exp(rng.gauss(0.0, NOISE))
+
+
+def stepped_activation(
+    module: str, position: int, factor: float, seed: int, step_at: int = STEP_AT
+) -> TensorSeries:
+    """Activation RMS around 1.0 that is multiplied by ``factor`` from ``step_at`` on."""
+    rng = random.Random(seed)
+    series = new_series(module, position)
+    for sample in range(SAMPLES):
+        level = factor if sample >= step_at else 1.0
+        series.update(CONFIG, sample, {"rms": noisy(rng, level)})
+    return series
+
+
+def quiet_activation(module: str, position: int, seed: int) -> TensorSeries:
+    return stepped_activation(module, position, 1.0, seed)
+
+
+def root_gradient(seed: int) -> TensorSeries:
+    """The loss gradient: the root's output gradient, quiet, falling slowly."""
+    rng = random.Random(seed)
+    series = new_series("", 0, GRAD_OUTPUT)
+    for sample in range(SAMPLES):
+        series.update(CONFIG, sample, {"rms": noisy(rng, 1e-3 * 0.99**sample)})
+    return series
+
+
+def stepped_gradient(module: str, factor: float, seed: int) -> TensorSeries:
+    """Output-gradient RMS whose ratio to the loss gradient steps by ``factor``."""
+    rng = random.Random(seed)
+    series = new_series(module, -1, GRAD_OUTPUT)  # positions come from the activations
+    for sample in range(SAMPLES):
+        ratio = noisy(rng, factor if sample >= STEP_AT else 1.0)
+        root = 1e-3 * 0.99**sample
+        series.update(CONFIG, sample, {"rms": ratio * root, RMS_TO_ROOT: ratio})
+    return series
+
+
+def non_finite_series(
+    module: str, position: int, first_bad: int | None, signal: str = ACTIVATION
+) -> TensorSeries:
+    series = new_series(module, position, signal)
+    for sample in range(SAMPLES):
+        bad = first_bad is not None and sample >= first_bad
+        series.update(CONFIG, sample, {"nonfinite_fraction": 0.25 if bad else 0.0})
+    return series
+
+
+def names(candidates: list[Candidate]) -> list[str]:
+    return [c.series.module for c in candidates]
+
+
+def echo_names(candidate: Candidate) -> list[str]:
+    return [e.series.module for e in candidate.echoes]
+
+
+def notable(candidates: list[Candidate]) -> list[Candidate]:
+    return [c for c in candidates if c.notable]
+
+
+# ---------------------------------------------------------------- (a) activations
+
+
+def activation_fault() -> list[TensorSeries]:
+    # Forward positions 1, 2, 3; the step grows downstream, so the loudest is last.
+    return [
+        stepped_activation("z_first", 1, 4.0, seed=1),
+        stepped_activation("m_second", 2, 8.0, seed=2),
+        stepped_activation("a_third", 3, 16.0, seed=3),
+    ]
+
+
+def test_activation_step_origin_is_earliest_in_forward_order():
+    found = run_rules(activation_fault())
+    drift = notable(found["activation_scale_drift"])
+    assert names(drift) == ["z_first"]
+    origin = drift[0]
+    assert origin.onset == STEP_AT
+    assert origin.position == 1
+    assert origin.direction == 1
+    # The louder downstream modules are echoes, strongest first.
+    assert echo_names(origin) == ["a_third", "m_second"]
+    assert [e.onset for e in origin.echoes] == [STEP_AT, STEP_AT]
+    assert origin.echoes[0].score > origin.echoes[1].score > origin.score
+    assert origin.group_score == origin.echoes[0].score
+    # Echoes are folded: not returned as findings of their own.
+    assert "a_third" not in names(found["activation_scale_drift"])
+    assert "m_second" not in names(found["activation_scale_drift"])
+    # Scores are |ln(fast EMA / baseline)|: about ln 4 for the origin.
+    assert origin.score == origin.tracker.shift
+    assert abs(origin.score - math.log(4.0)) < 0.05
+
+
+def test_activation_step_regime_change_names_same_origin():
+    found = run_rules(activation_fault())
+    regime = notable(found["regime_change"])
+    assert names(regime) == ["z_first"]
+    origin = regime[0]
+    change = origin.tracker.strongest_change
+    assert change is not None
+    assert change.alarm_sample == STEP_AT
+    assert change.start_sample == STEP_AT
+    assert echo_names(origin) == ["a_third", "m_second"]
+
+
+def test_separate_events_are_separate_groups_ranked_by_strongest_score():
+    series = [
+        *activation_fault(),
+        stepped_activation("y_late", 4, 2.5, seed=4, step_at=50),
+        stepped_activation("b_later", 5, 3.0, seed=5, step_at=50),
+        quiet_activation("quiet", 6, seed=6),
+    ]
+    drift = notable(run_rules(series)["activation_scale_drift"])
+    # Group at sample 40 (strongest score ln 16) first, then the group at sample 50,
+    # whose origin is the earlier module even though b_later stepped more.
+    assert names(drift) == ["z_first", "y_late"]
+    assert [c.onset for c in drift] == [STEP_AT, 50]
+    assert echo_names(drift[1]) == ["b_later"]
+
+
+# ---------------------------------------------------------------- (b) gradients
+
+
+def gradient_fault() -> list[TensorSeries]:
+    # Activations give the forward positions (quiet); gradients step at STEP_AT, the
+    # loudest being the earliest module (gradients flow backwards).
+    return [
+        quiet_activation("z_first", 1, seed=11),
+        quiet_activation("m_second", 2, seed=12),
+        quiet_activation("a_third", 3, seed=13),
+        root_gradient(seed=10),
+        stepped_gradient("z_first", 16.0, seed=21),
+        stepped_gradient("m_second", 8.0, seed=22),
+        stepped_gradient("a_third", 4.0, seed=23),
+    ]
+
+
+def test_gradient_step_origin_is_latest_in_forward_order():
+    found = run_rules(gradient_fault())
+    change = notable(found["gradient_scale_change"])
+    assert names(change) == ["a_third"]
+    origin = change[0]
+    assert origin.position == 3
+    assert origin.onset == STEP_AT
+    assert origin.basis == "abs_log_ratio_to_baseline_net_of_loss_gradient"
+    assert origin.judged is origin.series.trackers[RMS_TO_ROOT]
+    assert echo_names(origin) == ["z_first", "m_second"]
+    assert origin.group_score == origin.echoes[0].score
+    # The loss gradient itself is the reference: listed last, never notable.
+    ranked = found["gradient_scale_change"]
+    assert ranked[-1].series.module == ""
+    assert ranked[-1].score == 0.0
+    assert not ranked[-1].notable
+
+
+def test_gradient_step_regime_change_names_latest_module():
+    regime = notable(run_rules(gradient_fault())["regime_change"])
+    assert names(regime) == ["a_third"]
+    assert regime[0].series.signal == GRAD_OUTPUT
+    assert echo_names(regime[0]) == ["z_first", "m_second"]
+
+
+def test_gradient_fault_leaves_activation_categories_quiet():
+    found = run_rules(gradient_fault())
+    assert notable(found["activation_scale_drift"]) == []
+
+
+# ---------------------------------------------------------------- (c) non-finite
+
+
+def test_non_finite_same_sample_ties_broken_by_forward_order():
+    found = run_rules(
+        [
+            non_finite_series("c_third", 3, 10),
+            non_finite_series("a_second", 2, 10),
+            non_finite_series("b_first", 1, 10),
+            non_finite_series("clean", 4, None),
+        ]
+    )["non_finite"]
+    assert names(found) == ["b_first"]
+    origin = found[0]
+    assert origin.onset == 10
+    assert origin.score == -10.0
+    assert origin.evidence["first_nonfinite_sample"] == 10
+    assert origin.evidence["samples_with_nonfinite"] == SAMPLES - 10
+    assert origin.evidence["samples_observed"] == SAMPLES
+    assert echo_names(origin) == ["a_second", "c_third"]
+
+
+def test_non_finite_earliest_sample_wins_over_forward_order():
+    found = run_rules(
+        [
+            non_finite_series("a_first", 1, 30),
+            non_finite_series("b_second", 2, 12),
+            non_finite_series("c_third", 3, 10),
+        ]
+    )["non_finite"]
+    # The module at forward position 3 went non-finite first: it is the origin, and the
+    # modules that went non-finite later are not its echoes.
+    assert names(found) == ["c_third", "b_second", "a_first"]
+    assert [c.onset for c in found] == [10, 12, 30]
+    assert [c.score for c in found] == [-10.0, -12.0, -30.0]
+    assert all(c.echoes == [] for c in found)
+
+
+def test_non_finite_within_a_few_samples_is_not_folded_into_a_later_upstream_module():
+    # Module at position 2 is non-finite from sample 10; position 1 only from sample 12.
+    # Position 1 was finite at sample 10, so it cannot be the origin.
+    found = run_rules(
+        [
+            non_finite_series("a_first", 1, 12),
+            non_finite_series("b_second", 2, 10),
+            non_finite_series("c_third", 3, 10),
+        ]
+    )["non_finite"]
+    assert names(found) == ["b_second", "a_first"]
+    assert echo_names(found[0]) == ["c_third"]
+
+
+def test_non_finite_gradients_origin_is_latest_module():
+    found = run_rules(
+        [
+            quiet_activation("z_first", 1, seed=1),
+            quiet_activation("a_second", 2, seed=2),
+            non_finite_series("z_first", 1, 20, GRAD_OUTPUT),
+            non_finite_series("a_second", 2, 20, GRAD_OUTPUT),
+        ]
+    )["non_finite"]
+    assert names(found) == ["a_second"]
+    assert echo_names(found[0]) == ["z_first"]
+
+
+def test_non_finite_activation_and_gradient_are_separate_groups():
+    found = run_rules(
+        [
+            non_finite_series("a_first", 1, 20),
+            non_finite_series("a_first", 1, 20, GRAD_OUTPUT),
+        ]
+    )["non_finite"]
+    assert [(c.series.module, c.series.signal) for c in found] == [
+        ("a_first", ACTIVATION),
+        ("a_first", GRAD_OUTPUT),
+    ]
+
+
+# ---------------------------------------------------------------- (d) quiet noise
+
+
+def quiet_model(seed: int) -> list[TensorSeries]:
+    """Three modules and the root, with metrics reduced from seeded random tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    modules = [("", 0), ("encoder", 1), ("encoder.relu", 2), ("head", 3)]
+    activations = {name: new_series(name, position) for name, position in modules}
+    gradients = {name: new_series(name, -1, GRAD_OUTPUT) for name, _ in modules}
+    for sample in range(SAMPLES):
+        values = {}
+        for name, _ in modules:
+            x = torch.randn(512, generator=generator)
+            if name == "encoder.relu":
+                x = x.relu()
+            activations[name].update(CONFIG, sample, finish_statistics(cpu_statistics(x)))
+            g = torch.randn(512, generator=generator) * 1e-3
+            values[name] = finish_statistics(cpu_statistics(g))
+        root_rms = values[""]["rms"]
+        for name, _ in modules:
+            row = dict(values[name])
+            if name:
+                row[RMS_TO_ROOT] = row["rms"] / root_rms
+            gradients[name].update(CONFIG, sample, row)
+    return [*activations.values(), *gradients.values()]
+
+
+def test_quiet_noise_has_no_notable_candidate():
+    found = run_rules(quiet_model(seed=0))
+    assert set(found) == set(CATEGORIES)
+    for category, candidates in found.items():
+        assert notable(candidates) == [], category
+        for candidate in candidates:
+            assert candidate.echoes == []
+
+
+def test_quiet_model_trackers_are_warm():
+    # Warm-up is complete everywhere, so "nothing notable" above is not for lack of data.
+    for series in quiet_model(seed=0):
+        assert series.observations == SAMPLES
+        for tracker in series.trackers.values():
+            assert tracker.count == SAMPLES
+            assert tracker.warmup_complete
+
+
+# ---------------------------------------------------------------- (e) determinism
+
+
+def summary(found: dict[str, list[Candidate]]) -> list[tuple[object, ...]]:
+    return [
+        (
+            category,
+            rank,
+            c.series.module,
+            c.series.call_index,
+            c.series.signal,
+            c.series.tensor_path,
+            c.metric,
+            c.score,
+            c.notable,
+            c.onset,
+            tuple(echo_names(c)),
+        )
+        for category, candidates in found.items()
+        for rank, c in enumerate(candidates, start=1)
+    ]
+
+
+def mixed_run() -> list[TensorSeries]:
+    return [
+        *gradient_fault(),
+        stepped_activation("n_act", 4, 4.0, seed=31),
+        stepped_activation("o_act", 5, 4.0, seed=32),
+        non_finite_series("p_nan", 6, 45),
+        non_finite_series("q_nan", 7, 45),
+    ]
+
+
+def test_same_input_gives_same_order():
+    first = summary(run_rules(mixed_run()))
+    second = summary(run_rules(mixed_run()))
+    assert first == second
+    assert any(row[8] for row in first)  # something notable was ranked
+
+
+def test_rerunning_on_the_same_series_gives_same_order():
+    series = mixed_run()
+    assert summary(run_rules(series)) == summary(run_rules(series))
+
+
+def test_order_does_not_depend_on_input_order():
+    series = mixed_run()
+    assert summary(run_rules(series)) == summary(run_rules(list(reversed(series))))
+    shuffled = list(series)
+    random.Random(5).shuffle(shuffled)
+    assert summary(run_rules(series)) == summary(run_rules(shuffled))

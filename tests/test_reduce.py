@@ -1,0 +1,549 @@
+"""Per-tensor reductions against float64 numpy references.
+
+Tolerances. ``tensor_statistics`` and the CPU fast path accumulate in float32 (the inputs
+are scaled by their largest magnitude first), so a sum over a few thousand elements
+carries a relative error of order ``n_levels * 2**-24`` (about 1e-6 for a cascade sum);
+``rel=1e-5`` leaves an order of magnitude of margin while still catching any formula or
+masking error, which would be off by far more. ``excess_kurtosis`` is a difference
+(``m4 / m2**2 - 3``) that can be close to zero, so the relative bound applies to the ratio
+``m4 / m2**2`` (= excess + 3): an absolute tolerance of ``1e-5 * (|excess| + 3)``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import torchinstruments.reduce as reduce_module
+from torchinstruments.reduce import (
+    METRICS,
+    STAT_WIDTH,
+    cpu_statistics,
+    finish_statistics,
+    is_reducible,
+    skip_reason,
+    tensor_statistics,
+)
+
+REL = 1e-5  # float32 accumulation, see the module docstring
+
+
+def kurtosis_approx(expected: float) -> object:
+    """``rel=1e-5`` on ``m4 / m2**2``, i.e. on ``expected + 3`` (see the module docstring)."""
+    return pytest.approx(expected, rel=REL, abs=REL * (abs(expected) + 3.0))
+
+
+def reference_metrics(x: torch.Tensor) -> dict[str, float | None]:
+    """The documented metric definitions, in float64 numpy, on the tensor's exact values."""
+    if x.is_complex():
+        x = x.abs()
+    values = x.detach().to(torch.float64).reshape(-1).numpy()
+    finite = values[np.isfinite(values)]
+    out: dict[str, float | None] = dict.fromkeys(METRICS)
+    out["nonfinite_fraction"] = (values.size - finite.size) / values.size
+    if finite.size == 0:
+        return out
+    # Scale by the largest magnitude before squaring so that the float64 reference itself
+    # neither overflows (1e300) nor underflows (1e-300).
+    max_abs = float(np.max(np.abs(finite)))
+    scale = max_abs if max_abs > 0 else 1.0
+    scaled = finite / scale
+    rms = scale * math.sqrt(float(np.mean(scaled * scaled)))
+    out["rms"] = rms
+    out["mean_abs"] = scale * float(np.mean(np.abs(scaled)))
+    out["max_abs"] = max_abs
+    out["tail_ratio"] = max_abs / rms if rms > 0 else None
+    centred = scaled - scaled.mean()
+    m2 = float(np.mean(centred**2))
+    m4 = float(np.mean(centred**4))
+    if finite.size >= 4 and m2 > 1e-10:
+        out["excess_kurtosis"] = m4 / (m2 * m2) - 3.0
+    out["zero_fraction"] = float(np.count_nonzero(finite == 0)) / finite.size
+    return out
+
+
+def assert_metrics_close(actual: dict[str, float | None], expected: dict[str, float | None]):
+    assert set(actual) == set(METRICS)
+    for metric in METRICS:
+        want, got = expected[metric], actual[metric]
+        if want is None:
+            assert got is None, metric
+            continue
+        assert got is not None, metric
+        assert math.isfinite(got), metric
+        if metric == "excess_kurtosis":
+            assert got == kurtosis_approx(want), metric
+        else:
+            assert got == pytest.approx(want, rel=REL), metric
+
+
+def both_paths(x: torch.Tensor) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    device_row = tensor_statistics(x)
+    assert device_row.dtype == torch.float64
+    assert device_row.shape == (STAT_WIDTH,)
+    return finish_statistics(device_row.tolist()), finish_statistics(cpu_statistics(x))
+
+
+def seeded(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+
+# ---------------------------------------------------------------- hand-computed example
+
+
+def test_hand_computed_example_statistics_vector():
+    x = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    row = tensor_statistics(x).tolist()
+    # m = 3; scaled values 1/3, -2/3, 0, 1; scaled mean 1/6.
+    expected = [
+        4.0,  # numel
+        4.0,  # finite
+        1.0,  # zeros
+        3.0,  # max_abs
+        2.0 / 3.0,  # sum x/m
+        6.0 / 3.0,  # sum |x|/m
+        14.0 / 9.0,  # sum (x/m)^2
+        13.0 / 9.0,  # sum (x/m - mean)^2 = 4 * 3.25 / 9
+        78.25 / 81.0,  # sum (x/m - mean)^4
+    ]
+    assert row == pytest.approx(expected, rel=1e-6)
+    assert cpu_statistics(x) == pytest.approx(expected, rel=1e-6)
+
+
+def test_hand_computed_example_metrics():
+    x = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    # mean 0.5; deviations 0.5, -2.5, -0.5, 2.5; m2 = 13/4; m4 = 313/16;
+    # m4 / m2^2 = 313/169, so the excess kurtosis is 313/169 - 3 = -194/169.
+    expected = {
+        "rms": math.sqrt(14.0 / 4.0),
+        "mean_abs": 1.5,
+        "max_abs": 3.0,
+        "tail_ratio": 3.0 / math.sqrt(3.5),
+        "excess_kurtosis": -194.0 / 169.0,
+        "zero_fraction": 0.25,
+        "nonfinite_fraction": 0.0,
+    }
+    device, cpu = both_paths(x)
+    for metric, value in expected.items():
+        assert device[metric] == pytest.approx(value, rel=1e-6), metric
+        assert cpu[metric] == pytest.approx(value, rel=1e-6), metric
+    # Exactly representable results are exact.
+    assert device["max_abs"] == 3.0
+    assert device["mean_abs"] == 1.5
+    assert device["zero_fraction"] == 0.25
+    assert device["nonfinite_fraction"] == 0.0
+
+
+# ---------------------------------------------------------------- dtypes against numpy
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
+def test_dtypes_match_numpy(dtype):
+    x = seeded(64, 50, seed=1, dtype=dtype)
+    expected = reference_metrics(x)
+    device, cpu = both_paths(x)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+
+
+def test_shifted_heavy_tailed_values_match_numpy():
+    # A nonzero mean and a few large elements exercise the central moments.
+    x = seeded(2000, seed=2) + 3.0
+    x[::97] *= 25.0
+    x[5::11] = 0.0
+    expected = reference_metrics(x)
+    assert expected["excess_kurtosis"] is not None and expected["excess_kurtosis"] > 3.0
+    device, cpu = both_paths(x)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+    assert device["zero_fraction"] == pytest.approx(182 / 2000, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_near_maximum_does_not_overflow(dtype):
+    finfo = torch.finfo(dtype)
+    x = (seeded(4000, seed=3, dtype=torch.float64).clamp(-3.0, 3.0) / 3.0 * 3.0e38).to(dtype)
+    assert bool(torch.isfinite(x).all())
+    assert float(x.abs().max()) > 0.85 * finfo.max
+    expected = reference_metrics(x)
+    device, cpu = both_paths(x)
+    assert device["nonfinite_fraction"] == 0.0
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+
+
+def test_bfloat16_maximum_constant():
+    big = torch.finfo(torch.bfloat16).max
+    x = torch.full((1000,), big, dtype=torch.bfloat16)
+    device, cpu = both_paths(x)
+    for values in (device, cpu):
+        assert values["rms"] == pytest.approx(big, rel=REL)
+        assert values["max_abs"] == big
+        assert values["tail_ratio"] == pytest.approx(1.0, rel=REL)
+        assert values["nonfinite_fraction"] == 0.0
+
+
+def test_float64_beyond_float32_range():
+    x = seeded(500, seed=4, dtype=torch.float64) * 1e300
+    expected = reference_metrics(x)
+    assert expected["rms"] is not None and expected["rms"] > 1e299
+    device, cpu = both_paths(x)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [(torch.float32, 1e-30), (torch.float64, 1e-30), (torch.float64, 1e-300)],
+    ids=["float32-1e-30", "float64-1e-30", "float64-1e-300"],
+)
+def test_tiny_values_do_not_underflow(dtype, scale):
+    x = seeded(500, seed=5, dtype=torch.float64).mul(scale).to(dtype)
+    expected = reference_metrics(x)
+    device, cpu = both_paths(x)
+    assert device["rms"] is not None and device["rms"] > 0.0
+    assert device["rms"] == pytest.approx(expected["rms"], rel=REL)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+def test_non_finite_values_are_counted_and_excluded():
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([1.0, nan, inf, -2.0, -inf, 0.0])
+    device, cpu = both_paths(x)
+    for values in (device, cpu):
+        assert values["nonfinite_fraction"] == 0.5
+        # Finite elements: 1, -2, 0.
+        assert values["rms"] == pytest.approx(math.sqrt(5.0 / 3.0), rel=1e-6)
+        assert values["mean_abs"] == pytest.approx(1.0, rel=1e-6)
+        assert values["max_abs"] == 2.0
+        assert values["tail_ratio"] == pytest.approx(2.0 / math.sqrt(5.0 / 3.0), rel=1e-6)
+        assert values["zero_fraction"] == pytest.approx(1.0 / 3.0, rel=1e-12)
+        assert values["excess_kurtosis"] is None  # fewer than 4 finite elements
+    row = tensor_statistics(x).tolist()
+    assert row[:4] == [6.0, 3.0, 1.0, 2.0]
+
+
+def test_non_finite_mixed_into_random_values_match_numpy():
+    x = seeded(1000, seed=6) * 4.0 + 1.0
+    x[3::50] = float("nan")
+    x[7::125] = float("inf")
+    x[11::250] = float("-inf")
+    expected = reference_metrics(x)
+    assert expected["nonfinite_fraction"] == pytest.approx((20 + 8 + 4) / 1000, rel=1e-12)
+    device, cpu = both_paths(x)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+    assert device["nonfinite_fraction"] == expected["nonfinite_fraction"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_all_non_finite_tensor_has_no_scale_metrics(dtype):
+    x = torch.tensor([float("nan"), float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    device, cpu = both_paths(x)
+    for values in (device, cpu):
+        assert values["nonfinite_fraction"] == 1.0
+        for metric in METRICS:
+            if metric != "nonfinite_fraction":
+                assert values[metric] is None, metric
+    assert tensor_statistics(x).tolist()[:3] == [4.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- degenerate values
+
+
+def test_constant_tensor():
+    x = torch.full((7,), -2.5)
+    device, cpu = both_paths(x)
+    assert device == {
+        "rms": 2.5,
+        "mean_abs": 2.5,
+        "max_abs": 2.5,
+        "tail_ratio": 1.0,
+        "excess_kurtosis": None,
+        "zero_fraction": 0.0,
+        "nonfinite_fraction": 0.0,
+    }
+    assert cpu["excess_kurtosis"] is None
+    assert cpu["tail_ratio"] == pytest.approx(1.0, rel=REL)
+    assert cpu["rms"] == pytest.approx(2.5, rel=REL)
+
+
+def test_all_zero_tensor():
+    x = torch.zeros(5, 3)
+    device, cpu = both_paths(x)
+    expected = {
+        "rms": 0.0,
+        "mean_abs": 0.0,
+        "max_abs": 0.0,
+        "tail_ratio": None,  # rms is zero
+        "excess_kurtosis": None,
+        "zero_fraction": 1.0,
+        "nonfinite_fraction": 0.0,
+    }
+    assert device == expected
+    assert cpu == expected
+
+
+def test_single_element():
+    device, cpu = both_paths(torch.tensor([-4.0]))
+    for values in (device, cpu):
+        assert values["rms"] == pytest.approx(4.0, rel=1e-6)
+        assert values["max_abs"] == 4.0
+        assert values["excess_kurtosis"] is None
+
+
+def test_finish_statistics_edge_rows():
+    # numel 0 (never produced by tensor_statistics, but finish must not divide by it).
+    assert finish_statistics([0.0] * STAT_WIDTH) == dict.fromkeys(METRICS)
+    # Three finite elements: no kurtosis even with variance.
+    values = finish_statistics([3.0, 3.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    assert values["excess_kurtosis"] is None
+    assert values["rms"] == pytest.approx(math.sqrt(2.0 / 3.0), rel=1e-12)
+    # Variance below the 1e-10 (units of max_abs^2) rounding floor: no kurtosis.
+    values = finish_statistics([8.0, 8.0, 0.0, 1.0, 8.0, 8.0, 8.0, 8e-11, 1e-21])
+    assert values["excess_kurtosis"] is None
+    assert list(values) == list(METRICS)
+
+
+# ---------------------------------------------------------------- complex and layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_complex_is_reduced_by_magnitude(dtype):
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(300, dtype=dtype, generator=generator)
+    expected = reference_metrics(x.abs())
+    device, cpu = both_paths(x)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+
+
+def test_complex_hand_example():
+    x = torch.tensor([3 + 4j, 0j, -6 + 8j, 1j], dtype=torch.complex64)
+    device, _ = both_paths(x)
+    # Magnitudes 5, 0, 10, 1.
+    assert device["max_abs"] == 10.0
+    assert device["mean_abs"] == pytest.approx(4.0, rel=1e-6)
+    assert device["rms"] == pytest.approx(math.sqrt(126.0 / 4.0), rel=1e-6)
+    assert device["zero_fraction"] == 0.25
+
+
+def test_expanded_tensor():
+    base = seeded(4, 1, seed=8)
+    x = base.expand(4, 1000)
+    assert x.stride() == (1, 0)
+    expected = reference_metrics(x)
+    device, cpu = both_paths(x)
+    # The layout must not matter: an expanded view reduces like its contiguous copy.
+    assert device == finish_statistics(tensor_statistics(x.contiguous()).tolist())
+    assert cpu == finish_statistics(cpu_statistics(x.contiguous()))
+    for values in (device, cpu):
+        assert values["max_abs"] == expected["max_abs"]
+        assert values["rms"] == pytest.approx(expected["rms"], rel=REL)
+        assert values["tail_ratio"] == pytest.approx(expected["tail_ratio"], rel=REL)
+        assert values["excess_kurtosis"] == kurtosis_approx(expected["excess_kurtosis"])
+    assert cpu["mean_abs"] == pytest.approx(expected["mean_abs"], rel=REL)
+    assert device["mean_abs"] == pytest.approx(expected["mean_abs"], rel=REL)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: seeded(30, 40, seed=9).t(),
+        lambda: seeded(30, 40, seed=9)[:, ::3],
+        lambda: seeded(2, 30, 40, seed=9).permute(2, 0, 1)[1:, :, 5:],
+        lambda: seeded(30, 40, seed=9, dtype=torch.float64)[::2].t(),
+        lambda: seeded(30, 40, seed=9, dtype=torch.bfloat16)[:, 1::2],
+    ],
+    ids=["transposed", "strided", "permuted-sliced", "float64-strided", "bfloat16-strided"],
+)
+def test_non_contiguous_tensors(make):
+    x = make()
+    assert not x.is_contiguous()
+    expected = reference_metrics(x)
+    device, cpu = both_paths(x)
+    assert_metrics_close(device, expected)
+    assert_metrics_close(cpu, expected)
+
+
+def test_input_is_not_modified():
+    x = seeded(10, 10, seed=10)
+    x[0, 0] = float("nan")
+    before = x.clone()
+    tensor_statistics(x)
+    cpu_statistics(x)
+    assert torch.equal(x.isnan(), before.isnan())
+    assert torch.equal(x.nan_to_num(), before.nan_to_num())
+    y = seeded(10, 10, seed=11)
+    before = y.clone()
+    tensor_statistics(y)
+    cpu_statistics(y)
+    assert torch.equal(y, before)
+
+
+def test_requires_grad_input_is_reduced_without_graph():
+    x = seeded(50, seed=12).requires_grad_()
+    row = tensor_statistics(x)
+    assert not row.requires_grad
+    assert finish_statistics(cpu_statistics(x)) == pytest.approx(
+        finish_statistics(row.tolist()), rel=REL
+    )
+
+
+# ---------------------------------------------------------------- unreducible tensors
+
+
+def _sparse_csr() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta"
+        return torch.eye(3).to_sparse_csr()
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: torch.zeros(0), "empty"),
+        (lambda: torch.zeros(3, 0, dtype=torch.float64), "empty"),
+        (lambda: torch.arange(5), "non_floating"),
+        (lambda: torch.zeros(3, dtype=torch.int8), "non_floating"),
+        (lambda: torch.ones(3, dtype=torch.bool), "non_floating"),
+        (lambda: torch.eye(3).to_sparse(), "sparse"),
+        (_sparse_csr, "sparse"),
+        (lambda: torch.zeros(3, device="meta"), "meta"),
+        (lambda: 3.0, "not_a_tensor"),
+        (lambda: None, "not_a_tensor"),
+        (lambda: np.zeros(3), "not_a_tensor"),
+    ],
+    ids=[
+        "empty",
+        "empty-2d",
+        "int64",
+        "int8",
+        "bool",
+        "sparse-coo",
+        "sparse-csr",
+        "meta",
+        "float",
+        "none",
+        "numpy",
+    ],
+)
+def test_skip_reason(make, reason):
+    value = make()
+    assert skip_reason(value) == reason
+    assert not is_reducible(value)
+    expected = f"x must be a dense floating tensor, got {reason}$"
+    with pytest.raises(ValueError, match=f"^tensor_statistics: {expected}"):
+        tensor_statistics(value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"^cpu_statistics: {expected}"):
+        cpu_statistics(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64],
+    ids=str,
+)
+def test_floating_and_complex_are_reducible(dtype):
+    value = torch.ones(2, dtype=dtype)
+    assert skip_reason(value) is None
+    assert is_reducible(value)
+
+
+# ---------------------------------------------------------------- CPU fast path
+
+
+@pytest.fixture
+def fallback_calls(monkeypatch):
+    """Count calls of tensor_statistics made by cpu_statistics (the fallback)."""
+    calls: list[torch.Tensor] = []
+    original = reduce_module.tensor_statistics
+
+    def spy(x):
+        calls.append(x)
+        return original(x)
+
+    monkeypatch.setattr(reduce_module, "tensor_statistics", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("scale", "dtype"),
+    [(1.0, torch.float32), (1e-5, torch.float32), (1e5, torch.float32), (1.0, torch.float16)],
+    ids=["f32-1", "f32-1e-5", "f32-1e5", "f16-1"],
+)
+def test_fast_path_is_taken_for_safe_values(fallback_calls, scale, dtype):
+    x = (seeded(100, seed=13) * scale).to(dtype)
+    expected = reference_metrics(x)
+    values = finish_statistics(reduce_module.cpu_statistics(x))
+    assert fallback_calls == []
+    assert_metrics_close(values, expected)
+    assert_metrics_close(finish_statistics(tensor_statistics(x).tolist()), expected)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: seeded(100, seed=14) * 1e-9,  # below the 1e-8 floor
+        lambda: seeded(100, seed=14) * 1e9,  # above (1e36 / 100) ** 0.25 = 3.2e8
+        lambda: torch.where(torch.arange(100) == 5, float("nan"), seeded(100, seed=14)),
+        lambda: torch.where(torch.arange(100) == 5, float("-inf"), seeded(100, seed=14)),
+        lambda: torch.zeros(100),
+        lambda: seeded(100, seed=14, dtype=torch.float64),
+        lambda: torch.randn(100, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)),
+    ],
+    ids=["tiny", "huge", "nan", "neg-inf", "zeros", "float64", "complex64"],
+)
+def test_fast_path_falls_back(fallback_calls, make):
+    x = make()
+    row = reduce_module.cpu_statistics(x)
+    assert len(fallback_calls) == 1
+    # The fallback is exactly the device path.
+    assert row == tensor_statistics(x).tolist()
+    assert_metrics_close(finish_statistics(row), reference_metrics(x))
+
+
+def test_fast_path_limit_boundary(fallback_calls):
+    n = 16
+    limit = (1e36 / n) ** 0.25  # 5e8 for 16 elements
+    inside = torch.full((n,), 0.5, dtype=torch.float64)
+    inside[0] = limit * 0.999
+    reduce_module.cpu_statistics(inside.to(torch.float32))
+    assert fallback_calls == []
+    outside = inside.clone()
+    outside[0] = limit * 1.001
+    reduce_module.cpu_statistics(outside.to(torch.float32))
+    assert len(fallback_calls) == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_fast_path_agrees_with_device_path(seed, dtype):
+    x = (seeded(257, 3, seed=seed) * (seed + 1) + seed).to(dtype)
+    fast = cpu_statistics(x)
+    slow = tensor_statistics(x).tolist()
+    assert fast[:4] == slow[:4]  # counts and max_abs are exact
+    assert_metrics_close(finish_statistics(fast), finish_statistics(slow))
+
+
+# ---------------------------------------------------------------- accumulation precision
+
+
+def test_mean_abs_accumulation_precision():
+    """Sums are pairwise (torch.sum), so a million elements keep float32 precision."""
+    x = torch.rand(1_000_000, generator=torch.Generator().manual_seed(0))
+    expected = reference_metrics(x)
+    device = finish_statistics(tensor_statistics(x).tolist())
+    assert device["mean_abs"] == pytest.approx(expected["mean_abs"], rel=REL)
+    assert device["rms"] == pytest.approx(expected["rms"], rel=REL)

@@ -1,0 +1,231 @@
+"""Sampling policies: exact sampled indices, descriptions and argument errors."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from torchinstruments.errors import ConfigError
+from torchinstruments.sampling import (
+    DefaultSampling,
+    EveryNSampling,
+    SamplingPolicy,
+    resolve_sampling,
+)
+
+
+def sampled(policy, n: int) -> list[int]:
+    return [i for i in range(n) if policy.should_sample(i)]
+
+
+# ---------------------------------------------------------------- EveryNSampling
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (1, list(range(10))),
+        (3, [0, 3, 6, 9]),
+        (4, [0, 4, 8]),
+        (10, [0]),
+        (11, [0]),
+    ],
+)
+def test_every_n_indices(n, expected):
+    assert sampled(EveryNSampling(n), 10) == expected
+
+
+def test_every_n_describe_and_repr():
+    policy = EveryNSampling(7)
+    assert policy.n == 7
+    assert policy.describe() == {"policy": "every_n", "interval_forwards": 7}
+    assert repr(policy) == "EveryNSampling(7)"
+    assert isinstance(policy, SamplingPolicy)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, False, 2.0, "3", None])
+def test_every_n_rejects(bad):
+    message = f"EveryNSampling.n must be an int >= 1, got {bad!r}"
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        EveryNSampling(bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- DefaultSampling
+
+
+def test_default_small_schedule():
+    policy = DefaultSampling(samples_per_stage=2, max_interval_forwards=4)
+    # Stages: from 0 every 1 (0, 1), from 2 every 2 (2, 4), from 6 every 4 (6, 10, ...).
+    assert sampled(policy, 16) == [0, 1, 2, 4, 6, 10, 14]
+    assert sampled(policy, 40) == [0, 1, 2, 4, 6, 10, 14, 18, 22, 26, 30, 34, 38]
+
+
+def test_default_cap_not_a_power_of_two():
+    policy = DefaultSampling(samples_per_stage=3, max_interval_forwards=3)
+    # from 0 every 1 (3 samples), from 3 every 2 (3 samples), from 9 every 3.
+    assert sampled(policy, 20) == [0, 1, 2, 3, 5, 7, 9, 12, 15, 18]
+    assert policy.describe()["stages"] == [
+        {"from_forward": 0, "interval_forwards": 1},
+        {"from_forward": 3, "interval_forwards": 2},
+        {"from_forward": 9, "interval_forwards": 3},
+    ]
+
+
+def test_default_interval_one_samples_every_forward():
+    policy = DefaultSampling(samples_per_stage=5, max_interval_forwards=1)
+    assert sampled(policy, 12) == list(range(12))
+    assert policy.describe()["stages"] == [{"from_forward": 0, "interval_forwards": 1}]
+
+
+def test_default_schedule_with_defaults():
+    policy = DefaultSampling()
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (64, 32)
+    indices = sampled(policy, 4000)
+    # The first 64 forwards, then 128 samples within the first 192 forwards.
+    assert indices[:64] == list(range(64))
+    assert len([i for i in indices if i < 192]) == 128
+    assert indices[64:70] == [64, 66, 68, 70, 72, 74]
+    # Stages start at 0, 64, 192, 448, 960 and 1984; 64 samples per stage until the cap.
+    stage_starts = [0, 64, 192, 448, 960, 1984]
+    for start, next_start in itertools.pairwise(stage_starts):
+        assert len([i for i in indices if start <= i < next_start]) == 64
+    assert [i for i in indices if i >= 1984][:4] == [1984, 2016, 2048, 2080]
+    assert len(indices) == 5 * 64 + len(range(1984, 4000, 32))
+
+
+def test_default_interval_at():
+    policy = DefaultSampling()
+    expected = {0: 1, 63: 1, 64: 2, 191: 2, 192: 4, 447: 4, 448: 8, 959: 8, 960: 16}
+    expected |= {1983: 16, 1984: 32, 10**9: 32}
+    for index, interval in expected.items():
+        assert policy.interval_at(index) == interval, index
+
+
+def test_default_describe_and_repr():
+    policy = DefaultSampling()
+    assert policy.describe() == {
+        "policy": "default",
+        "samples_per_stage": 64,
+        "max_interval_forwards": 32,
+        "stages": [
+            {"from_forward": 0, "interval_forwards": 1},
+            {"from_forward": 64, "interval_forwards": 2},
+            {"from_forward": 192, "interval_forwards": 4},
+            {"from_forward": 448, "interval_forwards": 8},
+            {"from_forward": 960, "interval_forwards": 16},
+            {"from_forward": 1984, "interval_forwards": 32},
+        ],
+    }
+    assert repr(policy) == "DefaultSampling(samples_per_stage=64, max_interval_forwards=32)"
+    assert isinstance(policy, SamplingPolicy)
+
+
+def test_policies_are_deterministic():
+    a = DefaultSampling(samples_per_stage=5, max_interval_forwards=8)
+    b = DefaultSampling(samples_per_stage=5, max_interval_forwards=8)
+    first = sampled(a, 500)
+    assert sampled(a, 500) == first
+    assert sampled(b, 500) == first
+    # Order of queries does not matter: the decision is a function of the index only.
+    assert [i for i in reversed(range(500)) if a.should_sample(i)] == first[::-1]
+    every = EveryNSampling(6)
+    assert sampled(every, 100) == sampled(EveryNSampling(6), 100)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"samples_per_stage": 0},
+            "DefaultSampling.samples_per_stage must be an int >= 1, got 0",
+        ),
+        (
+            {"samples_per_stage": 2.5},
+            "DefaultSampling.samples_per_stage must be an int >= 1, got 2.5",
+        ),
+        (
+            {"max_interval_forwards": 0},
+            "DefaultSampling.max_interval_forwards must be an int >= 1, got 0",
+        ),
+        (
+            {"max_interval_forwards": True},
+            "DefaultSampling.max_interval_forwards must be an int >= 1, got True",
+        ),
+    ],
+)
+def test_default_rejects(kwargs, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        DefaultSampling(**kwargs)
+
+
+def test_default_arguments_are_keyword_only():
+    with pytest.raises(TypeError):
+        DefaultSampling(64, 32)  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- resolve_sampling
+
+
+def test_resolve_none_is_default_schedule():
+    policy = resolve_sampling(None)
+    assert isinstance(policy, DefaultSampling)
+    assert policy.describe() == DefaultSampling().describe()
+
+
+@pytest.mark.parametrize("n", [1, 2, 32])
+def test_resolve_int_is_every_n(n):
+    policy = resolve_sampling(n)
+    assert isinstance(policy, EveryNSampling)
+    assert policy.describe() == {"policy": "every_n", "interval_forwards": n}
+
+
+def test_resolve_one_samples_every_forward():
+    assert sampled(resolve_sampling(1), 9) == list(range(9))
+
+
+def test_resolve_passes_policy_objects_through():
+    class Odd:
+        def should_sample(self, forward_index: int) -> bool:
+            return forward_index % 2 == 1
+
+        def describe(self) -> dict[str, object]:
+            return {"policy": "odd"}
+
+    policy = Odd()
+    assert resolve_sampling(policy) is policy
+    every = EveryNSampling(3)
+    assert resolve_sampling(every) is every
+
+
+@pytest.mark.parametrize("bad", [0, -4, True, False])
+def test_resolve_rejects_bad_ints(bad):
+    message = (
+        f"inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy, got {bad!r}"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        resolve_sampling(bad)
+
+
+class _OnlyShouldSample:
+    def should_sample(self, forward_index: int) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("bad", "type_name"),
+    [(2.0, "float"), ("every", "str"), ([1], "list"), (_OnlyShouldSample(), "_OnlyShouldSample")],
+)
+def test_resolve_rejects_other_objects(bad, type_name):
+    message = (
+        "inject_observer: sampling must be None, an int >= 1 or an object with "
+        f"should_sample(forward_index) and describe(), got {type_name}"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        resolve_sampling(bad)
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        resolve_sampling("every")
