@@ -20,12 +20,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .find import CATEGORIES, RULES, Candidate, display_module, format_value, run_rules
-from .series import GRAD_OUTPUT
+from .series import GRAD_OUTPUT, LOG_SCALE_METRICS
 
 if TYPE_CHECKING:
     from .observer import Observer
 
-__all__ = ["LLM_PROMPT", "SCHEMA", "build_report", "dumps_report", "render_markdown"]
+__all__ = [
+    "LLM_PROMPT",
+    "SCHEMA",
+    "build_report",
+    "dumps_report",
+    "render_markdown",
+    "sparkline",
+]
 
 SCHEMA = "torchinstruments.report/1"
 #: Points of series history carried by each finding.
@@ -461,6 +468,31 @@ def dumps_report(report: dict[str, Any]) -> bytes:
     return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
+_SPARK_LEVELS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(points: Sequence[Sequence[float]], *, log_scale: bool) -> str:
+    """One-line picture of ``[sample, value]`` points: eight block heights, min to max.
+
+    Scale metrics are drawn on a log axis (a 10x jump looks like a jump). Returns
+    ``""`` for fewer than two points.
+
+    Example:
+        >>> sparkline([[0, 1.0], [1, 2.0], [2, 4.0]], log_scale=True)
+        '▁▅█'
+    """
+    values = [float(v) for _, v in points]
+    if len(values) < 2:
+        return ""
+    if log_scale:
+        values = [math.log(max(v, 1e-30)) for v in values]
+    low, high = min(values), max(values)
+    if high - low <= 1e-12 * max(1.0, abs(high)):
+        return _SPARK_LEVELS[0] * len(values)
+    top = len(_SPARK_LEVELS) - 1
+    return "".join(_SPARK_LEVELS[round((v - low) / (high - low) * top)] for v in values)
+
+
 def _markdown_finding(f: dict[str, Any]) -> list[str]:
     title = f["category"].replace("_", " ").capitalize()
     call = "" if f.get("call_index") is None else f", call {f['call_index']}"
@@ -481,6 +513,14 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
     if echoes:
         names = ", ".join(f"`{e['module']}`" for e in echoes)
         lines.append(f"- Echoes at the same samples (not listed separately): {names}.")
+    history = f.get("history") or []
+    if len(history) >= 2:
+        picture = sparkline(history, log_scale=f["metric"] in LOG_SCALE_METRICS)
+        lines.append(
+            f"- Series, samples {history[0][0]} to {history[-1][0]}: `{picture}` "
+            f"(min {f['min']['value']} at sample {f['min']['sample']}, "
+            f"max {f['max']['value']} at sample {f['max']['sample']})"
+        )
     lines.append(f"- Next experiment: {f['next_experiment']}")
     lines.append("")
     return lines
