@@ -51,6 +51,7 @@ def test_exported_members_are_the_public_api() -> None:
             "TrackConfig",
             "__version__",
             "inject_observer",
+            "merge_rank_reports",
             "observer_of",
             "remove_observer",
         ]

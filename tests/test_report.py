@@ -87,6 +87,7 @@ def _strip_times(report: dict) -> dict:
     report = json.loads(json.dumps(report))
     report.pop("generated_at")
     report["run"].pop("elapsed_s")
+    report["run"].pop("telemetry_seconds")
     report["run"].pop("started_at")
     return report
 

@@ -54,6 +54,6 @@ def test_observer_reports_its_cost_to_the_policy(tmp_path: Path) -> None:
     remove_observer(model)
     report = read_report(tmp_path)
     assert policy.cost_s > 0
-    assert report["coverage"]["telemetry_seconds"] > 0
+    assert report["run"]["telemetry_seconds"] > 0
     assert report["config"]["sampling"]["policy"] == "time_budget"
     assert report["coverage"]["samples_observed"] >= 5

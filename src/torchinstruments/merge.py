@@ -327,7 +327,7 @@ class _RankSummary:
 class _SeriesValues:
     """Latest value (and its sample) of one series on each rank that listed it."""
 
-    ranks: array[int] = field(default_factory=lambda: array("q"))
+    ranks: array[int] = field(default_factory=lambda: array("i"))
     values: array[float] = field(default_factory=lambda: array("d"))
     samples: array[int] = field(default_factory=lambda: array("q"))
 
@@ -337,7 +337,7 @@ class _FindingAcross:
     """One (category, series) finding on each rank that listed it."""
 
     basis: str
-    ranks: array[int] = field(default_factory=lambda: array("q"))
+    ranks: array[int] = field(default_factory=lambda: array("i"))
     notable: array[int] = field(default_factory=lambda: array("b"))
     values: array[float] = field(default_factory=lambda: array("d"))
     onsets: array[int] = field(default_factory=lambda: array("q"))
@@ -357,8 +357,9 @@ class _Accumulator:
 
     def add(self, rank: int, path: str, report: dict[str, Any]) -> None:
         run, coverage = report["run"], report["coverage"]
-        summary = report.get("summary") if isinstance(report.get("summary"), dict) else {}
-        assert isinstance(summary, dict)
+        raw_summary = report.get("summary")
+        summary: dict[str, Any] = raw_summary if isinstance(raw_summary, dict) else {}
+        headline = summary.get("headline")
         limits = coverage.get("limits_hit")
         limits_hit = tuple(str(x) for x in limits) if isinstance(limits, list) else ()
         first_nf = summary.get("first_non_finite")
@@ -375,9 +376,7 @@ class _Accumulator:
                 findings_returned=len(findings),
                 errors_total=_int_or_none(coverage.get("errors_total")),
                 limits_hit=limits_hit,
-                headline=summary.get("headline")
-                if isinstance(summary.get("headline"), str)
-                else None,
+                headline=headline if isinstance(headline, str) else None,
                 first_non_finite=first_nf if isinstance(first_nf, dict) else None,
             )
         )
@@ -493,7 +492,8 @@ def _series_outliers(
                         "interpretation": (
                             f"{_where(key)}: rank {held.ranks[0]} has {held.values[0]:.4g} and "
                             f"rank {held.ranks[1]} has {held.values[1]:.4g}, {gap:.1f} floor "
-                            f"spreads apart; with two ranks the odd one cannot be named."
+                            f"spreads apart; with two ranks their values alone cannot name the odd "
+                            f"one."
                         ),
                     }
                 )
@@ -583,7 +583,7 @@ def _finding_outliers(accumulator: _Accumulator) -> list[dict[str, Any]]:
             )
             entry["interpretation"] = (
                 f"On rank {rank}, {_where(key)} has {what}; {lacking} of the {comparable} "
-                f"other ranks that could show it do not."
+                f"other ranks that could show it lack it."
             )
             outliers.append(entry)
     return outliers
@@ -610,32 +610,37 @@ def _outlier_sort_key(entry: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _outlier_ranks(outliers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_rank: dict[int, dict[str, Any]] = {}
+    """One entry per outlier rank: counts per kind, its strongest outlier, what to try."""
+    counts: dict[int, dict[str, int]] = {}
+    strongest: dict[int, str] = {}
     for entry in outliers:  # already sorted: the first entry of a rank is its strongest
-        summary = by_rank.get(entry["rank"])
-        if summary is None:
-            summary = by_rank[entry["rank"]] = {
-                "rank": entry["rank"],
-                "non_finite": 0,
-                "series_value": 0,
-                "rank_specific_finding": 0,
-                "strongest": entry["interpretation"],
-                "next_experiment": (
-                    f"Compare rank {entry['rank']}'s inputs with another rank's at the same "
-                    f"samples (data shard, preprocessing, device); then swap the two ranks' "
-                    f"data shards, same seed: if the outlier follows the shard, the data is "
-                    f"the cause, if it stays on rank {entry['rank']}, its device or process is."
-                ),
-            }
-        summary[entry["kind"]] += 1
-    return sorted(
-        by_rank.values(),
-        key=lambda s: (
-            -s["non_finite"],
-            -(s["series_value"] + s["rank_specific_finding"]),
-            s["rank"],
+        rank = entry["rank"]
+        if rank not in counts:
+            counts[rank] = dict.fromkeys(_KIND_ORDER, 0)
+            strongest[rank] = entry["interpretation"]
+        counts[rank][entry["kind"]] += 1
+    order = sorted(
+        counts,
+        key=lambda r: (
+            -counts[r]["non_finite"],
+            -(counts[r]["series_value"] + counts[r]["rank_specific_finding"]),
+            r,
         ),
     )
+    return [
+        {
+            "rank": rank,
+            **counts[rank],
+            "strongest": strongest[rank],
+            "next_experiment": (
+                f"Compare rank {rank}'s inputs with another rank's at the same samples (data "
+                f"shard, preprocessing, device); then swap the two ranks' data shards, same "
+                f"seed: if the outlier follows the shard, the data is the cause, if it stays on "
+                f"rank {rank}, its device or process is."
+            ),
+        }
+        for rank in order
+    ]
 
 
 def _common_findings(accumulator: _Accumulator) -> list[dict[str, Any]]:
@@ -660,7 +665,7 @@ def _common_findings(accumulator: _Accumulator) -> list[dict[str, Any]]:
                 best,
             )
         )
-    rows.sort(key=lambda row: row[:4] + (tuple("" if x is None else str(x) for x in row[4]),))
+    rows.sort(key=lambda row: (*row[:4], tuple("" if x is None else str(x) for x in row[4])))
     out = []
     for _, _, category, _, finding_key, across, best in rows:
         out.append(
@@ -728,6 +733,8 @@ def _headline(merged: _Merged, outlier_ranks: Sequence[dict[str, Any]]) -> str:
     if truncated:
         parts.append(f"{truncated} truncated")
     status = ", ".join(parts) + "."
+    if len(merged.present) < 2:
+        return status + " Fewer than two readable rank reports: no rank can be compared."
     if not outlier_ranks:
         return status + " No rank departs from the others by more than the outlier rule allows."
     names = ", ".join(str(s["rank"]) for s in outlier_ranks[:8])
@@ -901,8 +908,8 @@ def render_global_markdown(report: dict[str, Any]) -> str:
                 "",
             ]
         lines += [
-            "| kind | rank | series | departure or share lacking |",
-            "| --- | --- | --- | --- |",
+            "| kind | rank | category | series | departure, or other ranks lacking it |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for entry in report["outliers"][:40]:
             where = (
@@ -914,10 +921,13 @@ def render_global_markdown(report: dict[str, Any]) -> str:
                 if entry["kind"] == "series_value"
                 else f"{entry['lacking_on_ranks']} of {entry['ranks_compared']}"
             )
-            lines.append(f"| {entry['kind']} | {entry['rank']} | {where} | {strength} |")
+            lines.append(
+                f"| {entry['kind']} | {entry['rank']} | {entry.get('category', '')} | {where} "
+                f"| {strength} |"
+            )
         lines.append("")
     if report["disagreements"]:
-        lines += ["## Two-rank disagreements (the odd rank cannot be named)", ""]
+        lines += ["## Two-rank disagreements (values alone cannot name the odd rank)", ""]
         for entry in report["disagreements"][:20]:
             lines.append(f"- {entry['interpretation']}")
         lines.append("")
@@ -981,6 +991,11 @@ def render_global_markdown(report: dict[str, Any]) -> str:
 def _iter_reports(
     sources: dict[int, Path], unreadable: list[dict[str, Any]], missing_files: list[int]
 ) -> Iterator[tuple[int, Path, dict[str, Any]]]:
+    """Yield ``(rank, path, report)`` per readable report, one parsed report at a time.
+
+    Ranks without ``report.json`` go to ``missing_files``; unreadable ones to
+    ``unreadable`` with the reason.
+    """
     for rank in sorted(sources):
         path = sources[rank] / "report.json"
         if not path.exists():
@@ -994,6 +1009,7 @@ def _iter_reports(
             )
             continue
         yield rank, path, report
+        del report  # before the next parse: one rank report in memory at a time
 
 
 def merge_rank_reports(
@@ -1096,7 +1112,7 @@ def merge_rank_reports(
     stated_world: dict[int, int] = {}
     for rank, path, report in _iter_reports(sources, unreadable, no_report):
         accumulator.add(rank, str(path), report)
-        del report  # one rank report in memory at a time
+        del report
         summary = accumulator.summaries[-1]
         if summary.world_size is not None:
             stated_world[summary.world_size] = stated_world.get(summary.world_size, 0) + 1

@@ -332,7 +332,6 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "direct_call_samples": observer.implicit_samples,
                     "repeated_backward_gradients": observer.repeated_gradients,
                     "loss_scaled_samples": observer.loss_scale.count,
-                    "telemetry_seconds": round(observer.telemetry_seconds, 6),
                     "sentinel_checks": observer.sentinel_checks,
                     "sentinel_nonfinite_forwards": observer.sentinel_nonfinite_forwards,
                     "tensors_skipped": dict(sorted(observer.skipped_tensors.items())),
@@ -430,6 +429,7 @@ def _run_section(observer: Observer) -> dict[str, Any]:
             timespec="seconds"
         ),
         "elapsed_s": round(time.time() - observer.started_at, 3),
+        "telemetry_seconds": round(observer.telemetry_seconds, 6),
         "versions": {
             "torchinstruments": __version__,
             "torch": torch.__version__,

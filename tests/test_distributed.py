@@ -1,0 +1,395 @@
+"""Distributed training on real two-process gloo groups on the CPU.
+
+Each test forks its ranks (``torch._dynamo`` is imported first, so DDP's constructor does
+not import it in every child), joins them through a ``file://`` store and collects one
+JSON result per rank. A rank that hangs fails the test after ``GROUP_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo  # imported once here, then inherited by the forked ranks
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torchinstruments import ConfigError, inject_observer, remove_observer
+from torchinstruments.distributed import detect_rank, parse_rank_directory, rank_directory_name
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not sys.platform.startswith("linux"),
+    reason="needs torch.distributed with gloo and fork (Linux)",
+)
+
+#: Seconds a whole process group may take before the test fails as hung.
+GROUP_TIMEOUT_S = 45.0
+#: Gloo's own timeout inside the ranks, so a rank waiting for a dead peer gives up.
+GLOO_TIMEOUT_S = 30.0
+STEPS = 10
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+)
+
+
+# ---------------------------------------------------------------------- harness
+Worker = Callable[..., dict[str, Any]]
+
+
+def _rank_entry(
+    rank: int, worker: Worker, world: int, init_file: str, result_dir: str, args: tuple[Any, ...]
+) -> None:
+    """Runs in each forked rank: join the group, run ``worker``, write its result."""
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)  # forked children must not reuse the parent's OpenMP pool
+    result: dict[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
+        )
+        try:
+            result = worker(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+    except Exception:
+        result = {"error": traceback.format_exc(limit=6)}
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w", encoding="utf-8") as stream:
+        json.dump(result, stream)
+
+
+@contextmanager
+def _gloo_on_loopback() -> Generator[None]:
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = previous or "lo"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def run_ranks(
+    worker: Worker,
+    world: int,
+    work: Path,
+    *args: Any,
+    timeout_s: float = GROUP_TIMEOUT_S,
+) -> list[dict[str, Any]]:
+    """Run ``worker(rank, world, *args)`` in ``world`` forked gloo ranks; return results.
+
+    Fails the calling test when a rank hangs past ``timeout_s``, exits without a result
+    or raised (the rank's traceback is shown).
+    """
+    result_dir = work / "results"
+    result_dir.mkdir(parents=True)
+    init_file = work / "init"
+    with _gloo_on_loopback():
+        context = mp.start_processes(
+            _rank_entry,
+            args=(worker, world, str(init_file), str(result_dir), args),
+            nprocs=world,
+            join=False,
+            start_method="fork",
+        )
+        assert context is not None  # join=False returns the context
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=0.25):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the {world} ranks did not finish within {timeout_s} s (hung)")
+    results = []
+    for rank in range(world):
+        path = result_dir / f"rank{rank}.json"
+        assert path.is_file(), f"rank {rank} exited without writing a result"
+        result = json.loads(path.read_text(encoding="utf-8"))
+        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
+        results.append(result)
+    return results
+
+
+# ---------------------------------------------------------------------- model and training
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(12, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def rank_batches(rank: int, scale: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [
+        (scale * torch.randn(16, 6, generator=generator), torch.randn(16, 1, generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def fit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def seeded_net() -> Net:
+    torch.manual_seed(1)
+    return Net()
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(
+        len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules()
+    )
+
+
+def parameters_equal(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@contextmanager
+def count_collectives() -> Generator[dict[str, int]]:
+    """Count calls of the Python collectives of ``torch.distributed`` inside the block."""
+    counts: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    for name, function in originals.items():
+        setattr(dist, name, counting(name, function))
+    try:
+        yield counts
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def module_names(report_path: Path) -> set[str]:
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    return {finding["module"] for finding in report["findings"]}
+
+
+# ---------------------------------------------------------------------- workers
+def ddp_worker(
+    rank: int, world: int, out_dir: str, policy: str, inject_into: str
+) -> dict[str, Any]:
+    """Train an observed DDP model and an unobserved DDP twin on the same batches."""
+    model, twin = seeded_net(), seeded_net()
+    baseline_hooks = hook_count(model)
+    info = detect_rank()
+    with count_collectives() as collectives:
+        if inject_into == "ddp":
+            wrapped = DistributedDataParallel(model)
+            handle = inject_observer(wrapped, output_dir=out_dir, sampling=1, rank_policy=policy)
+        else:  # inject into the plain model, then wrap it
+            handle = inject_observer(model, output_dir=out_dir, sampling=1, rank_policy=policy)
+            wrapped = DistributedDataParallel(model)
+        hooks = hook_count(model) - baseline_hooks
+        collectives_after_ddp = dict(collectives)
+        losses = fit(wrapped, rank_batches(rank))
+        remove_observer(wrapped)
+        hooks_after_remove = hook_count(model) - baseline_hooks
+    added = {k: v - collectives_after_ddp.get(k, 0) for k, v in collectives.items()}
+    twin_losses = fit(DistributedDataParallel(twin), rank_batches(rank))
+    return {
+        "rank_info": [info.rank, info.world_size, info.local_rank, info.source],
+        "active": handle.active,
+        "output_dir": str(handle.output_dir) if handle.output_dir is not None else None,
+        "hooks": hooks,
+        "hooks_after_remove": hooks_after_remove,
+        "collectives_added": {k: v for k, v in added.items() if v},
+        "identical": losses == twin_losses and parameters_equal(model, twin),
+        "checksum": [float(p.double().sum()) for p in model.parameters()],
+    }
+
+
+def fsdp_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """Train an observed ``fully_shard`` model and an unobserved twin."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> nn.Module:
+        model = seeded_net()
+        fully_shard(model.fc1)
+        fully_shard(model.fc2)
+        fully_shard(model)
+        return model
+
+    def full(model: nn.Module) -> list[torch.Tensor]:
+        return [
+            p.full_tensor() if hasattr(p, "full_tensor") else p.detach()  # type: ignore[operator]
+            for p in model.parameters()
+        ]
+
+    model, twin = build(), build()
+    handle = inject_observer(model, output_dir=out_dir, sampling=1, rank_policy="all")
+    losses = fit(model, rank_batches(rank))
+    remove_observer(model)
+    twin_losses = fit(twin, rank_batches(rank))
+    mine, theirs = full(model), full(twin)
+    return {
+        "output_dir": str(handle.output_dir),
+        "identical": losses == twin_losses
+        and all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)),
+    }
+
+
+# ---------------------------------------------------------------------- tests
+def test_rank0_policy_leaves_rank1_without_hooks_or_files(tmp_path: Path) -> None:
+    out = tmp_path / "stats"
+    results = run_ranks(ddp_worker, 2, tmp_path, str(out), "rank0", "ddp")
+    zero, one = results
+    assert zero["rank_info"] == [0, 2, 0, "process_group"]
+    assert one["rank_info"] == [1, 2, 1, "process_group"]
+    assert zero["active"] is True and zero["output_dir"] == str(out)
+    assert zero["hooks"] == 5  # root pre + post hook, three leaves
+    assert one["active"] is False and one["output_dir"] is None
+    assert one["hooks"] == 0
+    assert zero["hooks_after_remove"] == 0 and one["hooks_after_remove"] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["index.md", "report.json"]
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert (report["run"]["rank"], report["run"]["world_size"]) == (0, 2)
+    assert report["run"]["rank_source"] == "process_group"
+    assert report["coverage"]["samples_observed"] == STEPS
+    for result in results:
+        assert result["identical"] is True
+        assert result["collectives_added"] == {}
+    assert zero["checksum"] == one["checksum"]
+
+
+@pytest.mark.parametrize("inject_into", ["ddp", "plain_then_wrap"])
+def test_all_policy_writes_rank_directories_bit_identically(
+    tmp_path: Path, inject_into: str
+) -> None:
+    out = tmp_path / "stats"
+    results = run_ranks(ddp_worker, 2, tmp_path, str(out), "all", inject_into)
+    assert sorted(p.name for p in out.iterdir()) == ["rank-000", "rank-001"]
+    for rank, result in enumerate(results):
+        directory = out / f"rank-{rank:03d}"
+        assert result["active"] is True
+        assert result["output_dir"] == str(directory)
+        assert result["hooks"] == 5
+        assert result["identical"] is True
+        assert result["collectives_added"] == {}
+        assert sorted(p.name for p in directory.iterdir()) == ["index.md", "report.json"]
+        report = json.loads((directory / "report.json").read_text(encoding="utf-8"))
+        assert (report["run"]["rank"], report["run"]["world_size"]) == (rank, 2)
+        assert report["coverage"]["samples_observed"] == STEPS
+        assert report["coverage"]["backward_samples_observed"] == STEPS
+        # Names without the DDP wrapper prefix, whichever side of the wrapper we injected.
+        assert module_names(directory / "report.json") == {"<root>", "fc1", "act", "fc2"}
+    assert results[0]["checksum"] == results[1]["checksum"]
+
+
+def test_fully_shard_all_policy_trains_bit_identically(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed.fsdp", reason="no FSDP in this torch")
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    out = tmp_path / "stats"
+    results = run_ranks(fsdp_worker, 2, tmp_path, str(out))
+    for rank, result in enumerate(results):
+        assert result["identical"] is True
+        assert result["output_dir"] == str(out / f"rank-{rank:03d}")
+        names = module_names(out / f"rank-{rank:03d}" / "report.json")
+        assert names == {"<root>", "fc1", "act", "fc2"}
+
+
+def test_rank_detection_from_environment_before_init(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert not dist.is_initialized()
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    info = detect_rank()
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (3, 4, 1, "environment")
+    model = Net()
+    handle = inject_observer(model, output_dir=tmp_path, sampling=1, rank_policy="all")
+    assert handle.output_dir == tmp_path / "rank-003"
+    fit(model, rank_batches(3)[:2])
+    remove_observer(model)
+    report = json.loads((tmp_path / "rank-003" / "report.json").read_text(encoding="utf-8"))
+    assert (report["run"]["rank"], report["run"]["world_size"]) == (3, 4)
+    assert report["run"]["rank_source"] == "environment"
+
+    monkeypatch.setenv("RANK", "1")
+    unobserved = Net()
+    handle = inject_observer(unobserved, output_dir=tmp_path / "rank0-policy", sampling=1)
+    assert handle.active is False and handle.output_dir is None
+    assert hook_count(unobserved) == 0
+    fit(unobserved, rank_batches(1)[:2])
+    remove_observer(unobserved)
+    assert not (tmp_path / "rank0-policy").exists()
+
+
+def test_rank_detection_without_distribution_and_bad_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    info = detect_rank()
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (0, 1, 0, "single_process")
+    monkeypatch.setenv("RANK", "one")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"environment variable RANK must be an int, got 'one'"):
+        detect_rank()
+
+
+def test_rank_directory_names_round_trip() -> None:
+    assert rank_directory_name(0) == "rank-000"
+    assert rank_directory_name(1234) == "rank-1234"
+    assert parse_rank_directory("rank-007") == 7
+    assert parse_rank_directory("rank-1234") == 1234
+    assert parse_rank_directory("rank-7") is None
+    assert parse_rank_directory("rank-007.tmp") is None
+    assert parse_rank_directory("stats") is None
+    with pytest.raises(ConfigError, match=r"rank must be an int >= 0, got -1"):
+        rank_directory_name(-1)
