@@ -20,7 +20,14 @@ from .config import ReportConfig, TrackConfig
 from .errors import ConfigError, ObserverStateError, ReportReadError, TorchInstrumentsError
 from .merge import merge_rank_reports
 from .sampling import DefaultSampling, EveryNSampling, SamplingPolicy, TimeBudgetSampling
-from .sinks import DirectorySink, MemorySink, Sink
+from .sinks import (
+    DirectorySink,
+    MemorySink,
+    MetricLoggerSink,
+    ScalarSink,
+    Sink,
+    TensorBoardSink,
+)
 
 __version__ = "0.1.0"
 
@@ -30,12 +37,15 @@ __all__ = [
     "DirectorySink",
     "EveryNSampling",
     "MemorySink",
+    "MetricLoggerSink",
     "ObserverHandle",
     "ObserverStateError",
     "ReportConfig",
     "ReportReadError",
     "SamplingPolicy",
+    "ScalarSink",
     "Sink",
+    "TensorBoardSink",
     "TimeBudgetSampling",
     "TorchInstrumentsError",
     "TrackConfig",

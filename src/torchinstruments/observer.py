@@ -45,6 +45,7 @@ from .reduce import (
 )
 from .sampling import SamplingPolicy
 from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
+from .sinks import scalar_tag
 from .track import SeriesTracker
 
 __all__ = ["Observer", "RankInfo"]
@@ -139,6 +140,9 @@ class Observer:
         self.rank_info = rank_info
         self.writer = writer
         self.sinks = list(sinks)
+        self._scalar_sinks = [
+            sink for sink in self.sinks if callable(getattr(sink, "write_scalars", None))
+        ]
         self.options = options
         self.attached = False
 
@@ -560,6 +564,7 @@ class Observer:
         grad_groups: dict[int, list[tuple[tuple[int, int, str, str], dict[str, float | None]]]]
         grad_groups = {}
         loss_scales: dict[int, float] = {}
+        scalars: list[tuple[TensorSeries, int, dict[str, float | None]]] = []
         config = self.track_config
         for key, sample, position, row in zip(
             pending.keys, pending.samples, pending.positions, rows, strict=True
@@ -581,6 +586,8 @@ class Observer:
                 continue
             series.forward_position = position
             series.update(config, sample, values)
+            if self._scalar_sinks:
+                scalars.append((series, sample, values))
         for sample in sorted(grad_groups):
             group = grad_groups[sample]
             loss_scale = loss_scales.get(sample)
@@ -605,6 +612,31 @@ class Observer:
                     # output does to the gradient (loss scale and loss size cancel).
                     values[RMS_TO_ROOT] = rms / reference
                 series.update(config, sample, values)
+                if self._scalar_sinks:
+                    scalars.append((series, sample, values))
+        if scalars:
+            self._forward_scalars(scalars)
+
+    def _forward_scalars(
+        self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]
+    ) -> None:
+        """Hand one host batch of per-sample values to each scalar sink."""
+        for sink in self._scalar_sinks:
+            wanted = getattr(sink, "metrics", ("rms",))
+            batch = [
+                (
+                    scalar_tag(s.module, s.call_index, s.signal, s.tensor_path, metric),
+                    value,
+                    sample,
+                )
+                for s, sample, values in measured
+                for metric in wanted
+                if (value := values.get(metric)) is not None
+            ]
+            try:
+                sink.write_scalars(batch)
+            except Exception as error:
+                self.record_error("sink", type(sink).__name__, error)
 
     def _series_for(self, key: tuple[int, int, str, str]) -> TensorSeries | None:
         series = self.series.get(key)

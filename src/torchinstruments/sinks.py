@@ -16,11 +16,20 @@ import os
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
 from .report import dumps_report, render_markdown
 
-__all__ = ["DirectorySink", "MemorySink", "Sink"]
+__all__ = [
+    "DirectorySink",
+    "MemorySink",
+    "MetricLoggerSink",
+    "ScalarSink",
+    "Sink",
+    "TensorBoardSink",
+    "scalar_tag",
+]
 
 
 @runtime_checkable
@@ -38,6 +47,54 @@ class Sink(Protocol):
     def close(self) -> None:
         """Release resources; a second call does nothing."""
         ...
+
+
+@runtime_checkable
+class ScalarSink(Protocol):
+    """Receives transient per-sample measurements, in host batches.
+
+    ``write_scalars`` gets ``(tag, value, sample)`` triples, in ``SummaryWriter``
+    argument order, once per flush (never one call per value). ``metrics`` names the
+    metrics it wants (``"rms"``, ``"nonfinite_fraction"``, ...).
+    """
+
+    metrics: tuple[str, ...]
+
+    def write_scalars(self, scalars: Sequence[tuple[str, float, int]]) -> None:
+        """Take a batch of ``(tag, value, sample)`` triples."""
+        ...
+
+
+def scalar_tag(module: str, call_index: int, signal: str, tensor_path: str, metric: str) -> str:
+    """``torchinstruments/<module>/<signal>/<metric>``, with the call and tensor path
+    added only where they are not the usual ``0`` and ``output``.
+
+    Example:
+        >>> scalar_tag("blocks.2.fc1", 0, "activation", "output", "rms")
+        'torchinstruments/blocks.2.fc1/activation/rms'
+        >>> scalar_tag("", 1, "grad_output", "output[0]", "rms")
+        'torchinstruments/<root>@call1/grad_output[0]/rms'
+    """
+    name = module if module else "<root>"
+    if call_index:
+        name += f"@call{call_index}"
+    signal_part = signal + (tensor_path[len("output") :] if tensor_path != "output" else "")
+    return f"torchinstruments/{name}/{signal_part}/{metric}"
+
+
+def _metrics_argument(owner: str, metrics: Iterable[str]) -> tuple[str, ...]:
+    from .errors import ConfigError
+    from .reduce import METRICS
+    from .series import RMS_TO_ROOT
+
+    chosen = tuple(metrics) if not isinstance(metrics, str) else (metrics,)
+    known = (*METRICS, RMS_TO_ROOT)
+    unknown = sorted(set(chosen) - set(known))
+    if not chosen or unknown:
+        raise ConfigError(
+            f"{owner}: metrics must be a non-empty selection of {known}, got {chosen!r}"
+        )
+    return chosen
 
 
 class _SinkBase:
@@ -139,3 +196,95 @@ class MemorySink(_SinkBase):
     def latest(self) -> dict[str, Any] | None:
         """The last report received, or None."""
         return self.reports[-1] if self.reports else None
+
+
+class TensorBoardSink(_SinkBase):
+    """Forwards per-sample scalars to a ``SummaryWriter`` that the caller owns.
+
+    Tags are ``torchinstruments/<module>/<signal>/<metric>`` (see :func:`scalar_tag`) and
+    the step is the sample index (a sampled forward, not an optimizer step). The writer
+    is flushed by :meth:`flush` and never closed by us.
+
+    Args:
+        writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
+            ``add_scalar(tag, value, global_step)``).
+        metrics: which metrics to forward. Default ``("rms",)``.
+
+    Raises:
+        ConfigError: ``writer`` has no ``add_scalar``, or ``metrics`` names an unknown metric.
+    """
+
+    def __init__(self, writer: Any, *, metrics: Iterable[str] = ("rms",)) -> None:
+        from .errors import ConfigError
+
+        if not callable(getattr(writer, "add_scalar", None)):
+            raise ConfigError(
+                "TensorBoardSink: writer must have add_scalar(tag, value, global_step), "
+                f"got {type(writer).__name__}"
+            )
+        self.writer = writer
+        self.metrics = _metrics_argument("TensorBoardSink", metrics)
+
+    def write(self, report: dict[str, Any]) -> None:
+        """Reports are not forwarded; TensorBoard gets the per-sample scalars."""
+
+    def write_scalars(self, scalars: Sequence[tuple[str, float, int]]) -> None:
+        add = self.writer.add_scalar
+        for tag, value, sample in scalars:
+            add(tag, value, sample)
+
+    def flush(self) -> None:
+        flush = getattr(self.writer, "flush", None)
+        if callable(flush):
+            flush()
+
+    def __repr__(self) -> str:
+        return f"TensorBoardSink({type(self.writer).__name__}, metrics={self.metrics!r})"
+
+
+class MetricLoggerSink(_SinkBase):
+    """Forwards per-sample scalars to a metric logger that the caller owns.
+
+    Accepts an object with ``log_metrics(metrics: dict[str, float], step: int)`` (the
+    Lightning logger interface) or a plain callable called as ``fn(metrics, step=step)``
+    (``wandb.log``, ``mlflow.log_metrics``). One call per sample, with every selected
+    series of that sample. The logger is never closed by us.
+
+    Args:
+        logger: the logger or callable.
+        metrics: which metrics to forward. Default ``("rms",)``.
+
+    Raises:
+        ConfigError: ``logger`` is neither, or ``metrics`` names an unknown metric.
+    """
+
+    def __init__(self, logger: Any, *, metrics: Iterable[str] = ("rms",)) -> None:
+        from .errors import ConfigError
+
+        log_metrics = getattr(logger, "log_metrics", None)
+        if callable(log_metrics):
+            self._log: Callable[[dict[str, float], int], None] = lambda values, step: log_metrics(
+                values, step
+            )
+        elif callable(logger):
+            self._log = lambda values, step: logger(values, step=step)
+        else:
+            raise ConfigError(
+                "MetricLoggerSink: logger must have log_metrics(metrics, step) or be "
+                f"callable, got {type(logger).__name__}"
+            )
+        self.logger = logger
+        self.metrics = _metrics_argument("MetricLoggerSink", metrics)
+
+    def write(self, report: dict[str, Any]) -> None:
+        """Reports are not forwarded; the logger gets the per-sample scalars."""
+
+    def write_scalars(self, scalars: Sequence[tuple[str, float, int]]) -> None:
+        by_sample: dict[int, dict[str, float]] = {}
+        for tag, value, sample in scalars:
+            by_sample.setdefault(sample, {})[tag] = value
+        for sample in sorted(by_sample):
+            self._log(by_sample[sample], sample)
+
+    def __repr__(self) -> str:
+        return f"MetricLoggerSink({type(self.logger).__name__}, metrics={self.metrics!r})"

@@ -1,0 +1,119 @@
+"""Dashboard sinks: per-sample scalars to loggers and TensorBoard writers the caller owns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from torchinstruments import (
+    ConfigError,
+    MetricLoggerSink,
+    TensorBoardSink,
+    inject_observer,
+    remove_observer,
+)
+from torchinstruments.sinks import scalar_tag
+
+from .conftest import ResidualNet, make_batches, read_report, train
+
+
+class RecordingLogger:
+    """The Lightning logger interface: log_metrics(metrics, step)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], int]] = []
+        self.closed = False
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append((dict(metrics), step))
+
+    def finalize(self, status: str) -> None:
+        self.closed = True
+
+
+def test_metric_logger_gets_one_call_per_sample_with_every_series(tmp_path: Path) -> None:
+    logger = RecordingLogger()
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1, sinks=[MetricLoggerSink(logger)])
+    train(model, make_batches(4))
+    remove_observer(model)
+    assert [step for _, step in logger.calls] == [0, 1, 2, 3]
+    report = read_report(tmp_path)
+    first = {
+        f["module"]: f for f in report["findings"] if f["category"] == "activation_scale_drift"
+    }
+    values = logger.calls[0][0]
+    tag = scalar_tag("fc", 0, "activation", "output", "rms")
+    assert values[tag] == pytest.approx(first["fc"]["first"]["value"], rel=1e-5)
+    assert scalar_tag("", 0, "grad_output", "output", "rms") in values
+    # 6 modules x (activation + output gradient), rms only.
+    assert len(values) == 12
+    assert not logger.closed
+
+
+def test_plain_callable_logger_like_wandb_log(tmp_path: Path) -> None:
+    calls: list[tuple[dict[str, float], int]] = []
+
+    def log(values: dict[str, float], step: int | None = None) -> None:
+        assert step is not None
+        calls.append((values, step))
+
+    model = ResidualNet()
+    sink = MetricLoggerSink(log, metrics=("rms", "nonfinite_fraction"))
+    inject_observer(model, output_dir=tmp_path, sampling=2, sinks=[sink])
+    train(model, make_batches(6))
+    remove_observer(model)
+    assert [step for _, step in calls] == [0, 1, 2]
+    assert all(len(values) == 24 for values, _ in calls)
+
+
+def test_tensorboard_sink_writes_events_that_tensorboard_reads_back(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
+    model = ResidualNet()
+    inject_observer(
+        model, output_dir=tmp_path / "stats", sampling=1, sinks=[TensorBoardSink(writer)]
+    )
+    train(model, make_batches(5))
+    remove_observer(model)
+    writer.add_scalar("task/loss", 1.0, 0)  # still the caller's, still open
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    tag = scalar_tag("head", 0, "activation", "output", "rms")
+    assert tag in tags and "task/loss" in tags
+    assert [event.step for event in events.Scalars(tag)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: TensorBoardSink(object()), "writer must have add_scalar"),
+        (lambda: MetricLoggerSink(3), "logger must have log_metrics"),
+        (lambda: MetricLoggerSink(print, metrics=("speed",)), "metrics must be a non-empty"),
+    ],
+)
+def test_bad_sink_arguments(factory, message: str) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match=message):
+        factory()
+
+
+def test_a_failing_sink_is_counted_and_never_breaks_training(tmp_path: Path) -> None:
+    def broken(values: dict[str, float], step: int | None = None) -> None:
+        raise OSError("logger offline")
+
+    model, twin = ResidualNet(), ResidualNet()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, sampling=1, sinks=[MetricLoggerSink(broken)])
+    batches = make_batches(3)
+    losses = train(model, batches)
+    remove_observer(model)
+    assert losses == train(twin, batches)
+    errors = read_report(tmp_path)["errors"]
+    assert errors[0]["stage"] == "sink" and errors[0]["message"] == "logger offline"
+    assert torch.equal(model.head.weight, twin.head.weight)
