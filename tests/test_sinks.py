@@ -98,7 +98,7 @@ def test_tensorboard_sink_writes_events_that_tensorboard_reads_back(tmp_path: Pa
         (lambda: MetricLoggerSink(print, metrics=("speed",)), "metrics must be a non-empty"),
     ],
 )
-def test_bad_sink_arguments(factory, message: str) -> None:  # noqa: ANN001
+def test_bad_sink_arguments(factory, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         factory()
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, Self, runtime_checkable
 
 from .report import dumps_report, render_markdown
