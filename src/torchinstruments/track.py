@@ -23,6 +23,8 @@ __all__ = ["ChangePoint", "SeriesPoint", "SeriesTracker"]
 
 #: Values at or below this are treated as this, before taking logs (a dead unit's RMS is 0).
 LOG_FLOOR = 1e-30
+#: Change points kept per series (the largest steps survive when more are found).
+MAX_CHANGES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class SeriesTracker:
         "_log_scale",
         "_noise_floor",
         "_peak",
+        "_changes",
         "_pending_change",
         "_prev",
         "_seg_count",
@@ -175,6 +178,7 @@ class SeriesTracker:
         self._cusum_neg_start = -1
         self.cusum_peak = 0.0
         self._pending_change: ChangePoint | None = None
+        self._changes: list[ChangePoint] = []
         self.largest_change: ChangePoint | None = None
         self.latest_change: ChangePoint | None = None
         self.change_count = 0
@@ -309,12 +313,40 @@ class SeriesTracker:
             self.change_count += 1
             self.latest_change = change
             self._pending_change = change
+            self._keep_change(change)
             # Re-arm: a new segment starts with this value.
             self._seg_count = 1
             self._seg_mean = v
             self._seg_m2 = 0.0
             self._seg_std = self._noise_floor
             self._cusum_pos = self._cusum_neg = 0.0
+
+    def _keep_change(self, change: ChangePoint) -> None:
+        # Bounded: past MAX_CHANGES, forget the smallest confirmed step (ties: the later).
+        changes = self._changes
+        changes.append(change)
+        if len(changes) > MAX_CHANGES:
+            confirmed = [c for c in changes if c.confirmed]
+            if confirmed:
+                smallest = min(confirmed, key=lambda c: (abs(c.step), -c.alarm_sample))
+                changes.remove(smallest)
+
+    @property
+    def changes(self) -> tuple[ChangePoint, ...]:
+        """Up to ``MAX_CHANGES`` change points in alarm order (the largest steps are kept)."""
+        return tuple(self._changes)
+
+    def first_change(self, *, min_abs_step: float, min_abs_step_z: float) -> ChangePoint | None:
+        """The earliest kept change point whose step is at least this large, or None.
+
+        Args:
+            min_abs_step: least ``|step|``, in tracked units (log for scale metrics).
+            min_abs_step_z: least ``|step_z|``, in standard deviations of the level before.
+        """
+        for change in self._changes:
+            if abs(change.step) >= min_abs_step and abs(change.step_z) >= min_abs_step_z:
+                return change
+        return None
 
     def _consider_largest(self, change: ChangePoint) -> None:
         largest = self.largest_change

@@ -106,8 +106,9 @@ def rank_candidates(
     Notable candidates of one signal whose onsets lie within ``onset_tolerance`` samples
     of the group's earliest onset form a group (0: the same sample only).
 
-    Order: notable before not notable; groups by their strongest score; within a group
-    the origin (see module docstring); ties by (module, call index, signal, tensor path,
+    Order: notable before not notable; notable with a detected onset before notable
+    without; groups by their strongest score; within a group the origin (see module
+    docstring); ties by (module, call index, signal, tensor path,
     metric), so the same run always gives the same order.
     """
     notable = [c for c in candidates if c.notable and c.onset is not None]
@@ -130,8 +131,10 @@ def rank_candidates(
         origins.append(origin)
     for candidate in others:
         candidate.group_score = candidate.score
+    # A notable change with a detected onset outranks one without (gradual drift): the
+    # onset is what places a module before its echoes, and a step is the sharper evidence.
     ordered = sorted(
         origins + others,
-        key=lambda c: (not c.notable, -c.group_score, _origin_order(c)),
+        key=lambda c: (not c.notable, c.onset is None, -c.group_score, _origin_order(c)),
     )
     return ordered

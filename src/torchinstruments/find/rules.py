@@ -33,6 +33,8 @@ CATEGORIES: tuple[str, ...] = (
 #: Least size of a notable shift or step, in standard deviations of the reference
 #: (the warm-up baseline or the segment before the step).
 SHIFT_Z_NOTABLE = 6.0
+#: Least increase of the zero fraction (a fraction of elements) that is notable.
+ZERO_FRACTION_NOTABLE = 0.25
 #: Least factor (up or down) of a notable abrupt scale step.
 STEP_FACTOR_NOTABLE = 2.0
 #: Least factor (up or down) of a notable end-to-end scale drift without one large step
@@ -186,8 +188,11 @@ class _ScaleRule(Rule):
 
     Noise floor: notable when warm-up is complete and either one abrupt step (a CUSUM
     change point) moved the level by at least ``STEP_FACTOR_NOTABLE`` (2x) and 6
-    standard deviations of the segment before it, or the end-to-end movement reached
-    ``DRIFT_FACTOR_NOTABLE`` (16x) and 6 baseline standard deviations.
+    standard deviations of the segment before it, or, for activations only, the
+    end-to-end movement reached ``DRIFT_FACTOR_NOTABLE`` (16x) and 6 baseline standard
+    deviations. Gradual drift of output gradients is never notable on its own: relative to
+    the loss gradient, healthy runs drift by orders of magnitude as the loss shrinks.
+    The onset used to group echoes is the alarm of the first notable step.
     """
 
     def judge(
@@ -220,11 +225,17 @@ class _ScaleRule(Rule):
             basis += "_net_of_loss_gradient"
             evidence["net_of_loss_gradient"] = _scale_evidence(judged)
         shift = judged.shift
-        change = judged.strongest_change
-        by_step = _notable_step(change, STEP_FACTOR_NOTABLE)
-        by_drift = (
-            abs(shift) >= math.log(DRIFT_FACTOR_NOTABLE) and abs(judged.shift_z) >= SHIFT_Z_NOTABLE
+        change = judged.first_change(
+            min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
         )
+        by_step = change is not None
+        by_drift = (
+            series.signal == ACTIVATION
+            and abs(shift) >= math.log(DRIFT_FACTOR_NOTABLE)
+            and abs(judged.shift_z) >= SHIFT_Z_NOTABLE
+        )
+        if change is not None:
+            evidence["first_notable_step"] = _step_evidence(change, judged)
         return Candidate(
             category=self.category,
             series=series,
@@ -351,6 +362,7 @@ class HeavyTailGrowth(Rule):
             }
         )
         notable = tracker.warmup_complete and z >= SHIFT_Z_NOTABLE and large
+        first = tracker.first_change(min_abs_step=0.0, min_abs_step_z=SHIFT_Z_NOTABLE)
         return Candidate(
             category=self.category,
             series=series,
@@ -360,7 +372,7 @@ class HeavyTailGrowth(Rule):
             basis="tail_shift_in_baseline_std",
             notable=notable,
             direction=1,
-            onset=change.alarm_sample if notable and change is not None else None,
+            onset=first.alarm_sample if notable and first is not None else None,
             position=position,
             evidence=evidence,
         )
@@ -453,8 +465,9 @@ class ZeroFractionGrowth(Rule):
 
     Ranking basis ``zero_fraction_increase`` (fast EMA minus baseline, a fraction).
     Candidates: increases of at least 0.01. Noise floor: notable when warm-up is
-    complete, the increase is at least 0.1 and at least 6 baseline standard deviations
-    (floor 0.005). The root's output gradient (the loss gradient) is not a candidate.
+    complete, the increase is at least ``ZERO_FRACTION_NOTABLE`` (0.25) and at least 6
+    baseline standard deviations (floor 0.005): ReLU zero fractions creep up by 0.1 or so
+    in healthy training, while a dying layer jumps. The root's output gradient (the loss gradient) is not a candidate.
     """
 
     category = "zero_fraction_growth"
@@ -471,7 +484,11 @@ class ZeroFractionGrowth(Rule):
         shift = tracker.shift
         if shift < 0.01 or (series.signal == GRAD_OUTPUT and series.module == ""):
             return None
-        notable = tracker.warmup_complete and shift >= 0.1 and tracker.shift_z >= SHIFT_Z_NOTABLE
+        notable = (
+            tracker.warmup_complete
+            and shift >= ZERO_FRACTION_NOTABLE
+            and tracker.shift_z >= SHIFT_Z_NOTABLE
+        )
         change = tracker.strongest_change
         return Candidate(
             category=self.category,
