@@ -103,6 +103,7 @@ class SeriesTracker:
     __slots__ = (
         "_alpha_fast",
         "_alpha_slow",
+        "_changes",
         "_config",
         "_cusum_neg",
         "_cusum_neg_start",
@@ -115,7 +116,6 @@ class SeriesTracker:
         "_log_scale",
         "_noise_floor",
         "_peak",
-        "_changes",
         "_pending_change",
         "_prev",
         "_seg_count",
