@@ -467,7 +467,8 @@ class ZeroFractionGrowth(Rule):
     Candidates: increases of at least 0.01. Noise floor: notable when warm-up is
     complete, the increase is at least ``ZERO_FRACTION_NOTABLE`` (0.25) and at least 6
     baseline standard deviations (floor 0.005): ReLU zero fractions creep up by 0.1 or so
-    in healthy training, while a dying layer jumps. The root's output gradient (the loss gradient) is not a candidate.
+    in healthy training, while a dying layer jumps. The root's output gradient (the loss
+    gradient) is not a candidate.
     """
 
     category = "zero_fraction_growth"
