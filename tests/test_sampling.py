@@ -220,7 +220,7 @@ class _OnlyShouldSample:
 def test_resolve_rejects_other_objects(bad, type_name):
     message = (
         "inject_observer: sampling must be None, an int >= 1 or an object with "
-        f"should_sample(forward_index) and describe(), got {type_name}"
+        f"should_sample(forward_index) and describe(), got {type_name} {bad!r}"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         resolve_sampling(bad)

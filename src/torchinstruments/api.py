@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -105,14 +106,20 @@ class ObserverHandle:
         return f"<ObserverHandle {state} output_dir={str(self.output_dir)!r}>"
 
 
-_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+_WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "module",
+    "OptimizedModule": "_orig_mod",  # torch.compile(model)
+}
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    """The module that does the work inside DDP / DataParallel / FSDP1-style wrappers."""
+    """The module that does the work inside DDP / DataParallel / FSDP1 / torch.compile
+    wrappers, so that names carry no ``module.`` or ``_orig_mod.`` prefix."""
     inner: nn.Module = model
     while type(inner).__name__ in _WRAPPERS:
-        wrapped = getattr(inner, "module", None)
+        wrapped = getattr(inner, _WRAPPERS[type(inner).__name__], None)
         if not isinstance(wrapped, nn.Module):
             break
         inner = wrapped
@@ -268,6 +275,8 @@ def inject_observer(
         raise ConfigError(f"inject_observer: full_sentinel must be a bool, got {full_sentinel!r}")
     if not isinstance(write_files, bool):
         raise ConfigError(f"inject_observer: write_files must be a bool, got {write_files!r}")
+    if isinstance(sinks, str | bytes) or not isinstance(sinks, Iterable):
+        raise ConfigError(f"inject_observer: sinks must be an iterable of sinks, got {sinks!r}")
     sink_list = list(sinks)
     for sink in sink_list:
         if not callable(getattr(sink, "write", None)):
@@ -324,6 +333,7 @@ def inject_observer(
         )
         handle = ObserverHandle(model, observer, directory)
         observer.attach()
+        _forget_compiled_code()
         _REGISTRY[model] = handle
         if root is not model:
             _REGISTRY[root] = handle
@@ -336,9 +346,20 @@ def _typed(name: str, value: object, kind: type) -> Any:
         return kind()
     if not isinstance(value, kind):
         raise ConfigError(
-            f"inject_observer: {name} must be a {kind.__name__} or None, got {type(value).__name__}"
+            f"inject_observer: {name} must be a {kind.__name__} or None, "
+            f"got {type(value).__name__} {value!r}"
         )
     return value
+
+
+def _forget_compiled_code() -> None:
+    """Drop code that ``torch.compile`` already compiled, so hooks just added or removed
+    take effect: Dynamo does not guard on module hooks and would keep running code
+    compiled without them (or with them). Recompilation follows on the next call."""
+    dynamo = sys.modules.get("torch._dynamo")
+    reset = getattr(dynamo, "reset", None)
+    if callable(reset):
+        reset()
 
 
 def remove_observer(model: nn.Module) -> None:
@@ -363,6 +384,8 @@ def remove_observer(model: nn.Module) -> None:
         for key in [k for k, v in list(_REGISTRY.items()) if v is handle]:
             del _REGISTRY[key]
     handle._finish()
+    if handle.active:
+        _forget_compiled_code()
 
 
 def observer_of(model: nn.Module) -> ObserverHandle | None:

@@ -96,31 +96,102 @@ def _walk(node: object, path: str, depth: int) -> Iterator[tuple[str, object]]:
             yield from _walk(getattr(node, field.name), f"{path}.{field.name}", depth + 1)
 
 
-def _inert_hook(*_args: object, **_kwargs: object) -> None:
-    """What an observer's hook becomes in a copied or unpickled model: nothing."""
-    return None
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+class _NotScriptable(AttributeError):
+    """Raised when TorchScript (or anything) asks an observer hook for its ``__name__``.
+
+    An AttributeError, so ``hasattr`` probes stay False, with a message that says how to
+    proceed when ``torch.jit.script`` reports it.
+    """
+
+
+class InertHook:
+    """What an observer's hook becomes in a deep-copied or unpickled model.
+
+    It does nothing, and on its first call removes itself from the module it is called
+    for, so a copy (an EMA model, a checkpoint loaded with ``torch.load``) ends up with
+    exactly the hooks it would have had without the observer.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, *args: object, **kwargs: object) -> None:
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            if not isinstance(hooks, dict):
+                continue
+            for key in [k for k, v in hooks.items() if v is self]:
+                del hooks[key]
+                for other in _HOOK_DICTS:
+                    extra = getattr(module, other, None)
+                    if isinstance(extra, dict):
+                        extra.pop(key, None)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (InertHook, ())
+
+    @property
+    def __name__(self) -> str:
+        raise _NotScriptable(
+            "torchinstruments: this module was copied from an observed model and still "
+            "carries an inert observer hook, which removes itself at the first forward; "
+            "run one forward (or copy the model after remove_observer) before torch.jit.script"
+        )
+
+
+class InertForward:
+    """What a ``capture_direct_forwards`` wrapper becomes in a deep copy.
+
+    On its first call it deletes itself from the copy's instance attributes (so the
+    class's ``forward`` applies again) and runs that ``forward``.
+    """
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        module = self._module()
+        if module is None:
+            raise RuntimeError("torchinstruments: the copied module no longer exists")
+        if module.__dict__.get("forward") is self:
+            del module.__dict__["forward"]
+        return type(module).forward(module, *args, **kwargs)
 
 
 class _HookBase:
-    """Weakly bound to an observer; copies and pickles as :func:`_inert_hook`."""
+    """Weakly bound to an observer; copies and pickles as an :class:`InertHook`."""
 
     __slots__ = ("_observer",)
 
     def __init__(self, observer: Observer) -> None:
         self._observer = weakref.ref(observer)
 
-    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
-        return _inert_hook
+    def __deepcopy__(self, memo: dict[int, object]) -> InertHook:
+        return InertHook()
 
-    def __copy__(self) -> Callable[..., None]:
-        return _inert_hook
+    def __copy__(self) -> InertHook:
+        return InertHook()
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_inert_hook_factory, ())
+        return (InertHook, ())
 
-
-def _inert_hook_factory() -> Callable[..., None]:
-    return _inert_hook
+    @property
+    def __name__(self) -> str:
+        raise _NotScriptable(
+            "torchinstruments: a model with an observer attached cannot be scripted; call "
+            "torchinstruments.remove_observer(model) before torch.jit.script(model), then "
+            "inject again"
+        )
 
 
 class RootPreHook(_HookBase):
@@ -179,18 +250,23 @@ class GradHook:
     Holds no reference to the tensor itself (no cycle) and a weak one to the observer.
     """
 
-    __slots__ = ("_key", "_observer", "_sample")
+    __slots__ = ("_key", "_observer", "_sample", "handle")
 
     def __init__(self, observer: Observer, key: tuple[int, int, str], sample: int) -> None:
         self._observer = weakref.ref(observer)
         self._key = key
         self._sample = sample
+        #: Set for hooks on leaf tensors, which outlive the graph: removed after firing.
+        self.handle: Any = None
 
     @_opaque_to_compiler
     def __call__(self, grad: Tensor) -> None:
         observer = self._observer()
         if observer is not None:
             observer.on_grad(self._key, self._sample, grad)
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 class ForwardWrapper:
@@ -220,7 +296,7 @@ class ForwardWrapper:
     def __call__(self, *args: object, **kwargs: object) -> object:
         observer = self._observer()
         module = self._module()
-        if observer is None or module is None:
+        if observer is None or module is None or not observer.attached:
             return self._original(*args, **kwargs)
         if self._is_root:
             observer.enter_root(module)
@@ -242,8 +318,8 @@ class ForwardWrapper:
         module = self._module()
         copied = memo.get(id(module)) if module is not None else None
         if isinstance(copied, nn.Module):
-            return type(copied).forward.__get__(copied)
-        return _inert_hook
+            return InertForward(copied)
+        return InertHook()
 
     def __reduce__(self) -> tuple[Any, ...]:
         raise TypeError(

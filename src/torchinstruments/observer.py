@@ -50,6 +50,9 @@ from .track import SeriesTracker
 
 __all__ = ["Observer", "RankInfo"]
 
+#: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
+#: forwards than this before one backward loses loss-scale and repeat tracking).
+MAX_SAMPLES_AWAITING_BACKWARD = 256
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
 #: Pending-record signal carrying a device-side sentinel count (CUDA).
@@ -84,15 +87,31 @@ class _ErrorEntry:
 
 @dataclass(slots=True)
 class _Pending:
-    """Statistics records waiting on the device, in arrival order."""
+    """Statistics records waiting on the device, in arrival order.
 
+    Hooks add a record with one ``list.append`` of a tuple, which is atomic, so worker
+    threads running modules of the same forward never interleave half records.
+    ``split`` turns the records into parallel lists when a batch leaves for the host.
+    """
+
+    records: list[tuple[tuple[int, int, str, str], int, int, Tensor | list[float]]] = field(
+        default_factory=list
+    )
     keys: list[tuple[int, int, str, str]] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     stats: list[Tensor | list[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.records) or len(self.keys)
+
+    def split(self) -> None:
+        records, self.records = self.records, []
+        for key, sample, position, stat in records:
+            self.keys.append(key)
+            self.samples.append(sample)
+            self.positions.append(position)
+            self.stats.append(stat)
 
 
 class Observer:
@@ -155,9 +174,12 @@ class Observer:
         self._position = 0
         self._implicit_opener: int | None = None
         self._implicit_backward_seen = False
-        self._no_grad_calls: dict[int, list[tuple[int, int, int]]] = {}
+        self._no_grad_calls: dict[int, list[tuple[int, int, int, int]]] = {}
+        self._recompute_anchor = -1
+        self._sample_in_backward = False
         self._lock = threading.Lock()
         self._unsampled_training = False
+        self._no_grad_training_forwards = 0
         self._forced_samples = 0
         self._sentinel_calls: dict[int, int] = {}
         self.sentinel_checks = 0
@@ -170,6 +192,10 @@ class Observer:
         self._in_flight: list[_InFlight] = []
         self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
         self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
+        self._backward_counted: dict[int, None] = {}
+        self._leaf_hooks: list[Any] = []
+        self._awaiting_backward: dict[int, None] = {}
+        self._loss_scales: dict[int, float] = {}
 
         # Counters.
         self.forwards_seen = 0
@@ -228,21 +254,24 @@ class Observer:
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
-        for handle in self._handles:
+        for handle in self._handles + self._leaf_hooks:
             handle.remove()
         self._handles.clear()
+        self._leaf_hooks.clear()
         for ref, had, previous in self._wrapped:
             module = ref()
-            if module is None:
-                continue
+            current = module.__dict__.get("forward") if module is not None else None
+            if module is None or not isinstance(current, ForwardWrapper):
+                continue  # gone, or replaced by the user after injection: leave it
             if had:
                 module.__dict__["forward"] = previous
             else:
-                module.__dict__.pop("forward", None)
+                del module.__dict__["forward"]
         self._wrapped.clear()
         self.attached = False
         _amp.uninstall(self)
-        self.state = self.IDLE
+        # Hooks that compiled code or stale references still call return at once.
+        self.state = self.SKIP
         self._state_stack.clear()
         self._no_grad_calls.clear()
         atexit.unregister(self._atexit)
@@ -251,38 +280,65 @@ class Observer:
     @_opaque_to_compiler
     def enter_root(self, module: nn.Module) -> None:
         """Open a root forward: decide once whether it is sampled."""
+        self._state_stack.append(self.state)
+        if not self.attached:
+            self.state = self.SKIP
+            return
         try:
-            self._state_stack.append(self.state)
             if in_backward():
+                if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
+                    # A reentrant checkpoint of the root: its first pass ran without
+                    # grad; this recomputation is the forward that gradients flow through.
+                    self._no_grad_training_forwards -= 1
+                    self.eval_forwards_skipped -= 1
+                    self._open_training_forward()
+                    self._sample_in_backward = True
+                    return
                 self.state = self.RECOMPUTE
                 self.recompute_calls += 1
                 return
-            if len(self._state_stack) > 1 and self._state_stack[-1] in (self.SAMPLED, self.SKIP):
-                return  # the root calling itself: same forward
-            if (
-                not torch.is_grad_enabled()
-                or torch.is_inference_mode_enabled()
-                or not module.training
+            if len(self._state_stack) > 1 and self._state_stack[-1] in (
+                self.SAMPLED,
+                self.SKIP,
+                self.SENTINEL,
             ):
+                return  # the root calling itself: same forward
+            if torch.jit.is_tracing() or torch.is_inference_mode_enabled() or not module.training:
                 self.state = self.SKIP
                 self.eval_forwards_skipped += 1
                 return
-            self._implicit_opener = None
-            self._open_sample()
-            if self._sample_open:
-                self.state = self.SAMPLED
-            else:
-                self._unsampled_training = True
-                self._sentinel_calls = {}
-                self.state = self.SENTINEL if self.full_sentinel else self.SKIP
-            self._maybe_flush()
+            if not torch.is_grad_enabled():
+                # Evaluation in train mode, or the first pass of a reentrant checkpoint.
+                self.state = self.SKIP
+                self.eval_forwards_skipped += 1
+                self._no_grad_training_forwards = min(self._no_grad_training_forwards + 1, 64)
+                return
+            self._no_grad_training_forwards = 0
+            self._open_training_forward()
         except Exception as error:  # never break training
             self.state = self.SKIP
             self.record_error("enter_root", "", error)
 
+    def _open_training_forward(self) -> None:
+        self._implicit_opener = None
+        self._sample_in_backward = False
+        self._recompute_anchor = -1
+        self._open_sample()
+        if self._sample_open:
+            self.state = self.SAMPLED
+        else:
+            self._unsampled_training = True
+            self._sentinel_calls = {}
+            self.state = self.SENTINEL if self.full_sentinel else self.SKIP
+        self._maybe_flush()
+
     @_opaque_to_compiler
     def exit_root(self) -> None:
         """Close the innermost root forward."""
+        if not self.attached:
+            self._state_stack.clear()
+            self.state = self.SKIP
+            return
         self.state = self._state_stack.pop() if self._state_stack else self.IDLE
         if self.state == self.IDLE:
             self._unsampled_training = False
@@ -295,7 +351,7 @@ class Observer:
         the count stays on the device and is read at the next flush (no host sync).
         A hit counts, is recorded, and makes the next forwards sampled.
         """
-        if not self._unsampled_training or self.full_sentinel:
+        if not self._unsampled_training or self.full_sentinel or not self.attached:
             return
         try:
             for path, leaf in iter_output_tensors(output):
@@ -342,6 +398,10 @@ class Observer:
         if sampled:
             self._sample = self.samples_observed
             self.samples_observed += 1
+            awaiting = self._awaiting_backward
+            awaiting[self._sample] = None
+            if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
+                del awaiting[next(iter(awaiting))]
             self._calls = {}
             self._position = 0
             self._no_grad_calls = {}
@@ -364,6 +424,8 @@ class Observer:
             self._cost_listener(seconds)
 
     def _on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
+        if not self.attached:
+            return
         try:
             state = self.state
             if state == self.SENTINEL:
@@ -379,7 +441,7 @@ class Observer:
                     return
                 if state != self.IDLE or not self._open_implicit(index):
                     return
-            elif in_backward():
+            elif in_backward() and not self._sample_in_backward:
                 return
             self._observe_call(index, args, output)
         except Exception as error:  # never break training
@@ -428,19 +490,25 @@ class Observer:
                 self.paths_dropped += 1
                 continue
             assert isinstance(leaf, Tensor)
-            pending.keys.append((index, call, ACTIVATION, path))
-            pending.samples.append(sample)
-            pending.positions.append(position)
-            pending.stats.append(_statistics(leaf))
-            if leaf.requires_grad:
-                if grad_enabled:
-                    leaf.register_hook(GradHook(self, (index, call, path), sample))
-            elif not grad_enabled:
-                # Under no_grad inside a training forward (reentrant checkpointing): the
-                # gradient flows through a recomputation during backward.
-                self._no_grad_calls.setdefault(index, []).append(
-                    (call, sample, _first_tensor_pointer(args))
-                )
+            pending.records.append(
+                ((index, call, ACTIVATION, path), sample, position, _statistics(leaf))
+            )
+            if leaf.requires_grad and grad_enabled:
+                hook = GradHook(self, (index, call, path), sample)
+                handle = leaf.register_hook(hook)
+                if leaf.is_leaf:
+                    # A module that returns a parameter: a hook on a leaf outlives the
+                    # graph, so it removes itself after its first gradient (and at detach).
+                    hook.handle = handle
+                    self._leaf_hooks.append(handle)
+                    if len(self._leaf_hooks) > MAX_SAMPLES_AWAITING_BACKWARD:
+                        self._leaf_hooks.pop(0).remove()
+        if not grad_enabled:
+            # Under no_grad inside a training forward (reentrant checkpointing): the
+            # gradient flows through a recomputation during backward.
+            self._no_grad_calls.setdefault(index, []).append(
+                (call, sample, _first_tensor_pointer(args), position)
+            )
 
     def _on_recompute(self, index: int, args: tuple[object, ...], output: object) -> None:
         """A forward re-run during backward: attach gradient hooks for reentrant calls."""
@@ -448,14 +516,24 @@ class Observer:
         waiting = self._no_grad_calls.get(index)
         if not waiting or not torch.is_grad_enabled():
             return
+        # The first module of a recomputed region receives the region's saved inputs
+        # (same storage as in the first pass); later ones replay the first pass's call
+        # order, so continue from the last matched position.
         pointer = _first_tensor_pointer(args)
-        chosen = next((item for item in waiting if item[2] == pointer and pointer), None)
+        chosen = next((item for item in waiting if pointer and item[2] == pointer), None)
         if chosen is None:
-            chosen = waiting[-1]
+            later = [item for item in waiting if item[3] > self._recompute_anchor]
+            chosen = min(later, key=lambda item: item[3]) if later else waiting[-1]
         waiting.remove(chosen)
-        call, sample, _ = chosen
+        call, sample, _, position = chosen
+        self._recompute_anchor = position
         for path, leaf in iter_output_tensors(output):
-            if isinstance(leaf, Tensor) and skip_reason(leaf) is None and leaf.requires_grad:
+            if (
+                isinstance(leaf, Tensor)
+                and skip_reason(leaf) is None
+                and leaf.requires_grad
+                and not leaf.is_leaf
+            ):
                 leaf.register_hook(GradHook(self, (index, call, path), sample))
 
     def on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
@@ -467,14 +545,21 @@ class Observer:
             self._note_cost(time.perf_counter() - started)
 
     def _on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
+        if not self.attached:
+            return
         try:
             seen = self._grad_keys_seen.get(sample)
             if seen is None:
                 seen = set()
                 self._grad_keys_seen[sample] = seen
-                if len(self._grad_keys_seen) > 8:
-                    del self._grad_keys_seen[min(self._grad_keys_seen)]
-                self.backward_samples_observed += 1
+                if len(self._grad_keys_seen) > MAX_SAMPLES_AWAITING_BACKWARD:
+                    del self._grad_keys_seen[next(iter(self._grad_keys_seen))]
+                if sample not in self._backward_counted:
+                    self._backward_counted[sample] = None
+                    if len(self._backward_counted) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
+                        del self._backward_counted[next(iter(self._backward_counted))]
+                    self.backward_samples_observed += 1
+                self._awaiting_backward.pop(sample, None)
                 if self._implicit_opener is not None and sample == self._sample:
                     self._implicit_backward_seen = True
             elif key in seen:
@@ -487,20 +572,24 @@ class Observer:
                 return
             index, call, path = key
             pending = self._pending
-            pending.keys.append((index, call, GRAD_OUTPUT, path))
-            pending.samples.append(sample)
-            pending.positions.append(-1)
-            pending.stats.append(_statistics(grad))
+            pending.records.append(
+                ((index, call, GRAD_OUTPUT, path), sample, -1, _statistics(grad))
+            )
         except Exception as error:  # never break training
             self.record_error("backward", self.names[key[0]], error)
 
     def note_loss_scale(self, scale: Tensor) -> None:
-        """``GradScaler.scale`` ran: the next backward's gradients carry ``scale``."""
-        if not self._sample_open or self._sample < 0:
+        """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``.
+
+        It applies to every sampled forward whose backward has not started yet (several
+        forwards may share one scaled backward).
+        """
+        if not self.attached or not self._awaiting_backward:
             return
         try:
-            value = scale.detach().reshape(-1)[:1].to(torch.float64)
-            self._append_record((-1, 0, _LOSS_SCALE, ""), self._sample, _padded_row(value))
+            value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
+            for sample in self._awaiting_backward:
+                self._append_record((-1, 0, _LOSS_SCALE, ""), sample, value)
         except Exception as error:
             self.record_error("loss_scale", "", error)
 
@@ -508,10 +597,7 @@ class Observer:
         self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
     ) -> None:
         pending = self._pending
-        pending.keys.append(key)
-        pending.samples.append(sample)
-        pending.positions.append(-1)
-        pending.stats.append(row)
+        pending.records.append((key, sample, -1, row))
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook; keep the first few distinct ones."""
@@ -563,7 +649,7 @@ class Observer:
     def _process(self, pending: _Pending, rows: list[list[float]]) -> None:
         grad_groups: dict[int, list[tuple[tuple[int, int, str, str], dict[str, float | None]]]]
         grad_groups = {}
-        loss_scales: dict[int, float] = {}
+        loss_scales = self._loss_scales
         scalars: list[tuple[TensorSeries, int, dict[str, float | None]]] = []
         config = self.track_config
         for key, sample, position, row in zip(
@@ -572,6 +658,8 @@ class Observer:
             if key[2] == _LOSS_SCALE:
                 if row[0] > 0 and math.isfinite(row[0]):
                     loss_scales[sample] = row[0]
+                    if len(loss_scales) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
+                        del loss_scales[next(iter(loss_scales))]
                 continue
             if key[2] == _SENTINEL:
                 if row[0] > 0:
@@ -774,6 +862,7 @@ def _launch_transfer(pending: _Pending) -> _InFlight:
 
     Rows already on the host (CPU tensors are reduced to host floats) pass through.
     """
+    pending.split()
     stats = pending.stats
     by_device: dict[torch.device, list[int]] = {}
     host_rows: list[int] = []

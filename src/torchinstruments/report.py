@@ -261,7 +261,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
         ``observer.report_config.max_bytes`` long.
     """
     config = observer.report_config
-    ranked = run_rules(observer.series.values())
+    ranked = run_rules(observer.series.values(), loss_scaled=observer.loss_scale.count > 0)
     per_category: dict[str, list[dict[str, Any]]] = {}
     notable_counts: dict[str, int] = {}
     candidate_counts: dict[str, int] = {}
@@ -371,8 +371,9 @@ def _first_non_finite(
 ) -> dict[str, object] | None:
     """Where non-finite values first appeared: in a sampled forward (exact sample,
     module, tensor path) or, earlier, caught by the sentinel between samples."""
-    activations = [c for c in candidates if c.series.signal != GRAD_OUTPUT]
-    chosen = activations[0] if activations else (candidates[0] if candidates else None)
+    notable = [c for c in candidates if c.notable]
+    activations = [c for c in notable if c.series.signal != GRAD_OUTPUT]
+    chosen = activations[0] if activations else (notable[0] if notable else None)
     sampled: dict[str, object] | None = None
     if chosen is not None and chosen.tracker.first_nonzero is not None:
         s = chosen.series

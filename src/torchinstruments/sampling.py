@@ -266,5 +266,6 @@ def resolve_sampling(sampling: object) -> SamplingPolicy:
         return sampling
     raise ConfigError(
         "inject_observer: sampling must be None, an int >= 1 or an object with "
-        f"should_sample(forward_index) and describe(), got {type(sampling).__name__}"
+        f"should_sample(forward_index) and describe(), got {type(sampling).__name__} "
+        f"{sampling!r}"
     )

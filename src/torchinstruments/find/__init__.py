@@ -21,17 +21,27 @@ __all__ = [
 ]
 
 
-def run_rules(series: Iterable[TensorSeries]) -> dict[str, list[Candidate]]:
+def run_rules(
+    series: Iterable[TensorSeries], *, loss_scaled: bool = False
+) -> dict[str, list[Candidate]]:
     """Run every rule over the series; return ranked candidates per category.
 
     Output gradients take the forward call position of the activation of the same
     module call and tensor path, so that both signals can be put in propagation order.
+    ``loss_scaled`` says a ``torch.amp.GradScaler`` scaled some samples' losses.
     """
     items = list(series)
-    context = RuleContext()
+    context = RuleContext(loss_scaled=loss_scaled)
     for s in items:
         if s.signal == ACTIVATION:
             context.positions[(s.module, s.call_index, s.tensor_path)] = s.forward_position
+            tracker = s.trackers.get("nonfinite_fraction")
+            first = tracker.first_nonzero if tracker is not None else None
+            if first is not None and (
+                context.first_activation_nonfinite is None
+                or first.sample < context.first_activation_nonfinite
+            ):
+                context.first_activation_nonfinite = first.sample
     root_gradients = sorted(
         (s for s in items if s.module == "" and s.signal == GRAD_OUTPUT),
         key=lambda s: (s.call_index, s.tensor_path),

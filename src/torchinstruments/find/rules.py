@@ -50,10 +50,14 @@ class RuleContext:
         positions: forward call position per (module, call index, tensor path).
         root_gradient: the root output's output-gradient trackers by metric (the loss
             gradient), used as the reference that gradient rules measure net of.
+        loss_scaled: a ``torch.amp.GradScaler`` scaled the loss of some samples.
+        first_activation_nonfinite: earliest sample with a non-finite activation, if any.
     """
 
     positions: dict[tuple[str, int, str], int] = field(default_factory=dict)
     root_gradient: dict[str, SeriesTracker] = field(default_factory=dict)
+    loss_scaled: bool = False
+    first_activation_nonfinite: int | None = None
 
 
 def _where(c: Candidate) -> str:
@@ -396,7 +400,9 @@ class NonFinite(Rule):
     """``non_finite``: NaN or infinity appeared in a tensor.
 
     Metric ``nonfinite_fraction``. Every series with a non-finite value is a candidate
-    and notable (there is no noise floor for NaN). Ranking basis
+    and notable (there is no noise floor for NaN), except output gradients that overflow
+    under ``torch.amp.GradScaler`` loss scaling while all activations are finite: the
+    scaler skips those steps and lowers its scale, so they are listed, not notable. Ranking basis
     ``first_nonfinite_sample``, as its negative (earlier ranks first); within one sample
     the earliest module in forward order for activations (the latest for gradients) is
     the origin and the rest are its echoes.
@@ -417,6 +423,16 @@ class NonFinite(Rule):
         first = tracker.first_nonzero
         if first is None:
             return None
+        # Under loss scaling, output gradients that overflow while every activation is
+        # finite are the scaler probing its scale (it skips the step and backs off).
+        overflow = (
+            series.signal == GRAD_OUTPUT
+            and context.loss_scaled
+            and (
+                context.first_activation_nonfinite is None
+                or context.first_activation_nonfinite > first.sample
+            )
+        )
         return Candidate(
             category=self.category,
             series=series,
@@ -424,7 +440,7 @@ class NonFinite(Rule):
             tracker=tracker,
             score=-float(first.sample),
             basis="negative_first_nonfinite_sample",
-            notable=True,
+            notable=not overflow,
             direction=1,
             onset=first.sample,
             position=position,
@@ -434,6 +450,7 @@ class NonFinite(Rule):
                 "samples_with_nonfinite": tracker.nonzero_count,
                 "samples_observed": tracker.count,
                 "latest_nonfinite_fraction": tracker.latest.value if tracker.latest else None,
+                "loss_scale_overflow": overflow,
             },
         )
 
