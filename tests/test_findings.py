@@ -302,10 +302,12 @@ def quiet_model(seed: int) -> list[TensorSeries]:
             g = torch.randn(512, generator=generator) * 1e-3
             values[name] = finish_statistics(cpu_statistics(g))
         root_rms = values[""]["rms"]
+        assert root_rms is not None
         for name, _ in modules:
             row = dict(values[name])
-            if name:
-                row[RMS_TO_ROOT] = row["rms"] / root_rms
+            rms = row["rms"]
+            if name and rms is not None:
+                row[RMS_TO_ROOT] = rms / root_rms
             gradients[name].update(CONFIG, sample, row)
     return [*activations.values(), *gradients.values()]
 

@@ -85,6 +85,7 @@ def test_tensorboard_sink_writes_events_that_tensorboard_reads_back(tmp_path: Pa
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = events.Tags()["scalars"]
+    assert isinstance(tags, list)
     tag = scalar_tag("head", 0, "activation", "output", "rms")
     assert tag in tags and "task/loss" in tags
     assert [event.step for event in events.Scalars(tag)] == [0, 1, 2, 3, 4]
