@@ -118,3 +118,31 @@ def test_a_failing_sink_is_counted_and_never_breaks_training(tmp_path: Path) -> 
     errors = read_report(tmp_path)["errors"]
     assert errors[0]["stage"] == "sink" and errors[0]["message"] == "logger offline"
     assert torch.equal(model.head.weight, twin.head.weight)
+
+
+def test_directory_sink_writes_full_details_when_asked(tmp_path: Path) -> None:
+    import json
+
+    from torchinstruments import DirectorySink
+
+    sink = DirectorySink(tmp_path, write_full_details=True)
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1, sinks=[sink])
+    train(model, make_batches(30))
+    remove_observer(model)
+    details = json.loads((tmp_path / "details.json").read_text(encoding="utf-8"))
+    report = read_report(tmp_path)
+    assert details["schema"] == "torchinstruments.details/1"
+    assert len(details["series"]) == report["coverage"]["tensor_series"] == 12
+    fc = next(s for s in details["series"] if s["module"] == "fc" and s["signal"] == "activation")
+    rms = fc["metrics"]["rms"]
+    assert rms["count"] == 30 and rms["warmup_complete"] is True
+    assert len(rms["history"]) <= 32
+    assert (tmp_path / "index.md").is_file()
+
+
+def test_directory_sink_rejects_a_non_bool_details_flag(tmp_path: Path) -> None:
+    from torchinstruments import DirectorySink
+
+    with pytest.raises(ConfigError, match="write_full_details must be a bool, got 'yes'"):
+        DirectorySink(tmp_path, write_full_details="yes")  # type: ignore[arg-type]

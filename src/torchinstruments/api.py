@@ -312,6 +312,12 @@ def inject_observer(
                 "live observer; give each observed model its own output_dir"
             )
         modules = select_modules(root, include_patterns, exclude_patterns, types)
+        # A DirectorySink for the same directory (say with write_full_details=True)
+        # replaces the default writer instead of writing the same files twice.
+        own_sink = any(
+            isinstance(sink, DirectorySink) and sink.path.resolve() == directory.resolve()
+            for sink in sink_list
+        )
         observer = Observer(
             target=model,
             root=root,
@@ -322,7 +328,7 @@ def inject_observer(
             capture_direct_forwards=capture_direct_forwards,
             full_sentinel=full_sentinel,
             rank_info=rank_info,
-            writer=DirectorySink(directory) if write_files else None,
+            writer=DirectorySink(directory) if write_files and not own_sink else None,
             sinks=sink_list,
             options={
                 "rank_policy": rank_policy,

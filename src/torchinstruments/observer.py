@@ -790,6 +790,20 @@ class Observer:
                 sink.write(report)
             except Exception as error:
                 self.record_error("sink", type(sink).__name__, error)
+        wanting = [
+            target
+            for target in (self.writer, *self.sinks)
+            if target is not None and getattr(target, "write_full_details", False)
+        ]
+        if wanting:
+            from .report import build_details
+
+            details = build_details(self)
+            for target in wanting:
+                try:
+                    target.write_details(details)
+                except Exception as error:
+                    self.record_error("details", type(target).__name__, error)
 
 
 class _AtExit:

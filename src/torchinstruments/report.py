@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from .observer import Observer
 
 __all__ = [
+    "DETAILS_SCHEMA",
     "LLM_PROMPT",
     "SCHEMA",
+    "build_details",
     "build_report",
     "dumps_report",
     "render_markdown",
@@ -35,6 +37,7 @@ __all__ = [
 ]
 
 SCHEMA = "torchinstruments.report/1"
+DETAILS_SCHEMA = "torchinstruments.details/1"
 #: Points of series history carried by each finding.
 HISTORY_POINTS_PER_FINDING = 12
 
@@ -620,3 +623,79 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _tracker_state(tracker: Any) -> dict[str, Any]:
+    return {
+        "count": tracker.count,
+        "first": _point(tracker.first),
+        "latest": _point(tracker.latest),
+        "min": _point(tracker.min),
+        "max": _point(tracker.max),
+        "warmup_complete": tracker.warmup_complete,
+        "log_scale": tracker.log_scale,
+        "ema_fast": tracker.level(tracker.ema_fast),
+        "ema_slow": tracker.level(tracker.ema_slow),
+        "baseline": tracker.level(tracker.baseline_mean),
+        "baseline_std_tracked_units": tracker.baseline_std,
+        "shift_tracked_units": tracker.shift,
+        "shift_in_baseline_std": tracker.shift_z,
+        "momentum": tracker.momentum,
+        "max_drawdown": tracker.max_drawdown,
+        "volatility": tracker.volatility,
+        "warmup_volatility": tracker.baseline_volatility,
+        "flips": tracker.flips,
+        "differences": tracker.diffs,
+        "flip_rate": tracker.flip_rate,
+        "cusum_positive": tracker.cusum_positive,
+        "cusum_negative": tracker.cusum_negative,
+        "cusum_peak": tracker.cusum_peak,
+        "level_changes": tracker.change_count,
+        "change_points": [
+            {
+                "start_sample": c.start_sample,
+                "alarm_sample": c.alarm_sample,
+                "level_before": tracker.level(c.level_before),
+                "level_after": tracker.level(c.level_after),
+                "step_in_std_before": c.step_z,
+                "confirmed": c.confirmed,
+            }
+            for c in tracker.changes
+        ],
+        "first_nonzero": _point(tracker.first_nonzero) if tracker.first_nonzero else None,
+        "history": [[sample, value] for sample, value in tracker.history()],
+    }
+
+
+def build_details(observer: Observer) -> dict[str, Any]:
+    """Every live series with its full tracker state, for local debugging.
+
+    Unbounded: its size grows with the number of series (about 2 kB per series and
+    metric). Not meant for an LLM; ``report.json`` is the bounded summary.
+    """
+    series = sorted(
+        observer.series.values(),
+        key=lambda s: (s.module, s.call_index, s.signal, s.tensor_path),
+    )
+    return _clean(
+        {
+            "schema": DETAILS_SCHEMA,
+            "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "run": _run_section(observer),
+            "series": [
+                {
+                    "module": display_module(s.module),
+                    "call_index": s.call_index,
+                    "signal": s.signal,
+                    "tensor_path": s.tensor_path,
+                    "forward_position": s.forward_position,
+                    "observations": s.observations,
+                    "metrics": {
+                        metric: _tracker_state(tracker)
+                        for metric, tracker in sorted(s.trackers.items())
+                    },
+                }
+                for s in series
+            ],
+        }
+    )

@@ -12,6 +12,7 @@ so a run killed at any moment leaves the last complete report.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -139,6 +140,11 @@ class DirectorySink(_SinkBase):
 
     Args:
         output_dir: directory to write into; created on first write.
+        write_full_details: also write ``details.json``: every live series with its full
+            tracker state (EMAs, CUSUM, change points, history). For local debugging:
+            it is not bounded (about 2 kB per series and metric) and not meant for an
+            LLM. Default False. Pass such a sink as ``inject_observer(..., sinks=[...])``
+            with the same directory as ``output_dir``; it then replaces the default one.
 
     Raises:
         OSError: from :meth:`write`, when the directory cannot be written. The observer
@@ -151,8 +157,27 @@ class DirectorySink(_SinkBase):
         PosixPath('...')  # doctest: +SKIP
     """
 
-    def __init__(self, output_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, output_dir: str | os.PathLike[str], *, write_full_details: bool = False
+    ) -> None:
+        from .errors import ConfigError
+
+        if not isinstance(write_full_details, bool):
+            raise ConfigError(
+                f"DirectorySink: write_full_details must be a bool, got {write_full_details!r}"
+            )
         self.path = Path(output_dir)
+        self.write_full_details = write_full_details
+
+    @property
+    def details_path(self) -> Path:
+        """Where ``details.json`` is written (with ``write_full_details=True``)."""
+        return self.path / "details.json"
+
+    def write_details(self, details: dict[str, Any]) -> None:
+        """Write ``details.json`` atomically (compact JSON, UTF-8)."""
+        data = json.dumps(details, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        atomic_write(self.details_path, data.encode())
 
     @property
     def report_path(self) -> Path:
@@ -169,7 +194,8 @@ class DirectorySink(_SinkBase):
         atomic_write(self.index_path, render_markdown(report).encode())
 
     def __repr__(self) -> str:
-        return f"DirectorySink({str(self.path)!r})"
+        details = ", write_full_details=True" if self.write_full_details else ""
+        return f"DirectorySink({str(self.path)!r}{details})"
 
 
 class MemorySink(_SinkBase):
