@@ -18,6 +18,7 @@ import contextlib as _contextlib
 from .api import ObserverHandle, inject_observer, observer_of, remove_observer
 from .config import ReportConfig, TrackConfig
 from .errors import ConfigError, ObserverStateError, ReportReadError, TorchInstrumentsError
+from .histogram import HistogramSpec, histogram
 from .merge import merge_rank_reports
 from .sampling import DefaultSampling, EveryNSampling, SamplingPolicy, TimeBudgetSampling
 from .sinks import (
@@ -36,6 +37,7 @@ __all__ = [
     "DefaultSampling",
     "DirectorySink",
     "EveryNSampling",
+    "HistogramSpec",
     "MemorySink",
     "MetricLoggerSink",
     "ObserverHandle",
@@ -50,6 +52,7 @@ __all__ = [
     "TorchInstrumentsError",
     "TrackConfig",
     "__version__",
+    "histogram",
     "inject_observer",
     "merge_rank_reports",
     "observer_of",

@@ -17,6 +17,7 @@ from torch import nn
 from .config import ReportConfig, TrackConfig
 from .distributed import RANK_POLICIES, detect_rank
 from .errors import ConfigError, ObserverStateError
+from .histogram import HistogramSpec
 from .observer import Observer
 from .sampling import SamplingPolicy, resolve_sampling
 from .sinks import DirectorySink, Sink
@@ -195,6 +196,7 @@ def inject_observer(
     rank_policy: str = "rank0",
     capture_direct_forwards: bool = False,
     full_sentinel: bool = False,
+    histograms: Iterable[HistogramSpec] = (),
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     module_types: type | Sequence[type] | None = None,
@@ -229,6 +231,9 @@ def inject_observer(
             one-off NaN is localised to the first module in forward order that produced
             it. Off by default: without it only the root output is checked between
             samples (one tensor per forward), and a hit makes the next 8 forwards sampled.
+        histograms: fixed-edge histograms to take, each from
+            :func:`~torchinstruments.histogram` (opt-in; default none). They reach
+            ``details.json``, TensorBoard and a bounded summary under ``coverage``.
         include: glob pattern(s) of qualified module names to observe (``"blocks.*"``).
         exclude: glob pattern(s) of module names not to observe.
         module_types: observe modules of these types (``nn.Linear``, ...).
@@ -283,6 +288,18 @@ def inject_observer(
             raise ConfigError(
                 f"inject_observer: each sink needs a write(report) method, got {sink!r}"
             )
+    if isinstance(histograms, HistogramSpec) or not isinstance(histograms, Iterable):
+        raise ConfigError(
+            "inject_observer: histograms must be an iterable of histogram(...) specs, "
+            f"got {histograms!r}"
+        )
+    histogram_specs = tuple(histograms)
+    for spec in histogram_specs:
+        if not isinstance(spec, HistogramSpec):
+            raise ConfigError(
+                "inject_observer: each histograms entry must come from histogram(...), "
+                f"got {spec!r}"
+            )
     include_patterns = _as_patterns("include", include)
     exclude_patterns = _as_patterns("exclude", exclude)
     types = _as_types(module_types)
@@ -327,6 +344,7 @@ def inject_observer(
             track_config=tracking,
             capture_direct_forwards=capture_direct_forwards,
             full_sentinel=full_sentinel,
+            histograms=histogram_specs,
             rank_info=rank_info,
             writer=DirectorySink(directory) if write_files and not own_sink else None,
             sinks=sink_list,

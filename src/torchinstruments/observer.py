@@ -16,7 +16,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from .capture import (
     iter_output_tensors,
 )
 from .config import ReportConfig, TrackConfig
+from .histogram import Histogram, HistogramSpec, histogram_counts
 from .reduce import (
     STAT_WIDTH,
     cpu_statistics,
@@ -55,6 +56,8 @@ __all__ = ["Observer", "RankInfo"]
 MAX_SAMPLES_AWAITING_BACKWARD = 256
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
+#: Prefix of pending-record signals carrying histogram counts.
+_HISTOGRAM = "histogram"
 #: Pending-record signal carrying a device-side sentinel count (CUDA).
 _SENTINEL = "sentinel"
 #: Index of the root among the observed modules (``select_modules`` puts it first).
@@ -142,6 +145,7 @@ class Observer:
         track_config: TrackConfig,
         capture_direct_forwards: bool,
         full_sentinel: bool,
+        histograms: Sequence[HistogramSpec],
         rank_info: RankInfo,
         writer: Any,
         sinks: Iterable[Any],
@@ -156,11 +160,24 @@ class Observer:
         self.track_config = track_config
         self.capture_direct_forwards = capture_direct_forwards
         self.full_sentinel = full_sentinel
+        self.histogram_specs = tuple(histograms)
+        self.histograms: dict[tuple[int, int, str, str, int], Histogram] = {}
+        # Per module and signal: indices of the specs that apply (resolved once).
+        self._hist_plan = {
+            (index, signal): tuple(
+                n for n, spec in enumerate(self.histogram_specs) if spec.applies_to(name, signal)
+            )
+            for index, (name, _) in enumerate(modules)
+            for signal in (ACTIVATION, GRAD_OUTPUT)
+        }
         self.rank_info = rank_info
         self.writer = writer
         self.sinks = list(sinks)
         self._scalar_sinks = [
             sink for sink in self.sinks if callable(getattr(sink, "write_scalars", None))
+        ]
+        self._histogram_sinks = [
+            sink for sink in self.sinks if callable(getattr(sink, "write_histogram", None))
         ]
         self.options = options
         self.attached = False
@@ -493,6 +510,8 @@ class Observer:
             pending.records.append(
                 ((index, call, ACTIVATION, path), sample, position, _statistics(leaf))
             )
+            if self.histogram_specs:
+                self._histogram(index, call, ACTIVATION, path, sample, leaf)
             if leaf.requires_grad and grad_enabled:
                 hook = GradHook(self, (index, call, path), sample)
                 handle = leaf.register_hook(hook)
@@ -575,6 +594,8 @@ class Observer:
             pending.records.append(
                 ((index, call, GRAD_OUTPUT, path), sample, -1, _statistics(grad))
             )
+            if self.histogram_specs:
+                self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
             self.record_error("backward", self.names[key[0]], error)
 
@@ -592,6 +613,16 @@ class Observer:
                 self._append_record((-1, 0, _LOSS_SCALE, ""), sample, value)
         except Exception as error:
             self.record_error("loss_scale", "", error)
+
+    def _histogram(
+        self, index: int, call: int, signal: str, path: str, sample: int, tensor: Tensor
+    ) -> None:
+        for number in self._hist_plan.get((index, signal), ()):
+            spec = self.histogram_specs[number]
+            if sample % spec.every_n_samples:
+                continue
+            key = (index, call, f"{_HISTOGRAM}{number}:{signal}", path)
+            self._pending.records.append((key, sample, -1, histogram_counts(tensor, spec)))
 
     def _append_record(
         self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
@@ -661,6 +692,9 @@ class Observer:
                     if len(loss_scales) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
                         del loss_scales[next(iter(loss_scales))]
                 continue
+            if key[2].startswith(_HISTOGRAM):
+                self._add_histogram(key, sample, row)
+                continue
             if key[2] == _SENTINEL:
                 if row[0] > 0:
                     self._sentinel_hit(sample, key[0], key[1], key[3])
@@ -725,6 +759,23 @@ class Observer:
                 sink.write_scalars(batch)
             except Exception as error:
                 self.record_error("sink", type(sink).__name__, error)
+
+    def _add_histogram(self, key: tuple[int, int, str, str], sample: int, row: list[float]) -> None:
+        number_text, signal = key[2][len(_HISTOGRAM) :].split(":", 1)
+        number = int(number_text)
+        histogram_key = (key[0], key[1], signal, key[3], number)
+        histogram = self.histograms.get(histogram_key)
+        if histogram is None:
+            histogram = Histogram(self.histogram_specs[number])
+            self.histograms[histogram_key] = histogram
+        histogram.add(sample, row)
+        if self._histogram_sinks:
+            tag = scalar_tag(self.names[key[0]], key[1], signal, key[3], "histogram")
+            for sink in self._histogram_sinks:
+                try:
+                    sink.write_histogram(tag, histogram.spec.edges, row, sample)
+                except Exception as error:
+                    self.record_error("sink", type(sink).__name__, error)
 
     def _series_for(self, key: tuple[int, int, str, str]) -> TensorSeries | None:
         series = self.series.get(key)
@@ -878,18 +929,18 @@ def _launch_transfer(pending: _Pending) -> _InFlight:
     """
     pending.split()
     stats = pending.stats
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[tuple[torch.device, int], list[int]] = {}
     host_rows: list[int] = []
     for i, item in enumerate(stats):
         if isinstance(item, Tensor):
-            by_device.setdefault(item.device, []).append(i)
+            by_device.setdefault((item.device, item.numel()), []).append(i)
         else:
             host_rows.append(i)
     host: list[tuple[list[int], Tensor | list[list[float]]]] = []
     if host_rows:
         host.append((host_rows, [stats[i] for i in host_rows]))  # type: ignore[misc]
     events: list[Any] = []
-    for device, positions in by_device.items():
+    for (device, _), positions in by_device.items():
         stacked = torch.stack([stats[i] for i in positions])  # type: ignore[misc]
         if device.type == "cuda":
             buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)

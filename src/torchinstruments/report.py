@@ -326,7 +326,8 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     ),
                     "tensor_series": len(observer.series),
                     "series": sum(len(s.trackers) for s in observer.series.values()),
-                    "histograms": 0,
+                    "histograms": len(observer.histograms),
+                    "histogram_summary": _histogram_summary(observer),
                     "forwards_seen": observer.forwards_seen,
                     "samples_observed": observer.samples_observed,
                     "backward_samples_observed": observer.backward_samples_observed,
@@ -450,6 +451,44 @@ def _config_section(observer: Observer) -> dict[str, Any]:
         "capture_direct_forwards": observer.capture_direct_forwards,
         **observer.options,
     }
+
+
+#: Histograms summarised in ``report.json`` (those with the most mass out of range).
+MAX_HISTOGRAMS_IN_REPORT = 16
+
+
+def _histogram_summary(observer: Observer) -> list[dict[str, Any]]:
+    """A bounded summary: the histograms with the largest out-of-range fraction."""
+    entries = []
+    for (index, call, signal, path, number), histogram in observer.histograms.items():
+        summary = histogram.summary()
+        out = (
+            float(summary["underflow_fraction"])  # type: ignore[arg-type]
+            + float(summary["overflow_fraction"])  # type: ignore[arg-type]
+            + float(summary["nonfinite_fraction"])  # type: ignore[arg-type]
+        )
+        entries.append(
+            (
+                -out,
+                observer.names[index],
+                call,
+                signal,
+                path,
+                number,
+                {
+                    "module": display_module(observer.names[index]),
+                    "call_index": call,
+                    "signal": signal,
+                    "tensor_path": path,
+                    "spec": number,
+                    "bins": histogram.spec.bins,
+                    "value_range": list(histogram.spec.value_range),
+                    **summary,
+                },
+            )
+        )
+    entries.sort(key=lambda e: e[:6])
+    return [entry[-1] for entry in entries[:MAX_HISTOGRAMS_IN_REPORT]]
 
 
 def _errors_section(observer: Observer) -> list[dict[str, Any]]:
@@ -682,6 +721,20 @@ def build_details(observer: Observer) -> dict[str, Any]:
             "schema": DETAILS_SCHEMA,
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "run": _run_section(observer),
+            "histograms": [
+                {
+                    "module": display_module(observer.names[index]),
+                    "call_index": call,
+                    "signal": signal,
+                    "tensor_path": path,
+                    "edges": histogram.spec.edges,
+                    "counts": histogram.counts[: histogram.spec.bins],
+                    **histogram.summary(),
+                }
+                for (index, call, signal, path, _), histogram in sorted(
+                    observer.histograms.items(), key=lambda item: item[0]
+                )
+            ],
             "series": [
                 {
                     "module": display_module(s.module),

@@ -259,6 +259,32 @@ class TensorBoardSink(_SinkBase):
         for tag, value, sample in scalars:
             add(tag, value, sample)
 
+    def write_histogram(
+        self, tag: str, edges: Sequence[float], counts: Sequence[float], sample: int
+    ) -> None:
+        """One sample's histogram with fixed ``edges`` (``bins + 1``) and ``counts``
+        (``bins`` in range, then underflow, overflow, non-finite), pre-binned."""
+        add_raw = getattr(self.writer, "add_histogram_raw", None)
+        if not callable(add_raw):
+            return
+        bins = len(edges) - 1
+        inside = list(counts[:bins])
+        total = sum(inside)
+        if total <= 0:
+            return
+        centres = [(edges[i] + edges[i + 1]) / 2 for i in range(bins)]
+        add_raw(
+            tag,
+            min=edges[0],
+            max=edges[-1],
+            num=total,
+            sum=sum(c * n for c, n in zip(centres, inside, strict=True)),
+            sum_squares=sum(c * c * n for c, n in zip(centres, inside, strict=True)),
+            bucket_limits=list(edges[1:]),
+            bucket_counts=inside,
+            global_step=sample,
+        )
+
     def flush(self) -> None:
         flush = getattr(self.writer, "flush", None)
         if callable(flush):
