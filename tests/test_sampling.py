@@ -81,24 +81,24 @@ def test_default_interval_one_samples_every_forward():
 
 def test_default_schedule_with_defaults():
     policy = DefaultSampling()
-    assert (policy.samples_per_stage, policy.max_interval_forwards) == (64, 32)
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (32, 32)
     indices = sampled(policy, 4000)
-    # The first 64 forwards, then 128 samples within the first 192 forwards.
-    assert indices[:64] == list(range(64))
-    assert len([i for i in indices if i < 192]) == 128
-    assert indices[64:70] == [64, 66, 68, 70, 72, 74]
-    # Stages start at 0, 64, 192, 448, 960 and 1984; 64 samples per stage until the cap.
-    stage_starts = [0, 64, 192, 448, 960, 1984]
+    # The first 32 forwards, then 64 samples within the first 96 forwards.
+    assert indices[:32] == list(range(32))
+    assert len([i for i in indices if i < 96]) == 64
+    assert indices[32:38] == [32, 34, 36, 38, 40, 42]
+    # Stages start at 0, 32, 96, 224, 480 and 992; 32 samples per stage until the cap.
+    stage_starts = [0, 32, 96, 224, 480, 992]
     for start, next_start in itertools.pairwise(stage_starts):
-        assert len([i for i in indices if start <= i < next_start]) == 64
-    assert [i for i in indices if i >= 1984][:4] == [1984, 2016, 2048, 2080]
-    assert len(indices) == 5 * 64 + len(range(1984, 4000, 32))
+        assert len([i for i in indices if start <= i < next_start]) == 32
+    assert [i for i in indices if i >= 992][:4] == [992, 1024, 1056, 1088]
+    assert len(indices) == 5 * 32 + len(range(992, 4000, 32))
 
 
 def test_default_interval_at():
     policy = DefaultSampling()
-    expected = {0: 1, 63: 1, 64: 2, 191: 2, 192: 4, 447: 4, 448: 8, 959: 8, 960: 16}
-    expected |= {1983: 16, 1984: 32, 10**9: 32}
+    expected = {0: 1, 31: 1, 32: 2, 95: 2, 96: 4, 223: 4, 224: 8, 479: 8, 480: 16}
+    expected |= {991: 16, 992: 32, 10**9: 32}
     for index, interval in expected.items():
         assert policy.interval_at(index) == interval, index
 
@@ -107,18 +107,18 @@ def test_default_describe_and_repr():
     policy = DefaultSampling()
     assert policy.describe() == {
         "policy": "default",
-        "samples_per_stage": 64,
+        "samples_per_stage": 32,
         "max_interval_forwards": 32,
         "stages": [
             {"from_forward": 0, "interval_forwards": 1},
-            {"from_forward": 64, "interval_forwards": 2},
-            {"from_forward": 192, "interval_forwards": 4},
-            {"from_forward": 448, "interval_forwards": 8},
-            {"from_forward": 960, "interval_forwards": 16},
-            {"from_forward": 1984, "interval_forwards": 32},
+            {"from_forward": 32, "interval_forwards": 2},
+            {"from_forward": 96, "interval_forwards": 4},
+            {"from_forward": 224, "interval_forwards": 8},
+            {"from_forward": 480, "interval_forwards": 16},
+            {"from_forward": 992, "interval_forwards": 32},
         ],
     }
-    assert repr(policy) == "DefaultSampling(samples_per_stage=64, max_interval_forwards=32)"
+    assert repr(policy) == "DefaultSampling(samples_per_stage=32, max_interval_forwards=32)"
     assert isinstance(policy, SamplingPolicy)
 
 

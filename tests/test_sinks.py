@@ -146,3 +146,28 @@ def test_directory_sink_rejects_a_non_bool_details_flag(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="write_full_details must be a bool, got 'yes'"):
         DirectorySink(tmp_path, write_full_details="yes")  # type: ignore[arg-type]
+
+
+def test_plots_are_written_and_linked_from_index(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ResidualNet()
+
+    def scale_up(step: int) -> None:
+        if step == 40:
+            with torch.no_grad():
+                model.fc.weight.mul_(8.0)
+
+    inject_observer(model, output_dir=tmp_path, sampling=1, plots=True)
+    train(model, make_batches(80), lr=0.01, on_step=scale_up)
+    remove_observer(model)
+    pictures = sorted((tmp_path / "plots").glob("*.png"))
+    assert pictures, "no picture written"
+    assert pictures[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert f"(plots/{pictures[0].name})" in index
+    assert all("plot" not in finding for finding in read_report(tmp_path)["findings"])
+
+
+def test_plots_flag_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="plots must be a bool, got 1"):
+        inject_observer(ResidualNet(), output_dir=tmp_path, plots=1)  # type: ignore[arg-type]

@@ -197,6 +197,7 @@ def inject_observer(
     capture_direct_forwards: bool = False,
     full_sentinel: bool = False,
     histograms: Iterable[HistogramSpec] = (),
+    plots: bool = False,
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     module_types: type | Sequence[type] | None = None,
@@ -234,6 +235,8 @@ def inject_observer(
         histograms: fixed-edge histograms to take, each from
             :func:`~torchinstruments.histogram` (opt-in; default none). They reach
             ``details.json``, TensorBoard and a bounded summary under ``coverage``.
+        plots: also write ``plots/*.png`` of the notable findings' series, linked from
+            ``index.md`` (needs the ``plots`` extra, matplotlib). Default False.
         include: glob pattern(s) of qualified module names to observe (``"blocks.*"``).
         exclude: glob pattern(s) of module names not to observe.
         module_types: observe modules of these types (``nn.Linear``, ...).
@@ -278,6 +281,12 @@ def inject_observer(
         )
     if not isinstance(full_sentinel, bool):
         raise ConfigError(f"inject_observer: full_sentinel must be a bool, got {full_sentinel!r}")
+    if not isinstance(plots, bool):
+        raise ConfigError(f"inject_observer: plots must be a bool, got {plots!r}")
+    if plots:
+        from .plots import require_matplotlib
+
+        require_matplotlib()
     if not isinstance(write_files, bool):
         raise ConfigError(f"inject_observer: write_files must be a bool, got {write_files!r}")
     if isinstance(sinks, str | bytes) or not isinstance(sinks, Iterable):
@@ -346,7 +355,7 @@ def inject_observer(
             full_sentinel=full_sentinel,
             histograms=histogram_specs,
             rank_info=rank_info,
-            writer=DirectorySink(directory) if write_files and not own_sink else None,
+            writer=DirectorySink(directory, plots=plots) if write_files and not own_sink else None,
             sinks=sink_list,
             options={
                 "rank_policy": rank_policy,

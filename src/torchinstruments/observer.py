@@ -381,7 +381,12 @@ class Observer:
         self.sentinel_checks += 1
         forward = self.forwards_seen - 1
         if tensor.device.type == "cpu":
-            if not bool(torch.isfinite(tensor.detach()).all()):
+            value = tensor.detach()
+            # A non-finite element makes the sum non-finite; one plain reduction is
+            # cheaper than an isfinite mask. Confirm before counting (a sum can overflow).
+            if not math.isfinite(float(value.sum(dtype=torch.float32))) and not bool(
+                torch.isfinite(value).all()
+            ):
                 self._sentinel_hit(forward, index, call, path)
             return
         bad = (~torch.isfinite(tensor.detach())).sum().to(torch.float64).reshape(1)

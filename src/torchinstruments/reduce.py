@@ -125,7 +125,7 @@ def tensor_statistics(x: Tensor) -> Tensor:
     else:
         scaled = x.to(torch.float32, copy=True).reshape(-1)
         scaled.div_(divisor.to(torch.float32))
-    nonzero = torch.count_nonzero(x)
+    nonzero = x.bool().sum()
     # torch.sum adds pairwise (accurate in float32 for any length); torch.dot and
     # vector_norm accumulate sequentially and lose digits beyond ~1e6 elements.
     sum_scaled = scaled.sum()
@@ -163,6 +163,11 @@ def _fast_path_limit(numel: int) -> float:
     return (1e36 / numel) ** 0.25
 
 
+#: Tensors with more elements than this get their kurtosis and zero fraction from an
+#: evenly strided subsample of about ``SUBSAMPLE_SIZE`` elements (CPU fast path).
+SUBSAMPLE_ABOVE = 1 << 18
+SUBSAMPLE_SIZE = 1 << 16
+
 #: Smallest ``max_abs`` for the CPU fast path: below it fourth powers underflow float32.
 _FAST_PATH_FLOOR = 1e-8
 
@@ -175,7 +180,10 @@ def cpu_statistics(x: Tensor) -> list[float]:
     reading a scalar costs no device synchronisation. When every element is finite and
     the largest magnitude lies where float32 powers neither overflow nor underflow, the
     sums are taken without the scaled copy (about three times faster on small tensors);
-    otherwise it falls back to :func:`tensor_statistics`.
+    otherwise it falls back to :func:`tensor_statistics`. Above ``SUBSAMPLE_ABOVE``
+    elements (262,144), the central moments (excess kurtosis) and the zero count are
+    estimated on an evenly strided subsample of about 65,536 elements; RMS, mean
+    absolute value and maximum stay exact.
 
     Raises:
         ValueError: ``x`` is not reducible (see :func:`skip_reason`).
@@ -204,12 +212,20 @@ def cpu_statistics(x: Tensor) -> list[float]:
     sum_abs = float(flat.abs().sum())
     sum_sq = float((flat * flat).sum())
     mean = total / numel
-    centred = flat - mean
+    # Shape statistics (kurtosis, zero fraction) of large tensors come from an evenly
+    # strided subsample: the scale statistics above stay exact, and these two passes
+    # stop growing with the tensor. An odd stride avoids aligning with power-of-two
+    # dimensions, so every channel of a (N, C, H, W) activation is represented.
+    stride = 1 if numel <= SUBSAMPLE_ABOVE else (numel // SUBSAMPLE_SIZE) | 1
+    part = flat[::stride] if stride > 1 else flat
+    weight = numel / part.numel()
+    centred = part - mean
     centred.square_()
-    central2 = float(centred.sum())
+    central2 = float(centred.sum()) * weight
     centred.square_()
-    central4 = float(centred.sum())
-    zeros = numel - int(torch.count_nonzero(flat))
+    central4 = float(centred.sum()) * weight
+    # bool().sum() is an order of magnitude faster than count_nonzero on the CPU.
+    zeros = (part.numel() - int(part.bool().sum())) * weight
     scale = 1.0 / max_abs
     return [
         float(numel),

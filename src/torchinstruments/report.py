@@ -121,6 +121,8 @@ def _finding(c: Candidate, rank: int, max_echoes: int) -> dict[str, Any]:
         "min": _point(t.min),
         "max": _point(t.max),
         "warmup_complete": t.warmup_complete,
+        "warmup_end_sample": t.warmup_end_sample,
+        "change_sample": c.onset,
         "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
         "evidence": evidence,
         "interpretation": rule.interpretation(c),
@@ -564,6 +566,9 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
             f"(min {f['min']['value']} at sample {f['min']['sample']}, "
             f"max {f['max']['value']} at sample {f['max']['sample']})"
         )
+    plot = f.get("plot")
+    if plot:
+        lines.append(f"- Picture: [{plot}]({plot})")
     lines.append(f"- Next experiment: {f['next_experiment']}")
     lines.append("")
     return lines

@@ -77,12 +77,13 @@ class DefaultSampling:
     The run is cut into stages of ``samples_per_stage`` samples each. Stage 0 samples every
     forward, stage 1 every 2nd, stage 2 every 4th, and so on, doubling until
     ``max_interval_forwards``, which then holds for the rest of the run. With the defaults
-    (64 samples per stage, interval at most 32) a run samples its first 64 forwards, 128
-    samples fall in the first 192 forwards (enough for warm-up in a few-hundred-step run),
-    and after 1,984 forwards one forward in 32 is sampled.
+    (32 samples per stage, interval at most 32) a run samples its first 32 forwards (so
+    the 24-sample warm-up completes at forward 24), 96 samples fall in the first 224
+    forwards, about 160 in the first 1,000, and after 992 forwards one forward in 32 is
+    sampled.
 
     Args:
-        samples_per_stage: samples taken at each interval before it doubles. Default 64.
+        samples_per_stage: samples taken at each interval before it doubles. Default 32.
         max_interval_forwards: largest interval, in root forwards. Default 32.
 
     Raises:
@@ -96,7 +97,7 @@ class DefaultSampling:
 
     __slots__ = ("_stage_starts", "max_interval_forwards", "samples_per_stage")
 
-    def __init__(self, *, samples_per_stage: int = 64, max_interval_forwards: int = 32) -> None:
+    def __init__(self, *, samples_per_stage: int = 32, max_interval_forwards: int = 32) -> None:
         self.samples_per_stage = require_int(
             "DefaultSampling", "samples_per_stage", samples_per_stage, minimum=1
         )

@@ -145,6 +145,8 @@ class DirectorySink(_SinkBase):
             it is not bounded (about 2 kB per series and metric) and not meant for an
             LLM. Default False. Pass such a sink as ``inject_observer(..., sinks=[...])``
             with the same directory as ``output_dir``; it then replaces the default one.
+        plots: also write ``plots/*.png`` of the notable findings' series, linked from
+            ``index.md`` (needs the ``plots`` extra, matplotlib). Default False.
 
     Raises:
         OSError: from :meth:`write`, when the directory cannot be written. The observer
@@ -158,16 +160,24 @@ class DirectorySink(_SinkBase):
     """
 
     def __init__(
-        self, output_dir: str | os.PathLike[str], *, write_full_details: bool = False
+        self,
+        output_dir: str | os.PathLike[str],
+        *,
+        write_full_details: bool = False,
+        plots: bool = False,
     ) -> None:
         from .errors import ConfigError
 
-        if not isinstance(write_full_details, bool):
-            raise ConfigError(
-                f"DirectorySink: write_full_details must be a bool, got {write_full_details!r}"
-            )
+        for name, value in (("write_full_details", write_full_details), ("plots", plots)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"DirectorySink: {name} must be a bool, got {value!r}")
+        if plots:
+            from .plots import require_matplotlib
+
+            require_matplotlib()
         self.path = Path(output_dir)
         self.write_full_details = write_full_details
+        self.plots = plots
 
     @property
     def details_path(self) -> Path:
@@ -191,11 +201,18 @@ class DirectorySink(_SinkBase):
 
     def write(self, report: dict[str, Any]) -> None:
         atomic_write(self.report_path, dumps_report(report))
+        if self.plots:
+            from .plots import write_plots
+
+            # Pictures are linked from index.md only (report.json stays as bounded).
+            report = {**report, "findings": [dict(f) for f in report["findings"]]}
+            write_plots(self.path, report, atomic_write)
         atomic_write(self.index_path, render_markdown(report).encode())
 
     def __repr__(self) -> str:
         details = ", write_full_details=True" if self.write_full_details else ""
-        return f"DirectorySink({str(self.path)!r}{details})"
+        plots = ", plots=True" if self.plots else ""
+        return f"DirectorySink({str(self.path)!r}{details}{plots})"
 
 
 class MemorySink(_SinkBase):

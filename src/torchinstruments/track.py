@@ -136,6 +136,7 @@ class SeriesTracker:
         "first",
         "first_nonzero",
         "flips",
+        "warmup_end_sample",
         "largest_change",
         "latest",
         "latest_change",
@@ -161,6 +162,7 @@ class SeriesTracker:
         self.min: SeriesPoint | None = None
         self.max: SeriesPoint | None = None
         self.first_nonzero: SeriesPoint | None = None
+        self.warmup_end_sample: int | None = None
         self.nonzero_count = 0
         self.ema_fast = 0.0
         self.ema_slow = 0.0
@@ -255,6 +257,8 @@ class SeriesTracker:
             # The run's baseline is the first segment's reference as it freezes.
             self.baseline_mean = self._seg_mean
             self.baseline_std = self._seg_std
+            if count == warmup:
+                self.warmup_end_sample = sample
         self._append_history(sample, value)
 
     def _update_segment(self, sample: int, v: float) -> None:
