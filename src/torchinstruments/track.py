@@ -136,7 +136,6 @@ class SeriesTracker:
         "first",
         "first_nonzero",
         "flips",
-        "warmup_end_sample",
         "largest_change",
         "latest",
         "latest_change",
@@ -145,6 +144,7 @@ class SeriesTracker:
         "min",
         "momentum",
         "nonzero_count",
+        "warmup_end_sample",
     )
 
     def __init__(self, config: TrackConfig, *, log_scale: bool, noise_floor: float) -> None:
