@@ -25,12 +25,14 @@ def test_report_config_defaults():
     assert config.max_error_entries == 20
     assert config.rewrite_interval_s == 60.0
     assert config.max_echo_modules == 8
+    assert config.series_summary_max_bytes == 2_000_000
     assert [f.name for f in dataclasses.fields(config)] == [
         "max_bytes",
         "top_k_per_category",
         "max_error_entries",
         "rewrite_interval_s",
         "max_echo_modules",
+        "series_summary_max_bytes",
     ]
 
 
@@ -121,6 +123,11 @@ def test_report_config_accepts_boundaries():
             "max_echo_modules",
             -2,
             "ReportConfig.max_echo_modules must be an int >= 0, got -2",
+        ),
+        (
+            "series_summary_max_bytes",
+            100,
+            "ReportConfig.series_summary_max_bytes must be an int >= 4096, got 100",
         ),
     ],
 )

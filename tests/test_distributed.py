@@ -292,7 +292,7 @@ def test_rank0_policy_leaves_rank1_without_hooks_or_files(tmp_path: Path) -> Non
     assert one["active"] is False and one["output_dir"] is None
     assert one["hooks"] == 0
     assert zero["hooks_after_remove"] == 0 and one["hooks_after_remove"] == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.md", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.md", "report.json", "series.json"]
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert (report["run"]["rank"], report["run"]["world_size"]) == (0, 2)
     assert report["run"]["rank_source"] == "process_group"
@@ -317,7 +317,11 @@ def test_all_policy_writes_rank_directories_bit_identically(
         assert result["hooks"] == 5
         assert result["identical"] is True
         assert result["collectives_added"] == {}
-        assert sorted(p.name for p in directory.iterdir()) == ["index.md", "report.json"]
+        assert sorted(p.name for p in directory.iterdir()) == [
+            "index.md",
+            "report.json",
+            "series.json",
+        ]
         report = json.loads((directory / "report.json").read_text(encoding="utf-8"))
         assert (report["run"]["rank"], report["run"]["world_size"]) == (rank, 2)
         assert report["coverage"]["samples_observed"] == STEPS

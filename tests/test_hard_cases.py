@@ -1794,7 +1794,7 @@ def test_full_disk_is_retried_and_warned_once(tmp_path: Path, monkeypatch: Any) 
     assert_same_model(model, twin)
     report = read(tmp_path)
     assert report["coverage"]["errors_total"] >= 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.md", "report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.md", "report.json", "series.json"]
 
 
 def same_directory_spellings(base: Path) -> Iterator[tuple[str, Path]]:

@@ -29,6 +29,9 @@ class ReportConfig:
         rewrite_interval_s: seconds between report rewrites during training; the report is
             also written at ``remove_observer`` and at interpreter exit. Default 60.
         max_echo_modules: most echoing modules listed in one finding's evidence. Default 8.
+        series_summary_max_bytes: bound, in bytes, on ``series.json``, the per-series
+            summary that run comparisons read; series past it are counted under
+            ``coverage.series_summary_omitted``. Default 2,000,000.
 
     Raises:
         ConfigError: a field is out of range or of the wrong type.
@@ -43,6 +46,7 @@ class ReportConfig:
     max_error_entries: int = 20
     rewrite_interval_s: float = 60.0
     max_echo_modules: int = 8
+    series_summary_max_bytes: int = 2_000_000
 
     def __post_init__(self) -> None:
         require_int("ReportConfig", "max_bytes", self.max_bytes, minimum=4_096)
@@ -57,6 +61,9 @@ class ReportConfig:
         )
         object.__setattr__(self, "rewrite_interval_s", interval)
         require_int("ReportConfig", "max_echo_modules", self.max_echo_modules, minimum=0)
+        require_int(
+            "ReportConfig", "series_summary_max_bytes", self.series_summary_max_bytes, minimum=4_096
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -191,7 +191,7 @@ class Observer:
         self._position = 0
         self._implicit_opener: int | None = None
         self._implicit_backward_seen = False
-        self._no_grad_calls: dict[int, list[tuple[int, int, int, int]]] = {}
+        self._no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = {}
         self._recompute_anchor = -1
         self._sample_in_backward = False
         self._lock = threading.Lock()
@@ -231,6 +231,7 @@ class Observer:
         self.error_count = 0
         self.reports_written = 0
         self.telemetry_seconds = 0.0
+        self.series_summary_omitted = 0
         listener = getattr(policy, "note_cost", None)
         self._cost_listener = listener if callable(listener) else None
         self.started_at = time.time()
@@ -827,11 +828,13 @@ class Observer:
         except Exception as error:
             self.record_error("report", "", error)
             return
-        if self.writer is not None:
+        writer = self.writer
+        if writer is not None:
             try:
-                self.writer.write(report)
+                writer.write(report)
                 self.reports_written += 1
             except Exception as error:
+                writer = None  # no further files into a directory that refused the report
                 self.record_error("write", "", error)
                 if not self._warned_write:
                     self._warned_write = True
@@ -846,9 +849,24 @@ class Observer:
                 sink.write(report)
             except Exception as error:
                 self.record_error("sink", type(sink).__name__, error)
+        summarising = [
+            target
+            for target in (writer, *self.sinks)
+            if target is not None and getattr(target, "write_series_summary", False)
+        ]
+        if summarising:
+            from .report import build_series_summary
+
+            summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
+            self.series_summary_omitted = summary["omitted"]
+            for target in summarising:
+                try:
+                    target.write_summary(summary)
+                except Exception as error:
+                    self.record_error("series_summary", type(target).__name__, error)
         wanting = [
             target
-            for target in (self.writer, *self.sinks)
+            for target in (writer, *self.sinks)
             if target is not None and getattr(target, "write_full_details", False)
         ]
         if wanting:
@@ -888,11 +906,18 @@ def _statistics(tensor: Tensor) -> Tensor | list[float]:
     return tensor_statistics(tensor)
 
 
-def _first_tensor_pointer(args: tuple[object, ...]) -> int:
+def _first_tensor_pointer(args: tuple[object, ...]) -> object:
+    """Identify the first tensor argument: its storage address, shape and, on the CPU,
+    its first and last values (a recomputed tensor can reuse a freed tensor's memory)."""
     for arg in args:
         if isinstance(arg, Tensor) and arg.layout == torch.strided and arg.device.type != "meta":
             try:
-                return arg.data_ptr()
+                identity: tuple[object, ...] = (arg.data_ptr(), tuple(arg.shape))
+                if arg.device.type == "cpu" and arg.numel():
+                    value = arg.detach()
+                    first, last = (0,) * value.dim(), (-1,) * value.dim()
+                    identity += (float(value[first]), float(value[last]))
+                return identity
             except Exception:
                 return 0
     return 0

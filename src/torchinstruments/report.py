@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DETAILS_SCHEMA",
+    "SERIES_SCHEMA",
+    "build_series_summary",
     "LLM_PROMPT",
     "SCHEMA",
     "build_details",
@@ -38,6 +40,9 @@ __all__ = [
 
 SCHEMA = "torchinstruments.report/1"
 DETAILS_SCHEMA = "torchinstruments.details/1"
+SERIES_SCHEMA = "torchinstruments.series/1"
+#: Metrics carried by the per-series summary (``series.json``).
+SUMMARY_METRICS = ("rms", "rms_to_root", "max_abs", "zero_fraction", "nonfinite_fraction")
 #: Points of series history carried by each finding.
 HISTORY_POINTS_PER_FINDING = 12
 
@@ -342,6 +347,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "sentinel_nonfinite_forwards": observer.sentinel_nonfinite_forwards,
                     "tensors_skipped": dict(sorted(observer.skipped_tensors.items())),
                     "series_dropped": observer.series_dropped,
+                    "series_summary_omitted": observer.series_summary_omitted,
                     "paths_dropped": observer.paths_dropped,
                     "candidates": candidate_counts,
                     "notable": notable_counts,
@@ -757,3 +763,76 @@ def build_details(observer: Observer) -> dict[str, Any]:
             ],
         }
     )
+
+
+def _summary_row(series: Any, metric: str, tracker: Any) -> dict[str, Any]:
+    return {
+        "module": display_module(series.module),
+        "call_index": series.call_index,
+        "signal": series.signal,
+        "tensor_path": series.tensor_path,
+        "metric": metric,
+        "forward_position": series.forward_position,
+        "count": tracker.count,
+        "points": [[sample, value] for sample, value in tracker.history()],
+        "ema_fast": tracker.level(tracker.ema_fast),
+        "baseline": tracker.level(tracker.baseline_mean),
+        "baseline_std": tracker.baseline_std,
+        "volatility": tracker.volatility,
+        "log_scale": tracker.log_scale,
+        "min": _point(tracker.min),
+        "max": _point(tracker.max),
+        "first_nonzero_sample": tracker.first_nonzero.sample if tracker.first_nonzero else None,
+        "nonzero_samples": tracker.nonzero_count,
+    }
+
+
+def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
+    """A compact per-series summary that two runs can be compared on (``series.json``).
+
+    For each series of :data:`SUMMARY_METRICS`: its values at the sample indices of its
+    bounded history (the same indices in two runs with the same schedule), the fast EMA at
+    the end, the warm-up baseline and its standard deviation, volatility, min and max, and
+    how many samples had a non-zero value (non-finite counts for ``nonfinite_fraction``).
+    Series are kept in forward call order until ``max_bytes`` of compact JSON; the rest
+    are counted under ``omitted``. No raw tensors.
+    """
+    rows = []
+    positions = {
+        (s.module, s.call_index, s.tensor_path): s.forward_position
+        for s in observer.series.values()
+        if s.signal != GRAD_OUTPUT
+    }
+
+    def position(s: Any) -> int:
+        return positions.get((s.module, s.call_index, s.tensor_path), s.forward_position)
+
+    ordered = sorted(
+        observer.series.values(),
+        key=lambda s: (position(s), s.module, s.call_index, s.signal, s.tensor_path),
+    )
+    for series in ordered:
+        for metric in SUMMARY_METRICS:
+            tracker = series.trackers.get(metric)
+            if tracker is not None and tracker.count:
+                row = _summary_row(series, metric, tracker)
+                row["forward_position"] = position(series)
+                rows.append(_clean(row))
+    header = _clean(
+        {
+            "schema": SERIES_SCHEMA,
+            "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "run": _run_section(observer),
+            "config": _config_section(observer),
+            "modules_selected": list(observer.names),
+        }
+    )
+    budget = max_bytes - len(json.dumps(header, separators=(",", ":"))) - 64
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        size = len(json.dumps(row, separators=(",", ":"), ensure_ascii=False)) + 1
+        if size > budget:
+            break
+        budget -= size
+        kept.append(row)
+    return {**header, "series": kept, "omitted": len(rows) - len(kept)}

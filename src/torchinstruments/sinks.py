@@ -128,6 +128,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
+        os.chmod(temporary, 0o644)  # mkstemp creates 0600; reports are for reading
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -147,6 +148,9 @@ class DirectorySink(_SinkBase):
             with the same directory as ``output_dir``; it then replaces the default one.
         plots: also write ``plots/*.png`` of the notable findings' series, linked from
             ``index.md`` (needs the ``plots`` extra, matplotlib). Default False.
+        write_series_summary: also write ``series.json``, a compact per-series summary
+            bounded by ``ReportConfig.series_summary_max_bytes``, which
+            ``compare_runs`` reads. Default True.
 
     Raises:
         OSError: from :meth:`write`, when the directory cannot be written. The observer
@@ -165,10 +169,15 @@ class DirectorySink(_SinkBase):
         *,
         write_full_details: bool = False,
         plots: bool = False,
+        write_series_summary: bool = True,
     ) -> None:
         from .errors import ConfigError
 
-        for name, value in (("write_full_details", write_full_details), ("plots", plots)):
+        for name, value in (
+            ("write_full_details", write_full_details),
+            ("plots", plots),
+            ("write_series_summary", write_series_summary),
+        ):
             if not isinstance(value, bool):
                 raise ConfigError(f"DirectorySink: {name} must be a bool, got {value!r}")
         if plots:
@@ -178,11 +187,22 @@ class DirectorySink(_SinkBase):
         self.path = Path(output_dir)
         self.write_full_details = write_full_details
         self.plots = plots
+        self.write_series_summary = write_series_summary
 
     @property
     def details_path(self) -> Path:
         """Where ``details.json`` is written (with ``write_full_details=True``)."""
         return self.path / "details.json"
+
+    @property
+    def series_path(self) -> Path:
+        """Where ``series.json`` (the per-series summary for comparisons) is written."""
+        return self.path / "series.json"
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write ``series.json`` atomically (compact JSON, UTF-8)."""
+        data = json.dumps(summary, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        atomic_write(self.series_path, data.encode())
 
     def write_details(self, details: dict[str, Any]) -> None:
         """Write ``details.json`` atomically (compact JSON, UTF-8)."""
