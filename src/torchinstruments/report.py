@@ -27,12 +27,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DETAILS_SCHEMA",
-    "SERIES_SCHEMA",
-    "build_series_summary",
     "LLM_PROMPT",
     "SCHEMA",
+    "SERIES_SCHEMA",
     "build_details",
     "build_report",
+    "build_series_summary",
     "dumps_report",
     "render_markdown",
     "sparkline",
