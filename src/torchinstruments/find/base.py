@@ -107,8 +107,8 @@ def rank_candidates(
     of the group's earliest onset form a group (0: the same sample only).
 
     Order: notable before not notable; notable with a detected onset before notable
-    without; groups by their strongest score; within a group the origin (see module
-    docstring); ties by (module, call index, signal, tensor path,
+    without; earlier onsets first; then groups by their strongest score; within a group
+    the origin (see module docstring); ties by (module, call index, signal, tensor path,
     metric), so the same run always gives the same order.
     """
     notable = [c for c in candidates if c.notable and c.onset is not None]
@@ -131,10 +131,17 @@ def rank_candidates(
         origins.append(origin)
     for candidate in others:
         candidate.group_score = candidate.score
-    # A notable change with a detected onset outranks one without (gradual drift): the
-    # onset is what places a module before its echoes, and a step is the sharper evidence.
+    # A notable change with a detected onset outranks one without (gradual drift), and
+    # among those the earliest change ranks first: a fault starts before what it causes,
+    # and the onset is what places a module before its echoes.
     ordered = sorted(
         origins + others,
-        key=lambda c: (not c.notable, c.onset is None, -c.group_score, _origin_order(c)),
+        key=lambda c: (
+            not c.notable,
+            c.onset is None,
+            c.onset if c.onset is not None else 0,
+            -c.group_score,
+            _origin_order(c),
+        ),
     )
     return ordered
