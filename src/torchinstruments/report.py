@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .find import CATEGORIES, RULES, Candidate, display_module, format_value, run_rules
+from .find.base import ONSET_TOLERANCE_SAMPLES
 from .series import GRAD_OUTPUT, LOG_SCALE_METRICS
 
 if TYPE_CHECKING:
@@ -293,9 +294,23 @@ def build_report(observer: Observer) -> dict[str, Any]:
     order: list[dict[str, Any]] = []
     depth = max((len(v) for v in per_category.values()), default=0)
     for level in range(depth):
-        for category in CATEGORIES:
-            if level < len(per_category[category]):
-                order.append(per_category[category][level])
+        round_items = [
+            (number, per_category[category][level])
+            for number, category in enumerate(CATEGORIES)
+            if level < len(per_category[category])
+        ]
+        # Within a round: notable first, then the earliest detected change, so the list
+        # reads in the order things happened; ties keep the fixed category order.
+        round_items.sort(
+            key=lambda item: (
+                not item[1]["notable"],
+                item[1].get("change_sample") is None,
+                (item[1].get("change_sample") or 0)
+                + (ONSET_TOLERANCE_SAMPLES if item[1]["signal"] == GRAD_OUTPUT else 0),
+                item[0],
+            )
+        )
+        order.extend(finding for _, finding in round_items)
     first_non_finite = _first_non_finite(ranked["non_finite"], observer)
 
     def assemble(kept: int) -> dict[str, Any]:

@@ -98,6 +98,18 @@ def _origin_order(candidate: Candidate) -> tuple[int, int, tuple[str, int, str, 
     return (1 if is_grad else 0, position, candidate.sort_key)
 
 
+def _ordering_onset(candidate: Candidate) -> int:
+    """Onset used to order changes in time. Within one sample the forward runs before the
+    backward, and an activation change alters the gradients of every module, so an
+    output-gradient change counts as ``ONSET_TOLERANCE_SAMPLES`` later: it does not
+    outrank an activation change detected at about the same samples."""
+    if candidate.onset is None:
+        return 0
+    if candidate.series.signal == GRAD_OUTPUT:
+        return candidate.onset + ONSET_TOLERANCE_SAMPLES
+    return candidate.onset
+
+
 def rank_candidates(
     candidates: Sequence[Candidate], onset_tolerance: int = ONSET_TOLERANCE_SAMPLES
 ) -> list[Candidate]:
@@ -139,7 +151,7 @@ def rank_candidates(
         key=lambda c: (
             not c.notable,
             c.onset is None,
-            c.onset if c.onset is not None else 0,
+            _ordering_onset(c),
             -c.group_score,
             _origin_order(c),
         ),
