@@ -54,6 +54,7 @@ def test_exported_members_are_the_public_api() -> None:
             "TorchInstrumentsError",
             "TrackConfig",
             "__version__",
+            "compare_runs",
             "histogram",
             "inject_observer",
             "merge_rank_reports",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib as _contextlib
 
 from .api import ObserverHandle, inject_observer, observer_of, remove_observer
+from .compare import compare_runs
 from .config import ReportConfig, TrackConfig
 from .errors import ConfigError, ObserverStateError, ReportReadError, TorchInstrumentsError
 from .histogram import HistogramSpec, histogram
@@ -52,6 +53,7 @@ __all__ = [
     "TorchInstrumentsError",
     "TrackConfig",
     "__version__",
+    "compare_runs",
     "histogram",
     "inject_observer",
     "merge_rank_reports",

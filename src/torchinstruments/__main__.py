@@ -4,10 +4,14 @@ Subcommands::
 
     torchinstruments merge DIR [--output-dir OUT] [--world-size N] [--max-bytes B]
                                [--threshold T]
+    torchinstruments compare BASELINE CANDIDATE [-o OUT] [--max-bytes B] [--threshold T]
 
 ``merge`` combines the ``rank-NNN/report.json`` files written with ``rank_policy="all"``
 into ``global-report.json`` and ``global-index.md`` and prints where it wrote them.
-Exit status: 0 on success, 1 when the reports cannot be merged, 2 on a usage error.
+``compare`` reads the ``series.json`` of a baseline run and of a candidate run, writes
+``comparison.json`` and ``comparison.md`` (default: into CANDIDATE), and prints where it
+wrote them, the headline and the first divergences.
+Exit status: 0 on success, 1 when the reports cannot be read or merged, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -17,6 +21,13 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from .compare import (
+    COMPARISON_INDEX_NAME,
+    DIVERGENCE_THRESHOLD,
+    compare_runs,
+    first_divergence_lines,
+)
+from .compare import DEFAULT_MAX_BYTES as COMPARE_MAX_BYTES
 from .errors import TorchInstrumentsError
 from .merge import (
     DEFAULT_MAX_BYTES,
@@ -43,6 +54,27 @@ def _merge(args: argparse.Namespace) -> int:
     print(f"wrote {path}")
     print(f"wrote {path.with_name(GLOBAL_INDEX_NAME)}")
     print(report["summary"]["headline"])
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Run ``compare``: write the comparison, print its paths, headline and first lines."""
+    path = compare_runs(
+        args.baseline,
+        args.candidate,
+        args.output_dir,
+        max_bytes=args.max_bytes,
+        threshold=args.threshold,
+    )
+    comparison = json.loads(path.read_text(encoding="utf-8"))
+    print(f"wrote {path}")
+    print(f"wrote {path.with_name(COMPARISON_INDEX_NAME)}")
+    print(comparison["summary"]["headline"])
+    for line in first_divergence_lines(comparison):
+        print(line)
+    first = comparison["summary"]["first_divergence"]
+    if first is not None and first.get("next_experiment"):
+        print(f"next experiment: {first['next_experiment']}")
     return 0
 
 
@@ -93,6 +125,39 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"series-value outlier threshold in spreads (default: {OUTLIER_THRESHOLD:g})",
     )
     merge.set_defaults(handler=_merge)
+    compare = commands.add_parser(
+        "compare",
+        help="compare a candidate run with a baseline run: where they first part",
+        description=(
+            "Read BASELINE/series.json, then CANDIDATE/series.json, and write "
+            "comparison.json and comparison.md: series present in one run only, the series "
+            "that differ most per category, and the first points of divergence."
+        ),
+    )
+    compare.add_argument("baseline", metavar="BASELINE", help="the baseline run's output_dir")
+    compare.add_argument("candidate", metavar="CANDIDATE", help="the candidate run's output_dir")
+    compare.add_argument(
+        "-o",
+        "--output-dir",
+        metavar="OUT",
+        default=None,
+        help="where to write (default: CANDIDATE)",
+    )
+    compare.add_argument(
+        "--max-bytes",
+        metavar="B",
+        type=int,
+        default=COMPARE_MAX_BYTES,
+        help=f"bound on comparison.json in bytes (default: {COMPARE_MAX_BYTES})",
+    )
+    compare.add_argument(
+        "--threshold",
+        metavar="T",
+        type=float,
+        default=DIVERGENCE_THRESHOLD,
+        help=f"divergence threshold in noise units (default: {DIVERGENCE_THRESHOLD:g})",
+    )
+    compare.set_defaults(handler=_compare)
     return parser
 
 

@@ -226,7 +226,10 @@ def inject_observer(
             rank writes ``rank-NNN/`` under ``output_dir``).
         capture_direct_forwards: also observe ``module.forward(...)`` calls that bypass
             ``module(...)``, by reversibly wrapping ``forward`` on each selected module
-            instance. Every call is still observed exactly once.
+            instance. Every call is still observed exactly once. Without it, submodules
+            called on their own are observed (as samples of their own) only while the
+            root has never run a training forward; once it has, such calls (an auxiliary
+            loss, a probe) are counted under ``coverage.calls_outside_root_skipped``.
         full_sentinel: on every unsampled training forward, check every observed
             module's output for non-finite values (one reduction per tensor), so that a
             one-off NaN is localised to the first module in forward order that produced

@@ -222,6 +222,10 @@ class Observer:
         self.eval_forwards_skipped = 0
         self.recompute_calls = 0
         self.implicit_samples = 0
+        self.root_forwards = 0
+        self.calls_outside_root = 0
+        self.first_nonfinite_forward: int | None = None
+        self._sample_forwards: dict[int, int] = {}
         self.repeated_gradients = 0
         self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
         self.series_dropped = 0
@@ -338,6 +342,7 @@ class Observer:
             self.record_error("enter_root", "", error)
 
     def _open_training_forward(self) -> None:
+        self.root_forwards += 1
         self._implicit_opener = None
         self._sample_in_backward = False
         self._recompute_anchor = -1
@@ -421,6 +426,9 @@ class Observer:
         if sampled:
             self._sample = self.samples_observed
             self.samples_observed += 1
+            self._sample_forwards[self._sample] = index
+            if len(self._sample_forwards) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
+                del self._sample_forwards[next(iter(self._sample_forwards))]
             awaiting = self._awaiting_backward
             awaiting[self._sample] = None
             if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
@@ -479,6 +487,12 @@ class Observer:
             or torch.is_inference_mode_enabled()
             or not module.training
         ):
+            return False
+        if self.root_forwards and not self.capture_direct_forwards:
+            # Training goes through the root: a submodule called on its own (an auxiliary
+            # loss, a probe) is a side computation, kept out of the training series
+            # (capture_direct_forwards=True asks for such calls to be observed).
+            self.calls_outside_root += 1
             return False
         if (
             self._implicit_opener is not None
@@ -714,6 +728,8 @@ class Observer:
                 continue
             series.forward_position = position
             series.update(config, sample, values)
+            if self.first_nonfinite_forward is None and values["nonfinite_fraction"]:
+                self.first_nonfinite_forward = self._sample_forwards.get(sample)
             if self._scalar_sinks:
                 scalars.append((series, sample, values))
         for sample in sorted(grad_groups):

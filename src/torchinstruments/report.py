@@ -356,6 +356,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "eval_forwards_skipped": observer.eval_forwards_skipped,
                     "recompute_calls_ignored": observer.recompute_calls,
                     "direct_call_samples": observer.implicit_samples,
+                    "calls_outside_root_skipped": observer.calls_outside_root,
                     "repeated_backward_gradients": observer.repeated_gradients,
                     "loss_scaled_samples": observer.loss_scale.count,
                     "sentinel_checks": observer.sentinel_checks,
@@ -413,9 +414,18 @@ def _first_non_finite(
             "tensor_path": s.tensor_path,
             "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
         }
+        if observer.first_nonfinite_forward is not None:
+            sampled["forward_index"] = observer.first_nonfinite_forward
     if not observer.sentinel_events:
         return sampled
     event = observer.sentinel_events[0]
+    sampled_forward = sampled.get("forward_index") if sampled is not None else None
+    if (
+        sampled is not None
+        and isinstance(sampled_forward, int)
+        and sampled_forward <= int(str(event["forward_index"]))
+    ):
+        return sampled  # the sampled forward saw it first
     sentinel = {
         "source": "full_sentinel" if observer.full_sentinel else "root_sentinel",
         "forward_index": event["forward_index"],

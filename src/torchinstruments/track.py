@@ -25,6 +25,28 @@ __all__ = ["ChangePoint", "SeriesPoint", "SeriesTracker"]
 LOG_FLOOR = 1e-30
 #: Change points kept per series (the largest steps survive when more are found).
 MAX_CHANGES = 8
+#: Latest CUSUM increments kept to place the start of a change (bounded run-up).
+RUNUP_POINTS = 32
+
+
+def _keep_runup(runup: list[tuple[int, float]], sample: int, z: float) -> None:
+    runup.append((sample, z))
+    if len(runup) > RUNUP_POINTS:
+        del runup[0]
+
+
+def _change_start(runup: list[tuple[int, float]], fallback: int) -> int:
+    """Where a change began: the first sample of the CUSUM run-up whose deviation is at
+    least a quarter of the largest one in it. Page's estimate (the sample where the sum
+    last left zero) runs early when noise keeps the sum just above zero before a large
+    step; for a gradual shift both agree."""
+    if not runup:
+        return fallback
+    largest = max(z for _, z in runup)
+    for sample, z in runup:
+        if z >= 0.25 * largest:
+            return sample
+    return fallback
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +65,9 @@ class ChangePoint:
     """A level shift found by CUSUM, in tracked units (log for scale metrics).
 
     Attributes:
-        start_sample: where the alarming CUSUM sum last left zero: the estimated first
-            sample of the new level (Page 1954).
+        start_sample: the estimated first sample of the new level: within the CUSUM
+            run-up (from where the alarming sum last left zero, Page 1954), the first
+            sample whose deviation is at least a quarter of the run-up's largest.
         alarm_sample: the sample at which CUSUM crossed its threshold.
         level_before: mean of the segment before, in tracked units.
         std_before: its standard deviation (floored), in tracked units.
@@ -118,6 +141,8 @@ class SeriesTracker:
         "_peak",
         "_pending_change",
         "_prev",
+        "_runup_neg",
+        "_runup_pos",
         "_seg_count",
         "_seg_m2",
         "_seg_mean",
@@ -178,6 +203,8 @@ class SeriesTracker:
         self._cusum_neg = 0.0
         self._cusum_pos_start = -1
         self._cusum_neg_start = -1
+        self._runup_pos: list[tuple[int, float]] = []
+        self._runup_neg: list[tuple[int, float]] = []
         self.cusum_peak = 0.0
         self._pending_change: ChangePoint | None = None
         self._changes: list[ChangePoint] = []
@@ -292,14 +319,18 @@ class SeriesTracker:
         if pos > 0.0:
             if self._cusum_pos <= 0.0:
                 self._cusum_pos_start = sample
+                self._runup_pos.clear()
             self._cusum_pos = pos
+            _keep_runup(self._runup_pos, sample, z)
         else:
             self._cusum_pos = 0.0
         neg = self._cusum_neg - z - k
         if neg > 0.0:
             if self._cusum_neg <= 0.0:
                 self._cusum_neg_start = sample
+                self._runup_neg.clear()
             self._cusum_neg = neg
+            _keep_runup(self._runup_neg, sample, -z)
         else:
             self._cusum_neg = 0.0
         peak = max(self._cusum_pos, self._cusum_neg)
@@ -307,8 +338,11 @@ class SeriesTracker:
             self.cusum_peak = peak
         if peak > self._config.cusum_threshold:
             up = self._cusum_pos >= self._cusum_neg
+            runup = self._runup_pos if up else self._runup_neg
             change = ChangePoint(
-                start_sample=self._cusum_pos_start if up else self._cusum_neg_start,
+                start_sample=_change_start(
+                    runup, self._cusum_pos_start if up else self._cusum_neg_start
+                ),
                 alarm_sample=sample,
                 level_before=self._seg_mean,
                 std_before=self._seg_std,
@@ -324,6 +358,8 @@ class SeriesTracker:
             self._seg_m2 = 0.0
             self._seg_std = self._noise_floor
             self._cusum_pos = self._cusum_neg = 0.0
+            self._runup_pos.clear()
+            self._runup_neg.clear()
 
     def _keep_change(self, change: ChangePoint) -> None:
         # Bounded: past MAX_CHANGES, forget the smallest confirmed step (ties: the later).

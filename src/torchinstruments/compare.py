@@ -1,0 +1,1757 @@
+"""Compare a baseline run with a candidate run: where inside the model do they first part?
+
+    baseline/series.json  ─┐
+                           ├─ read one at a time ─> per-series points ─> comparison.json
+    candidate/series.json ─┘                                        └─> comparison.md
+
+Every observed run writes ``series.json`` beside ``report.json``: per series (module, call
+index, signal, tensor path, metric), its values at the sample indices of its bounded
+history, its warm-up standard deviation and its per-sample volatility
+(:func:`torchinstruments.report.build_series_summary`). :func:`compare_runs` reads the
+two summaries, one at a time, and writes a bounded ``comparison.json`` and
+``comparison.md``: the series present in only one run, per category the series that
+differ most, and the first points of divergence, earliest first. See
+:func:`compare_runs` for the statistic and its threshold.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import statistics
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from ._validate import require_float, require_int
+from .errors import ConfigError, ReportReadError
+from .find import display_module
+from .report import SERIES_SCHEMA, dumps_report
+from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
+from .sinks import atomic_write
+
+__all__ = [
+    "COMPARISON_INDEX_NAME",
+    "COMPARISON_NAME",
+    "COMPARISON_SCHEMA",
+    "DEFAULT_MAX_BYTES",
+    "DIVERGENCE_THRESHOLD",
+    "PERSISTENCE_POINTS",
+    "compare_runs",
+    "first_divergence_lines",
+    "noise_floor",
+    "render_comparison_markdown",
+    "sustained_departure",
+]
+
+COMPARISON_SCHEMA = "torchinstruments.comparison/1"
+COMPARISON_NAME = "comparison.json"
+COMPARISON_INDEX_NAME = "comparison.md"
+SERIES_NAME = "series.json"
+#: Default bound on ``comparison.json`` as written, in bytes (as ``ReportConfig.max_bytes``).
+DEFAULT_MAX_BYTES = 256_000
+#: Departure, in noise units, beyond which a series has notably diverged.
+DIVERGENCE_THRESHOLD = 5.0
+#: Consecutive compared points (same sign) a departure must last to count.
+PERSISTENCE_POINTS = 2
+#: A ``series.json`` larger than this (bytes) is unreadable.
+MAX_SOURCE_BYTES = 64 * 1024 * 1024
+#: Smallest noise of scale metrics, in natural log: 0.1 (about 10%).
+LOG_NOISE_FLOOR = 0.1
+#: Smallest noise of fractions (``zero_fraction``, ``nonfinite_fraction``), absolute.
+FRACTION_NOISE_FLOOR = 0.02
+#: Scales a median absolute deviation to a standard deviation for normal data.
+MAD_TO_STD = 1.4826
+#: Entries listed per category, first divergences listed, one-run tensors listed per side.
+TOP_PER_CATEGORY = 10
+MAX_FIRST_DIVERGENCES = 20
+MAX_ONE_RUN_ENTRIES = 100
+#: ``[sample, baseline, candidate]`` points carried by each category entry.
+POINTS_PER_ENTRY = 12
+#: Values of log-scale metrics are clamped to this before the log (a dead signal is 0).
+_TINY = 1e-30
+
+#: Category -> the (signal, metric) series it compares. Scale categories compare
+#: activation ``rms`` and output-gradient ``rms_to_root`` (net of the loss gradient, as
+#: the report ranks them); ``non_finite`` compares the first non-finite sample.
+CATEGORIES: dict[str, tuple[tuple[str, str], ...]] = {
+    "non_finite": ((ACTIVATION, "nonfinite_fraction"), (GRAD_OUTPUT, "nonfinite_fraction")),
+    "activation_scale": ((ACTIVATION, "rms"),),
+    "gradient_scale": ((GRAD_OUTPUT, "rms_to_root"),),
+    "zero_fraction": ((ACTIVATION, "zero_fraction"), (GRAD_OUTPUT, "zero_fraction")),
+}
+_VALUE_CATEGORIES = ("activation_scale", "gradient_scale", "zero_fraction")
+#: Configuration keys of ``series.json`` that do not change what is measured.
+_IGNORED_CONFIG_KEYS = frozenset({"report"})
+
+SeriesKey = tuple[str, int, str, str, str]
+TensorKey = tuple[str, int, str, str]
+
+COMPARISON_PROMPT = """\
+You are comparing passive telemetry of two PyTorch training runs (torchinstruments): a
+baseline and a candidate that differs from it by one modification, with the same seed,
+data order and precision. The comparison lists where the candidate first departs from the
+baseline, earliest sample first, then forward call order for activations and reverse
+call order for output gradients. Cite module, call index, signal, tensor path, metric,
+samples and values. A departure is measured in units of the baseline's own noise; later
+departures downstream (activations) or upstream (gradients) of the first one are likely
+its echoes. If the comparison is marked weak, say which mismatch limits each claim. End
+with the single narrowest experiment that would confirm the first divergence's cause.
+"""
+
+
+# ---------------------------------------------------------------------- statistics
+def noise_floor(metric: str, *, log_scale: bool) -> float:
+    """Smallest run-to-run noise assumed for ``metric``, in compared units.
+
+    Args:
+        metric: the metric name (``rms``, ``rms_to_root``, ``zero_fraction``, ...).
+        log_scale: whether the metric is compared in natural log (scale metrics).
+
+    Returns:
+        0.1 (natural log, about 10%) for scale metrics; 0.02 for fractions and anything
+        else. One run cannot show how much a different initialisation or data order moves
+        a series' level (in the example, healthy runs with different seeds differ by up to
+        about 35% in activation RMS while each run's own per-sample noise is 1-3%); the
+        floor stands for that part of the run-to-run noise.
+
+    Example:
+        >>> noise_floor("rms", log_scale=True), noise_floor("zero_fraction", log_scale=False)
+        (0.1, 0.02)
+    """
+    del metric
+    return LOG_NOISE_FLOOR if log_scale else FRACTION_NOISE_FLOOR
+
+
+def sustained_departure(
+    departures: Sequence[float], *, persistence: int = PERSISTENCE_POINTS
+) -> float:
+    """The largest departure held, with one sign, over ``persistence`` consecutive points.
+
+    Args:
+        departures: signed departures (candidate minus baseline, in noise units) at the
+            compared points, in time order.
+        persistence: consecutive points the departure must last (at least 1).
+
+    Returns:
+        ``max`` over windows of ``persistence`` consecutive points whose departures share
+        a sign of the smallest absolute departure in the window; 0.0 when there is no
+        such window. A one-point spike does not count; a step that stays does.
+
+    Example:
+        >>> sustained_departure([0.0, 9.0, 0.0, 6.0, 7.0, -8.0])
+        6.0
+    """
+    best = 0.0
+    for start in range(len(departures) - persistence + 1):
+        window = departures[start : start + persistence]
+        if all(d > 0 for d in window) or all(d < 0 for d in window):
+            best = max(best, min(abs(d) for d in window))
+    return best
+
+
+def _first_departure(departures: Sequence[float], threshold: float, persistence: int) -> int | None:
+    """Index of the first point that starts ``persistence`` same-sign departures beyond
+    ``threshold``."""
+    for start in range(len(departures) - persistence + 1):
+        window = departures[start : start + persistence]
+        if all(d >= threshold for d in window) or all(d <= -threshold for d in window):
+            return start
+    return None
+
+
+def _number(value: float | None) -> float | None:
+    """JSON-safe float with six significant digits (None where it does not exist)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(f"{value:.6g}")
+
+
+def _text(value: float | None) -> str:
+    """Four significant digits for prose."""
+    if value is None:
+        return "n/a"
+    if value == 0 or not math.isfinite(value):
+        return str(value)
+    return f"{value:.4g}"
+
+
+# ---------------------------------------------------------------------- schedules
+class _Schedule:
+    """Sample index <-> training forward index for the deterministic sampling policies.
+
+    Known for ``default`` and ``every_n``; for ``time_budget`` only the dense start is
+    known; for anything else nothing is.
+    """
+
+    def __init__(self, description: object) -> None:
+        self.policy = "unknown"
+        self.interval = 0
+        self.per_stage = 0
+        self.stages: list[tuple[int, int]] = []
+        self.dense = 0
+        if not isinstance(description, dict):
+            return
+        policy = description.get("policy")
+        if policy == "every_n":
+            n = description.get("interval_forwards")
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+                self.policy, self.interval = "every_n", n
+        elif policy == "default":
+            self._parse_default(description)
+        elif policy == "time_budget":
+            dense = description.get("dense_forwards")
+            if isinstance(dense, int) and not isinstance(dense, bool) and dense >= 0:
+                self.policy, self.dense = "time_budget", dense
+
+    def _parse_default(self, description: dict[str, Any]) -> None:
+        per_stage = description.get("samples_per_stage")
+        raw = description.get("stages")
+        if not isinstance(per_stage, int) or per_stage < 1 or not isinstance(raw, list) or not raw:
+            return
+        stages: list[tuple[int, int]] = []
+        for stage in raw:
+            if not isinstance(stage, dict):
+                return
+            start, interval = stage.get("from_forward"), stage.get("interval_forwards")
+            if not isinstance(start, int) or not isinstance(interval, int) or interval < 1:
+                return
+            stages.append((start, interval))
+        for (start, interval), (following, _) in itertools.pairwise(stages):
+            if following != start + per_stage * interval:
+                return
+        if stages[0][0] != 0:
+            return
+        self.policy, self.per_stage, self.stages = "default", per_stage, stages
+
+    @property
+    def known(self) -> bool:
+        return self.policy != "unknown"
+
+    def forward(self, sample: int) -> int | None:
+        """The training forward index of ``sample``, or None if unknown."""
+        if self.policy == "every_n":
+            return sample * self.interval
+        if self.policy == "default":
+            stage = min(sample // self.per_stage, len(self.stages) - 1)
+            start, interval = self.stages[stage]
+            return start + (sample - stage * self.per_stage) * interval
+        if self.policy == "time_budget" and sample < self.dense:
+            return sample
+        return None
+
+    def sample(self, forward: int) -> int | None:
+        """The sample taken at training forward ``forward``, or None (none, or unknown)."""
+        if forward < 0:
+            return None
+        if self.policy == "every_n":
+            return forward // self.interval if forward % self.interval == 0 else None
+        if self.policy == "default":
+            stage = 0
+            for index, (start, _) in enumerate(self.stages):
+                if forward >= start:
+                    stage = index
+            start, interval = self.stages[stage]
+            if (forward - start) % interval:
+                return None
+            return stage * self.per_stage + (forward - start) // interval
+        if self.policy == "time_budget" and forward < self.dense:
+            return forward
+        return None
+
+    def expected_samples(self, forwards: int) -> int | None:
+        """Samples the schedule takes in ``forwards`` training forwards (None: unknown)."""
+        if self.policy == "every_n":
+            return -(-forwards // self.interval)
+        if self.policy == "default":
+            total = 0
+            for index, (start, interval) in enumerate(self.stages):
+                if forwards <= start:
+                    break
+                count = -(-(forwards - start) // interval)
+                total += count if index == len(self.stages) - 1 else min(count, self.per_stage)
+            return total
+        return None
+
+
+def _sampling_description(config: dict[str, Any]) -> object:
+    """The sampling description without its run-dependent fields."""
+    sampling = config.get("sampling")
+    if isinstance(sampling, dict):
+        return {k: v for k, v in sampling.items() if k != "telemetry_seconds"}
+    return sampling
+
+
+# ---------------------------------------------------------------------- reading
+@dataclass(slots=True)
+class _Series:
+    """What is kept of one series of one run: its points and its noise indicators."""
+
+    forward_position: int
+    count: int
+    log_scale: bool
+    samples: array[int]
+    values: array[float]
+    ema_fast: float | None
+    baseline_std: float | None
+    volatility: float | None
+    first_nonzero_sample: int | None
+
+    def compared(self, value: float) -> float:
+        """``value`` in compared units: natural log for scale metrics."""
+        return math.log(max(value, _TINY)) if self.log_scale else value
+
+
+@dataclass(slots=True)
+class _Run:
+    """One run's ``series.json``, reduced."""
+
+    directory: Path
+    path: Path
+    run: dict[str, Any]
+    config: dict[str, Any]
+    modules_selected: frozenset[str]
+    omitted: int
+    series: dict[SeriesKey, _Series]
+
+    def int_field(self, name: str) -> int | None:
+        value = self.run.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def samples_seen(self) -> int:
+        stated = self.int_field("samples_seen")
+        if stated is not None:
+            return stated
+        return max((s.samples[-1] + 1 for s in self.series.values() if s.samples), default=0)
+
+    @property
+    def warmup_samples(self) -> int | None:
+        track = self.config.get("track")
+        value = track.get("warmup_samples") if isinstance(track, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float_or_none(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _row_error(path: Path, index: int, what: str, got: object) -> ReportReadError:
+    return ReportReadError(f"{path}: series[{index}]: expected {what}, got {got!r}"[:500])
+
+
+def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, _Series]:
+    if not isinstance(row, dict):
+        raise _row_error(path, index, "a JSON object", type(row).__name__)
+    module, call, signal = row.get("module"), row.get("call_index"), row.get("signal")
+    tensor_path, metric = row.get("tensor_path"), row.get("metric")
+    if not isinstance(module, str):
+        raise _row_error(path, index, "'module' to be a string", module)
+    if not _is_int(call):
+        raise _row_error(path, index, "'call_index' to be an int", call)
+    if not isinstance(signal, str) or signal not in SIGNALS:
+        raise _row_error(path, index, f"'signal' in {SIGNALS}", signal)
+    if not isinstance(tensor_path, str) or not isinstance(metric, str):
+        raise _row_error(path, index, "'tensor_path' and 'metric' to be strings", row.get("metric"))
+    position, count = row.get("forward_position"), row.get("count")
+    if not _is_int(position) or not _is_int(count):
+        raise _row_error(path, index, "'forward_position' and 'count' to be ints", count)
+    points = row.get("points")
+    if not isinstance(points, list):
+        raise _row_error(path, index, "'points' to be a list", type(points).__name__)
+    samples: array[int] = array("q")
+    values: array[float] = array("d")
+    previous = -1
+    for point in points:
+        if (
+            not isinstance(point, list)
+            or len(point) != 2
+            or not _is_int(point[0])
+            or point[0] <= previous
+        ):
+            raise _row_error(
+                path, index, "points [sample, value] in increasing sample order", point
+            )
+        value = _float_or_none(point[1])
+        previous = point[0]
+        if value is None:
+            continue  # a value that did not exist is not compared
+        samples.append(point[0])
+        values.append(value)
+    first_nonzero = row.get("first_nonzero_sample")
+    key: SeriesKey = (module, call, signal, tensor_path, metric)
+    return key, _Series(
+        forward_position=position,
+        count=count,
+        log_scale=row.get("log_scale") is True,
+        samples=samples,
+        values=values,
+        ema_fast=_float_or_none(row.get("ema_fast")),
+        baseline_std=_float_or_none(row.get("baseline_std")),
+        volatility=_float_or_none(row.get("volatility")),
+        first_nonzero_sample=first_nonzero if _is_int(first_nonzero) else None,
+    )
+
+
+def _read_run(directory: str | os.PathLike[str], role: str) -> _Run:
+    """Read and reduce one run's ``series.json``; raise ``ReportReadError`` naming it."""
+    if not isinstance(directory, str | os.PathLike) or str(directory) == "":
+        raise ConfigError(f"compare_runs: {role}_dir must be a non-empty path, got {directory!r}")
+    root = Path(directory)
+    path = root / SERIES_NAME
+    if not root.is_dir():
+        raise ReportReadError(
+            f"{root}: expected the output directory of an observed run ({role}), "
+            f"got {'a file' if root.exists() else 'nothing'} at that path"
+        )
+    try:
+        size = path.stat().st_size
+        if size > MAX_SOURCE_BYTES:
+            raise ReportReadError(
+                f"{path}: expected a series summary of at most {MAX_SOURCE_BYTES} bytes, "
+                f"got {size} bytes"
+            )
+        with path.open("rb") as stream:
+            raw = json.load(stream)
+    except FileNotFoundError as error:
+        raise ReportReadError(
+            f"{path}: not found; the {role} run must be observed by a torchinstruments version "
+            f"that writes series.json, with DirectorySink(write_series_summary=True) (the "
+            f"default), and must have written its report"
+        ) from error
+    except OSError as error:
+        raise ReportReadError(f"{path}: cannot be read ({error.strerror or error})") from error
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ReportReadError(f"{path}: expected JSON, got a parse error ({error})") from error
+    if not isinstance(raw, dict):
+        raise ReportReadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    schema = raw.get("schema")
+    if not isinstance(schema, str) or schema.split("/")[0] != SERIES_SCHEMA.split("/")[0]:
+        raise ReportReadError(f"{path}: expected schema {SERIES_SCHEMA!r}, got {schema!r}")
+    for name, kind in (("run", dict), ("config", dict), ("series", list)):
+        if not isinstance(raw.get(name), kind):
+            raise ReportReadError(
+                f"{path}: expected {name!r} to be a JSON {'object' if kind is dict else 'array'},"
+                f" got {type(raw.get(name)).__name__}"
+            )
+    selected = raw.get("modules_selected", [])
+    if not isinstance(selected, list) or not all(isinstance(m, str) for m in selected):
+        raise ReportReadError(f"{path}: expected 'modules_selected' to be a list of names")
+    series: dict[SeriesKey, _Series] = {}
+    for index, row in enumerate(raw["series"]):
+        key, value = _parse_row(path, index, row)
+        if key in series:
+            raise _row_error(path, index, "each series once", key)
+        series[key] = value
+    omitted = raw.get("omitted", 0)
+    run = _Run(
+        directory=root,
+        path=path,
+        run=raw["run"],
+        config=raw["config"],
+        modules_selected=frozenset(display_module(m) for m in selected),
+        omitted=omitted if _is_int(omitted) else 0,
+        series=series,
+    )
+    del raw  # before the other run is read: one parsed file in memory at a time
+    return run
+
+
+# ---------------------------------------------------------------------- alignment
+@dataclass(slots=True)
+class _Axis:
+    """The common time axis: sample indices, or training forward indices."""
+
+    mode: str
+    baseline: _Schedule
+    candidate: _Schedule
+    end: int
+
+    def key(self, side: str, sample: int) -> int | None:
+        if self.mode == "sample":
+            return sample
+        schedule = self.baseline if side == "baseline" else self.candidate
+        return schedule.forward(sample)
+
+    def when(self, key: int) -> dict[str, Any]:
+        """A time point for the output: baseline sample, training forward, candidate sample."""
+        if self.mode == "sample":
+            forward = self.baseline.forward(key)
+            if self.baseline.policy == "time_budget" or forward is None:
+                forward = None
+            return {"sample": key, "forward": forward}
+        return {
+            "sample": self.baseline.sample(key),
+            "forward": key,
+            "candidate_sample": self.candidate.sample(key),
+        }
+
+
+def _describe_when(when: dict[str, Any]) -> str:
+    parts = []
+    if when.get("sample") is not None:
+        parts.append(f"sample {when['sample']}")
+    if when.get("candidate_sample") is not None and when["candidate_sample"] != when.get("sample"):
+        parts.append(f"candidate sample {when['candidate_sample']}")
+    if when.get("forward") is not None:
+        text = f"training forward {when['forward']}"
+        parts.append(f"({text})" if parts else text)
+    return " ".join(parts) or "an unknown point"
+
+
+def _mismatch(kind: str, weakens: bool, detail: str, **values: Any) -> dict[str, Any]:
+    return {"kind": kind, "weakens": weakens, "detail": detail, **values}
+
+
+def _short(value: object, limit: int = 800) -> object:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return value if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _names(names: Iterable[str], limit: int = 10) -> str:
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:limit])
+    return shown + (f" and {len(ordered) - limit} more" if len(ordered) > limit else "")
+
+
+def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]]:
+    """Choose the time axis and list what differs between the two runs' set-ups."""
+    mismatches: list[dict[str, Any]] = []
+    described_b = _sampling_description(baseline.config)
+    described_c = _sampling_description(candidate.config)
+    schedule_b, schedule_c = _Schedule(described_b), _Schedule(described_c)
+    time_budget = "time_budget" in (schedule_b.policy, schedule_c.policy)
+    if described_b == described_c and not time_budget:
+        mode = "sample"
+        if not schedule_b.known:
+            mismatches.append(
+                _mismatch(
+                    "sampling_unknown",
+                    False,
+                    "Both runs use the same custom sampling policy: sample k is taken to be "
+                    "the same training forward in both runs, as it is for a deterministic "
+                    "policy.",
+                )
+            )
+    elif schedule_b.known and schedule_c.known:
+        mode = "forward"
+        detail = (
+            "Sampling schedules differ: values are compared only at the training forwards "
+            "both runs sampled (and that both kept in their bounded histories), so fewer "
+            "points are compared and divergence samples are coarser."
+        )
+        if time_budget:
+            detail = (
+                "Time-budget sampling is not deterministic: only the forwards of its dense "
+                "start are known, so values are compared only there."
+            )
+        mismatches.append(
+            _mismatch(
+                "sampling",
+                True,
+                detail,
+                baseline=_short(described_b),
+                candidate=_short(described_c),
+            )
+        )
+    else:
+        mode = "sample"
+        mismatches.append(
+            _mismatch(
+                "sampling",
+                True,
+                "Sampling schedules differ and at least one cannot be mapped to training "
+                "forwards: values are compared at equal sample indices, which need not be "
+                "the same training forwards.",
+                baseline=_short(described_b),
+                candidate=_short(described_c),
+            )
+        )
+    for role, run, schedule in (
+        ("baseline", baseline, schedule_b),
+        ("candidate", candidate, schedule_c),
+    ):
+        forwards = run.int_field("forwards_seen")
+        expected = schedule.expected_samples(forwards) if forwards is not None else None
+        if expected is not None and run.int_field("samples_seen") not in (None, expected):
+            mismatches.append(
+                _mismatch(
+                    "extra_samples",
+                    True,
+                    f"The {role} took {run.int_field('samples_seen')} samples in {forwards} "
+                    f"training forwards where its schedule takes {expected}: the non-finite "
+                    f"sentinel (8 forced samples after a hit) or direct forward calls added "
+                    f"samples, so after the first extra one a sample index is not the "
+                    f"scheduled training forward.",
+                )
+            )
+    if mode == "sample":
+        end = min(baseline.samples_seen, candidate.samples_seen) - 1
+    else:
+        ends = []
+        for run, schedule in ((baseline, schedule_b), (candidate, schedule_c)):
+            forwards = run.int_field("forwards_seen")
+            if forwards is None:
+                last = schedule.forward(max(run.samples_seen - 1, 0))
+                forwards = last + 1 if last is not None else 0
+            ends.append(forwards - 1)
+        end = min(ends)
+    return _Axis(mode, schedule_b, schedule_c, end), mismatches
+
+
+def _config_mismatches(baseline: _Run, candidate: _Run) -> list[dict[str, Any]]:
+    mismatches: list[dict[str, Any]] = []
+    if baseline.modules_selected != candidate.modules_selected:
+        only_b = baseline.modules_selected - candidate.modules_selected
+        only_c = candidate.modules_selected - baseline.modules_selected
+        mismatches.append(
+            _mismatch(
+                "modules",
+                True,
+                f"Module sets differ ({len(baseline.modules_selected)} selected in the "
+                f"baseline, {len(candidate.modules_selected)} in the candidate): only "
+                f"modules selected in both are compared. Only in the baseline: "
+                f"{_names(only_b) or 'none'}. Only in the candidate: {_names(only_c) or 'none'}.",
+            )
+        )
+    if baseline.config.get("track") != candidate.config.get("track"):
+        mismatches.append(
+            _mismatch(
+                "track",
+                True,
+                "Tracking configurations differ (warm-up length, history points, ...): the "
+                "noise estimates and the sample indices kept in the histories differ.",
+                baseline=_short(baseline.config.get("track")),
+                candidate=_short(candidate.config.get("track")),
+            )
+        )
+    keys = sorted(
+        (set(baseline.config) | set(candidate.config))
+        - _IGNORED_CONFIG_KEYS
+        - {"sampling", "track"}
+    )
+    differing = [k for k in keys if baseline.config.get(k) != candidate.config.get(k)]
+    if differing:
+        mismatches.append(
+            _mismatch(
+                "configuration",
+                True,
+                f"Observation options differ: {', '.join(differing)}; the two runs may not "
+                f"observe the same calls and tensors.",
+                baseline=_short({k: baseline.config.get(k) for k in differing}),
+                candidate=_short({k: candidate.config.get(k) for k in differing}),
+            )
+        )
+    for role, run in (("baseline", baseline), ("candidate", candidate)):
+        if run.omitted:
+            mismatches.append(
+                _mismatch(
+                    "series_truncated",
+                    True,
+                    f"The {role}'s series.json left out {run.omitted} series (its byte "
+                    f"bound, ReportConfig.series_summary_max_bytes): those, the last in "
+                    f"forward order, are not compared and cannot be called absent.",
+                )
+            )
+    for name in ("world_size", "rank"):
+        if baseline.run.get(name) != candidate.run.get(name):
+            mismatches.append(
+                _mismatch(
+                    name,
+                    False,
+                    f"The runs state different {name.replace('_', ' ')}s "
+                    f"({baseline.run.get(name)} and {candidate.run.get(name)}).",
+                )
+            )
+    if baseline.run.get("versions") != candidate.run.get("versions"):
+        mismatches.append(
+            _mismatch(
+                "versions",
+                False,
+                "Library versions differ: numerics may differ slightly before the modification.",
+                baseline=_short(baseline.run.get("versions")),
+                candidate=_short(candidate.run.get("versions")),
+            )
+        )
+    forwards_b, forwards_c = (
+        baseline.int_field("forwards_seen"),
+        candidate.int_field("forwards_seen"),
+    )
+    if forwards_b is not None and forwards_c is not None:
+        lengths, unit = (forwards_b, forwards_c), "training forwards"
+    else:
+        lengths, unit = (baseline.samples_seen, candidate.samples_seen), "samples"
+    if lengths[0] != lengths[1]:
+        mismatches.append(
+            _mismatch(
+                "length",
+                False,
+                f"The runs have different lengths ({lengths[0]} and {lengths[1]} {unit}): "
+                f"only their common span is compared.",
+            )
+        )
+    return mismatches
+
+
+# ---------------------------------------------------------------------- comparing
+@dataclass(slots=True)
+class _Noise:
+    sigma: float
+    basis: str
+    parts: dict[str, float]
+
+
+def _noise(series: _Series, metric: str) -> _Noise:
+    """The run-to-run noise of one baseline series, in compared units."""
+    compared = [series.compared(v) for v in series.values]
+    steps = sorted(abs(b - a) for a, b in itertools.pairwise(compared))
+    parts = {
+        "floor": noise_floor(metric, log_scale=series.log_scale),
+        "warmup_std": series.baseline_std or 0.0,
+        "volatility": series.volatility or 0.0,
+        "point_spread": MAD_TO_STD * statistics.median(steps) if steps else 0.0,
+    }
+    basis = max(parts, key=lambda k: parts[k])
+    return _Noise(parts[basis], basis, parts)
+
+
+@dataclass(slots=True)
+class _Event:
+    """A divergence: one series (or tensor) departs, stops, appears or goes non-finite."""
+
+    key: int
+    kind: str
+    side: str | None
+    module: str
+    call_index: int
+    signal: str
+    tensor_path: str
+    metric: str | None
+    position: int
+    fields: dict[str, Any]
+
+    def order(self) -> tuple[Any, ...]:
+        gradient = self.signal == GRAD_OUTPUT
+        return (
+            self.key,
+            1 if gradient else 0,
+            -self.position if gradient else self.position,
+            self.module,
+            self.call_index,
+            self.tensor_path,
+            self.metric or "",
+        )
+
+
+@dataclass(slots=True)
+class _ValueResult:
+    key: SeriesKey
+    position: int
+    score: float
+    notable: bool
+    entry: dict[str, Any]
+    first_key: int | None
+
+
+def _series_name(key: SeriesKey | TensorKey) -> str:
+    module, call, signal, path = key[:4]
+    metric = f".{key[4]}" if len(key) > 4 else ""
+    return f"`{module}` call {call} {signal}{metric} ({path})"
+
+
+def _difference_text(series: _Series, baseline: float, candidate: float) -> str:
+    if series.log_scale:
+        ratio = max(candidate, _TINY) / max(baseline, _TINY)
+        return f"{_text(baseline)} -> {_text(candidate)} ({_text(ratio)}x)"
+    return f"{_text(baseline)} -> {_text(candidate)} ({candidate - baseline:+.4g})"
+
+
+def _downsample(rows: list[list[Any]], limit: int) -> list[list[Any]]:
+    if len(rows) <= limit:
+        return rows
+    step = (len(rows) - 1) / (limit - 1)
+    return [rows[round(i * step)] for i in range(limit)]
+
+
+def _compare_values(
+    key: SeriesKey,
+    base: _Series,
+    cand: _Series,
+    axis: _Axis,
+    threshold: float,
+    warmup: tuple[int | None, int | None],
+) -> _ValueResult | None:
+    points_b = {}
+    for sample, value in zip(base.samples, base.values, strict=True):
+        k = axis.key("baseline", sample)
+        if k is not None and k <= axis.end:
+            points_b[k] = value
+    points_c = {}
+    for sample, value in zip(cand.samples, cand.values, strict=True):
+        k = axis.key("candidate", sample)
+        if k is not None and k <= axis.end:
+            points_c[k] = value
+    common = sorted(points_b.keys() & points_c.keys())
+    if not common:
+        return None
+    noise = _noise(base, key[4])
+    departures = [
+        (base.compared(points_c[k]) - base.compared(points_b[k])) / noise.sigma for k in common
+    ]
+    score = sustained_departure(departures)
+    first = _first_departure(departures, threshold, PERSISTENCE_POINTS)
+    largest = max(range(len(common)), key=lambda i: abs(departures[i]))
+    notable = first is not None
+    warm_b, warm_c = warmup
+    entry: dict[str, Any] = {
+        "module": key[0],
+        "call_index": key[1],
+        "signal": key[2],
+        "tensor_path": key[3],
+        "metric": key[4],
+        "forward_position": base.forward_position,
+        "notable": notable,
+        "sustained_departure": _number(score),
+        "points_compared": len(common),
+    }
+    if first is not None:
+        k = common[first]
+        beyond = sum(1 for d in departures[first:] if abs(d) >= threshold)
+        entry["first_divergence"] = {
+            **axis.when(k),
+            "last_agreeing": axis.when(common[first - 1]) if first > 0 else None,
+            "baseline": _number(points_b[k]),
+            "candidate": _number(points_c[k]),
+            "departure": _number(departures[first]),
+            "points_beyond_threshold_after": beyond,
+            "points_after": len(common) - first,
+        }
+    k = common[largest]
+    entry["largest"] = {
+        **axis.when(k),
+        "baseline": _number(points_b[k]),
+        "candidate": _number(points_c[k]),
+        "departure": _number(departures[largest]),
+    }
+    entry["noise"] = {
+        "sigma": _number(noise.sigma),
+        "basis": noise.basis,
+        "units": "natural log" if base.log_scale else "absolute",
+        **{name: _number(value) for name, value in noise.parts.items()},
+    }
+    entry["end"] = {
+        "baseline_ema_fast": _number(base.ema_fast),
+        "candidate_ema_fast": _number(cand.ema_fast),
+    }
+    entry["warmup_complete"] = {
+        "baseline": None if warm_b is None else base.count >= warm_b,
+        "candidate": None if warm_c is None else cand.count >= warm_c,
+    }
+    rows = [[k, _number(points_b[k]), _number(points_c[k])] for k in common]
+    entry["points_axis"] = "sample" if axis.mode == "sample" else "forward"
+    entry["points"] = _downsample(rows, POINTS_PER_ENTRY)
+    return _ValueResult(
+        key,
+        base.forward_position,
+        score,
+        notable,
+        entry,
+        common[first] if first is not None else None,
+    )
+
+
+def _value_interpretation(entry: dict[str, Any], base: _Series, threshold: float) -> str:
+    name = _series_name(
+        (
+            entry["module"],
+            entry["call_index"],
+            entry["signal"],
+            entry["tensor_path"],
+            entry["metric"],
+        )
+    )
+    noise = entry["noise"]
+    first = entry.get("first_divergence")
+    largest = entry["largest"]
+    units = "ln" if base.log_scale else "absolute"
+    noise_text = f"noise {_text(noise['sigma'])} {units}, from {noise['basis']}"
+    if first is None:
+        return (
+            f"{name} stays within {threshold:g} noise units of the baseline for "
+            f"{PERSISTENCE_POINTS} consecutive compared points; its largest single departure "
+            f"is {_text(largest['departure'])} units at {_describe_when(largest)} "
+            f"({_difference_text(base, largest['baseline'] or 0.0, largest['candidate'] or 0.0)}; "
+            f"{noise_text})."
+        )
+    agreeing = first.get("last_agreeing")
+    after = f", after agreeing at {_describe_when(agreeing)}" if agreeing else ""
+    return (
+        f"{name}: the candidate departs from the baseline from {_describe_when(first)}{after}: "
+        f"{_difference_text(base, first['baseline'] or 0.0, first['candidate'] or 0.0)}, "
+        f"{_text(first['departure'])} noise units ({noise_text}); "
+        f"{first['points_beyond_threshold_after']} of the {first['points_after']} compared "
+        f"points from there stay beyond {threshold:g} units."
+    )
+
+
+def _neighbour_text(
+    event: _Event, neighbours: dict[tuple[str, int], TensorKey], earliest: dict[TensorKey, int]
+) -> tuple[str, str | None]:
+    """What the call before (activations) or after (gradients) in forward order did.
+
+    Returns:
+        A sentence, and the neighbour's name when it departed at or before ``event``
+        (then ``event`` is likely its echo), else None.
+    """
+    gradient = event.signal == GRAD_OUTPUT
+    neighbour = neighbours.get((event.signal, event.position + (1 if gradient else -1)))
+    relation = (
+        "the call after it in forward order (before it in the backward pass)"
+        if gradient
+        else "the call before it in forward order"
+    )
+    if neighbour is None:
+        edge = "last" if gradient else "first"
+        return f"It is the {edge} observed call in forward order.", None
+    when = earliest.get(neighbour)
+    name = f"`{neighbour[0]}` call {neighbour[1]}"
+    if when is None or when > event.key:
+        return (
+            f"{name}, {relation}, still agrees there: the change enters at `{event.module}`.",
+            None,
+        )
+    timing = "departs at the same point" if when == event.key else "departed earlier"
+    return f"{name}, {relation}, {timing}: `{event.module}` may be its echo.", name
+
+
+def _value_experiment(event: _Event, when: str, neighbour: tuple[str, str | None]) -> str:
+    sentence, origin = neighbour
+    if origin is not None:
+        return (
+            f"{sentence} Follow {origin}'s divergence first; if `{event.module}` call "
+            f"{event.call_index} still departs from the baseline after {when} once {origin} "
+            f"agrees, undo the modification only at `{event.module}` (same seed, data order "
+            f"and precision) and compare again."
+        )
+    direction = (
+        "downstream (later in forward order)"
+        if event.signal == ACTIVATION
+        else "upstream (earlier in forward order)"
+    )
+    return (
+        f"{sentence} Rerun the candidate with the same seed, data order and precision, "
+        f"undoing the modification only at `{event.module}` (its code, weights or the input "
+        f"it receives); if `{event.module}` call {event.call_index} then stays within noise "
+        f"of the baseline past {when}, the change there is the cause and later departures "
+        f"{direction} are its echoes. Observe both runs with inject_observer(..., "
+        f"sampling=1) around {when} to pin the exact training forward."
+    )
+
+
+def _presence(series: Iterable[tuple[SeriesKey, _Series]]) -> dict[TensorKey, dict[str, Any]]:
+    """Per tensor (module, call, signal, path): observed span, count, metrics, position."""
+    out: dict[TensorKey, dict[str, Any]] = {}
+    for key, s in series:
+        if not s.samples:
+            continue
+        tensor = key[:4]
+        entry = out.get(tensor)
+        if entry is None:
+            out[tensor] = {
+                "first": s.samples[0],
+                "last": s.samples[-1],
+                "count": s.count,
+                "metrics": [key[4]],
+                "position": s.forward_position,
+            }
+        else:
+            entry["first"] = min(entry["first"], s.samples[0])
+            entry["last"] = max(entry["last"], s.samples[-1])
+            entry["count"] = max(entry["count"], s.count)
+            entry["metrics"].append(key[4])
+    return out
+
+
+def _dense(span: dict[str, Any]) -> bool:
+    return span["count"] == span["last"] - span["first"] + 1
+
+
+def _stop_event(
+    tensor: TensorKey,
+    stopped: dict[str, Any],
+    going: dict[str, Any],
+    side: str,
+    axis: _Axis,
+    position: int,
+) -> _Event | None:
+    """The candidate (``side``) stopped observing ``tensor`` while the other run went on."""
+    other = "baseline" if side == "candidate" else "candidate"
+    key = axis.key(side, stopped["last"] + 1)
+    going_last = axis.key(other, going["last"])
+    if key is None or going_last is None or key > axis.end or going_last < key:
+        return None
+    if not (_dense(stopped) and _dense(going)):
+        return None  # a call that comes and goes (a routed expert, a branch) proves nothing
+    last = axis.when(axis.key(side, stopped["last"]) or 0)
+    module, call, signal, path = tensor
+    when = axis.when(key)
+    interpretation = (
+        f"{_series_name(tensor)} is observed in the {other} through "
+        f"{_describe_when(axis.when(going_last))} but in the {side} only through "
+        f"{_describe_when(last)}: from {_describe_when(when)} the {side} no longer calls it "
+        f"(or it no longer returns a floating tensor there)."
+    )
+    experiment = (
+        f"Find what skips `{module}` in the {side} from {_describe_when(when)} (a flag, a "
+        f"branch, a replaced forward or module); restore only that call in the {side}, with "
+        f"the same seed, data order and precision, and compare again: if the runs then "
+        f"agree past that point, the skipped call is the cause."
+    )
+    return _Event(
+        key,
+        "stopped",
+        side,
+        module,
+        call,
+        signal,
+        path,
+        None,
+        position,
+        {
+            **when,
+            "last_observed": last,
+            "interpretation": interpretation,
+            "next_experiment": experiment,
+        },
+    )
+
+
+def _one_run_entries(
+    only: dict[TensorKey, dict[str, Any]],
+    side: str,
+    other: _Run,
+    axis: _Axis,
+) -> tuple[list[dict[str, Any]], list[_Event]]:
+    entries: list[dict[str, Any]] = []
+    events: list[_Event] = []
+    for tensor, span in sorted(only.items(), key=lambda item: (item[1]["position"], item[0])):
+        module, call, signal, path = tensor
+        explained = None
+        if module not in other.modules_selected:
+            explained = "module not selected in the other run"
+        elif other.omitted:
+            explained = "the other run's series.json was truncated"
+        first_key = axis.key(side, span["first"])
+        first_when = axis.when(first_key) if first_key is not None else None
+        entry = {
+            "module": module,
+            "call_index": call,
+            "signal": signal,
+            "tensor_path": path,
+            "forward_position": span["position"],
+            "metrics": sorted(span["metrics"]),
+            "first_sample": span["first"],
+            "last_sample": span["last"],
+            "count": span["count"],
+            "explained_by": explained,
+        }
+        entries.append(entry)
+        if explained is None and first_key is not None and first_key <= axis.end:
+            missing = "candidate" if side == "baseline" else "baseline"
+            interpretation = (
+                f"{_series_name(tensor)} is observed only in the {side}, from "
+                f"{_describe_when(first_when or {})}: the {missing} never observes it (a "
+                f"call {'removed from' if side == 'baseline' else 'added to'} the candidate, "
+                f"or a call that stopped returning a floating tensor)."
+            )
+            experiment = (
+                f"{'Restore' if side == 'baseline' else 'Bypass'} only that call of "
+                f"`{module}` in the candidate, with the same seed, data order and precision, "
+                f"and compare again: if the runs then agree, that call is the cause."
+            )
+            events.append(
+                _Event(
+                    first_key,
+                    f"only_in_{side}",
+                    side,
+                    module,
+                    call,
+                    signal,
+                    path,
+                    None,
+                    span["position"],
+                    {
+                        **(first_when or {}),
+                        "interpretation": interpretation,
+                        "next_experiment": experiment,
+                    },
+                )
+            )
+    return entries, events
+
+
+def _non_finite_event(key: SeriesKey, base: _Series, cand: _Series, axis: _Axis) -> _Event | None:
+    first_b = base.first_nonzero_sample
+    first_c = cand.first_nonzero_sample
+    key_b = axis.key("baseline", first_b) if first_b is not None else None
+    key_c = axis.key("candidate", first_c) if first_c is not None else None
+    if key_b is not None and key_b > axis.end:
+        key_b = None
+    if key_c is not None and key_c > axis.end:
+        key_c = None
+    if key_c is not None and (key_b is None or key_c < key_b):
+        side, at, other_key = "candidate", key_c, key_b
+    elif key_b is not None and (key_c is None or key_b < key_c):
+        side, at, other_key = "baseline", key_b, key_c
+    else:
+        return None
+    other = "baseline" if side == "candidate" else "candidate"
+    when = axis.when(at)
+    other_text = (
+        f"the {other}'s first is at {_describe_when(axis.when(other_key))}"
+        if other_key is not None
+        else f"the {other} has none through {_describe_when(axis.when(axis.end))}"
+    )
+    module, call, signal, path, metric = key
+    return _Event(
+        at,
+        "non_finite",
+        side,
+        module,
+        call,
+        signal,
+        path,
+        metric,
+        base.forward_position,
+        {
+            **when,
+            "interpretation": (
+                f"{_series_name(key[:4])} has its first non-finite value in the {side} at "
+                f"{_describe_when(when)}; {other_text}."
+            ),
+            "next_experiment": (
+                f"Rerun the {side} with inject_observer(..., sampling=1, full_sentinel=True) "
+                f"to name the exact training forward and the first module in forward order "
+                f"that produces a non-finite value, then upcast or clamp only there and "
+                f"compare again."
+            ),
+        },
+    )
+
+
+def _event_record(event: _Event) -> dict[str, Any]:
+    return {
+        "kind": event.kind,
+        "side": event.side,
+        "module": event.module,
+        "call_index": event.call_index,
+        "signal": event.signal,
+        "tensor_path": event.tensor_path,
+        "metric": event.metric,
+        "forward_position": event.position,
+        **event.fields,
+    }
+
+
+@dataclass(slots=True)
+class _Comparison:
+    """Everything before the byte bound."""
+
+    header: dict[str, Any]
+    sections: dict[str, list[dict[str, Any]]]
+    totals: dict[str, int]
+    category_counts: dict[str, dict[str, int]]
+    coverage: dict[str, Any]
+    threshold: float
+
+
+def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
+    axis, mismatches = _align(baseline, candidate)
+    mismatches += _config_mismatches(baseline, candidate)
+    notes = []
+    if baseline.directory.resolve() == candidate.directory.resolve():
+        notes.append("Baseline and candidate are the same directory.")
+    weak = any(m["weakens"] for m in mismatches)
+    both_selected = baseline.modules_selected & candidate.modules_selected
+    warmup = (baseline.warmup_samples, candidate.warmup_samples)
+
+    common_keys = [k for k in baseline.series if k in candidate.series and k[0] in both_selected]
+    # Positions: the baseline's forward call order (activations), by tensor.
+    neighbours: dict[tuple[str, int], TensorKey] = {}
+    for key, s in baseline.series.items():
+        neighbours.setdefault((key[2], s.forward_position), key[:4])
+
+    events: list[_Event] = []
+    results: dict[str, list[_ValueResult]] = {c: [] for c in _VALUE_CATEGORIES}
+    compared = {c: 0 for c in CATEGORIES}
+    wanted = {pair: category for category, pairs in CATEGORIES.items() for pair in pairs}
+    for key in common_keys:
+        category = wanted.get((key[2], key[4]))
+        if category is None:
+            continue
+        base, cand = baseline.series[key], candidate.series[key]
+        compared[category] += 1
+        if category == "non_finite":
+            event = _non_finite_event(key, base, cand, axis)
+            if event is not None:
+                events.append(event)
+            continue
+        result = _compare_values(key, base, cand, axis, threshold, warmup)
+        if result is None:
+            compared[category] -= 1
+            continue
+        results[category].append(result)
+
+    # Presence: tensors that one run stops observing, or observes alone.
+    span_b = _presence(baseline.series.items())
+    span_c = _presence(candidate.series.items())
+    for tensor in span_b.keys() & span_c.keys():
+        if tensor[0] not in both_selected:
+            continue
+        b, c = span_b[tensor], span_c[tensor]
+        position = b["position"]
+        for stopped, going, side in ((c, b, "candidate"), (b, c, "baseline")):
+            if stopped["last"] < going["last"]:
+                event = _stop_event(tensor, stopped, going, side, axis, position)
+                if event is not None:
+                    events.append(event)
+    only_b = {t: s for t, s in span_b.items() if t not in span_c}
+    only_c = {t: s for t, s in span_c.items() if t not in span_b}
+    entries_b, events_b = _one_run_entries(only_b, "baseline", candidate, axis)
+    entries_c, events_c = _one_run_entries(only_c, "candidate", baseline, axis)
+    events += events_b + events_c
+
+    # Value divergences, once every tensor's earliest departure is known.
+    earliest: dict[TensorKey, int] = {}
+    for event in events:
+        tensor = (event.module, event.call_index, event.signal, event.tensor_path)
+        earliest[tensor] = min(earliest.get(tensor, event.key), event.key)
+    for category in _VALUE_CATEGORIES:
+        for result in results[category]:
+            if result.first_key is not None:
+                tensor = result.key[:4]
+                earliest[tensor] = min(earliest.get(tensor, result.first_key), result.first_key)
+    for category in _VALUE_CATEGORIES:
+        for result in results[category]:
+            base = baseline.series[result.key]
+            result.entry["interpretation"] = _value_interpretation(result.entry, base, threshold)
+            if result.first_key is None:
+                continue
+            event = _Event(
+                result.first_key,
+                "value",
+                "candidate",
+                *result.key,
+                result.position,
+                {},
+            )
+            when = _describe_when(axis.when(result.first_key))
+            experiment = _value_experiment(
+                event, when, _neighbour_text(event, neighbours, earliest)
+            )
+            result.entry["next_experiment"] = experiment
+            first = result.entry["first_divergence"]
+            event.fields = {
+                **{k: first[k] for k in ("sample", "forward", "candidate_sample") if k in first},
+                "category": category,
+                "last_agreeing": first["last_agreeing"],
+                "baseline": first["baseline"],
+                "candidate": first["candidate"],
+                "departure": first["departure"],
+                "interpretation": result.entry["interpretation"],
+                "next_experiment": experiment,
+            }
+            events.append(event)
+    events.sort(key=_Event.order)
+
+    sections: dict[str, list[dict[str, Any]]] = {}
+    totals: dict[str, int] = {}
+    category_counts: dict[str, dict[str, int]] = {}
+    first_records = [_event_record(e) for e in events]
+    sections["first_divergences"] = first_records[:MAX_FIRST_DIVERGENCES]
+    totals["first_divergences"] = len(first_records)
+    non_finite = [e for e in events if e.kind == "non_finite"]
+    sections["non_finite"] = [_event_record(e) for e in non_finite[:TOP_PER_CATEGORY]]
+    totals["non_finite"] = len(non_finite)
+    category_counts["non_finite"] = {
+        "series_compared": compared["non_finite"],
+        "notable": len(non_finite),
+    }
+    for category in _VALUE_CATEGORIES:
+        ranked = sorted(
+            (r for r in results[category] if r.score > 0),
+            key=lambda r: (-r.score, r.key[2] == GRAD_OUTPUT, r.position, r.key),
+        )
+        sections[category] = [r.entry for r in ranked[:TOP_PER_CATEGORY]]
+        totals[category] = len(ranked)
+        category_counts[category] = {
+            "series_compared": compared[category],
+            "notable": sum(1 for r in results[category] if r.notable),
+        }
+    sections["only_in_baseline"] = entries_b[:MAX_ONE_RUN_ENTRIES]
+    totals["only_in_baseline"] = len(entries_b)
+    sections["only_in_candidate"] = entries_c[:MAX_ONE_RUN_ENTRIES]
+    totals["only_in_candidate"] = len(entries_c)
+
+    notable = len(events)
+    first_event = first_records[0] if first_records else None
+    headline = _headline(first_event, notable, weak, mismatches, threshold, sum(compared.values()))
+    header = {
+        "schema": COMPARISON_SCHEMA,
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "strength": "weak" if weak else "full",
+        "mismatches": mismatches,
+        "notes": notes,
+        "summary": {
+            "headline": headline,
+            "notable_divergences": notable,
+            "first_divergence": first_event,
+        },
+        "baseline": _run_entry(baseline),
+        "candidate": _run_entry(candidate),
+        "alignment": {
+            "axis": axis.mode,
+            "compared_through": axis.when(axis.end) if axis.end >= 0 else None,
+            "series_baseline": len(baseline.series),
+            "series_candidate": len(candidate.series),
+            "series_common": len(common_keys),
+        },
+        "rule": {
+            "statistic": (
+                "Per series and compared point (a sample index both runs kept in their "
+                "bounded histories; the same training forward when the schedules match): "
+                "departure = (candidate - baseline) / noise, in natural log for scale "
+                "metrics. noise = the largest of the baseline's warm-up standard deviation, "
+                "its per-sample volatility at the end, 1.4826 x the median absolute change "
+                "between its consecutive history points, and a floor. A series diverges "
+                "notably at the first point that starts a run of persistence_points "
+                "consecutive departures beyond the threshold with one sign; "
+                "sustained_departure ranks series within a category."
+            ),
+            "threshold": threshold,
+            "persistence_points": PERSISTENCE_POINTS,
+            "noise_floors": {"log_scale": LOG_NOISE_FLOOR, "fractions": FRACTION_NOISE_FLOOR},
+            "order": (
+                "earliest point first; then activations in forward call order, then output "
+                "gradients in reverse forward call order (backward order)"
+            ),
+        },
+    }
+    return _Comparison(
+        header=header,
+        sections=sections,
+        totals=totals,
+        category_counts=category_counts,
+        coverage={"series_compared": dict(compared)},
+        threshold=threshold,
+    )
+
+
+def _run_entry(run: _Run) -> dict[str, Any]:
+    return {
+        "path": str(run.path),
+        "samples_seen": run.samples_seen,
+        "forwards_seen": run.int_field("forwards_seen"),
+        "series": len(run.series),
+        "series_omitted_by_source": run.omitted,
+        "sampling": _short(_sampling_description(run.config)),
+    }
+
+
+def _headline(
+    first: dict[str, Any] | None,
+    notable: int,
+    weak: bool,
+    mismatches: list[dict[str, Any]],
+    threshold: float,
+    compared: int,
+) -> str:
+    prefix = ""
+    if weak:
+        kinds = sorted({m["kind"] for m in mismatches if m["weakens"]})
+        prefix = f"Weak comparison (mismatched: {', '.join(kinds)}): "
+    if compared == 0 and first is None:
+        return prefix + "Nothing to compare: the runs share no compared series."
+    if first is None:
+        return prefix + (
+            f"No notable divergence: every compared series stays within {threshold:g} noise "
+            f"units of the baseline (or departs for fewer than {PERSISTENCE_POINTS} "
+            f"consecutive compared points)."
+        )
+    what = {
+        "value": f"{first['signal']}.{first['metric']} departs",
+        "stopped": f"{first['signal']} is no longer observed in the {first['side']}",
+        "only_in_baseline": f"{first['signal']} is observed only in the baseline",
+        "only_in_candidate": f"{first['signal']} is observed only in the candidate",
+        "non_finite": f"{first['signal']} turns non-finite in the {first['side']}",
+    }[first["kind"]]
+    return prefix + (
+        f"First divergence at {_describe_when(first)}: `{first['module']}` call "
+        f"{first['call_index']} {what} ({notable} divergence(s) in all)."
+    )
+
+
+# ---------------------------------------------------------------------- bounding
+def _assemble(comparison: _Comparison, kept: dict[str, int]) -> dict[str, Any]:
+    sections = comparison.sections
+    omitted = {
+        name: {
+            "by_limit": comparison.totals[name] - len(items),
+            "by_bytes": len(items) - kept[name],
+        }
+        for name, items in sections.items()
+    }
+    limits = []
+    if any(v["by_bytes"] for v in omitted.values()):
+        limits.append("max_bytes")
+    if any(v["by_limit"] for v in omitted.values()):
+        limits.append("entries_per_section")
+    categories = {
+        category: {
+            **comparison.category_counts[category],
+            "entries": sections[category][: kept[category]],
+        }
+        for category in CATEGORIES
+    }
+    return {
+        **comparison.header,
+        "first_divergences": sections["first_divergences"][: kept["first_divergences"]],
+        "categories": categories,
+        "only_in_baseline": sections["only_in_baseline"][: kept["only_in_baseline"]],
+        "only_in_candidate": sections["only_in_candidate"][: kept["only_in_candidate"]],
+        "coverage": {
+            **comparison.coverage,
+            "omitted": omitted,
+            "limits_hit": limits,
+        },
+    }
+
+
+def _bounded(comparison: _Comparison, max_bytes: int) -> dict[str, Any]:
+    """The longest round-robin prefix of the sections' entries that fits ``max_bytes``."""
+    sections = comparison.sections
+    order: list[str] = []
+    depth = max((len(items) for items in sections.values()), default=0)
+    for level in range(depth):
+        order += [name for name, items in sections.items() if level < len(items)]
+
+    def build(count: int) -> dict[str, Any]:
+        kept = dict.fromkeys(sections, 0)
+        for name in order[:count]:
+            kept[name] += 1
+        return _assemble(comparison, kept)
+
+    best = build(len(order))
+    if len(dumps_report(best)) <= max_bytes:
+        return best
+    low, high = 0, len(order)
+    best = build(0)
+    while low < high:
+        middle = (low + high + 1) // 2
+        candidate = build(middle)
+        if len(dumps_report(candidate)) <= max_bytes:
+            low, best = middle, candidate
+        else:
+            high = middle - 1
+    for shrink in _SHRINK_STEPS:
+        if len(dumps_report(best)) <= max_bytes:
+            break
+        # Not even the header fits: shorten it, least useful part first.
+        shrink(best)
+        best["coverage"]["limits_hit"] = sorted({*best["coverage"]["limits_hit"], "max_bytes"})
+    return best
+
+
+def _shrink_mismatches(comparison: dict[str, Any]) -> None:
+    comparison["mismatches"] = [
+        {"kind": m["kind"], "weakens": m["weakens"]} for m in comparison["mismatches"]
+    ]
+
+
+def _shrink_runs(comparison: dict[str, Any]) -> None:
+    for side in ("baseline", "candidate"):
+        sampling = comparison[side].get("sampling")
+        if isinstance(sampling, dict):
+            comparison[side]["sampling"] = {"policy": sampling.get("policy")}
+        elif isinstance(sampling, str):
+            comparison[side]["sampling"] = sampling[:80]
+
+
+def _shrink_rule(comparison: dict[str, Any]) -> None:
+    comparison["rule"]["statistic"] = "see torchinstruments.compare_runs"
+    comparison["rule"]["order"] = "time, then forward order (activations), backward (gradients)"
+
+
+def _shrink_first(comparison: dict[str, Any]) -> None:
+    first = comparison["summary"]["first_divergence"]
+    if first is not None:
+        comparison["summary"]["first_divergence"] = {
+            k: v for k, v in first.items() if k not in ("interpretation", "last_agreeing")
+        }
+
+
+def _shrink_text(comparison: dict[str, Any]) -> None:
+    first = comparison["summary"]["first_divergence"]
+    if first is not None:
+        first["next_experiment"] = str(first.get("next_experiment", ""))[:200]
+    comparison["notes"] = [note[:200] for note in comparison["notes"]]
+    for side in ("baseline", "candidate"):
+        path = comparison[side]["path"]
+        if len(path) > 200:
+            comparison[side]["path"] = "..." + path[-197:]
+
+
+_SHRINK_STEPS = (_shrink_mismatches, _shrink_runs, _shrink_rule, _shrink_first, _shrink_text)
+
+
+# ---------------------------------------------------------------------- markdown
+def _event_line(number: int, event: dict[str, Any]) -> list[str]:
+    metric = f".{event['metric']}" if event.get("metric") else ""
+    lines = [
+        f"{number}. **{_describe_when(event)}**, `{event['module']}` call "
+        f"{event['call_index']}, {event['signal']}{metric} ({event['tensor_path']}), "
+        f"{event['kind'].replace('_', ' ')}: {event['interpretation']}",
+    ]
+    if event.get("next_experiment"):
+        lines.append(f"   - Next experiment: {event['next_experiment']}")
+    return lines
+
+
+def render_comparison_markdown(comparison: dict[str, Any]) -> str:
+    """Render a comparison dict as ``comparison.md`` for people.
+
+    Args:
+        comparison: a dict as written to ``comparison.json``.
+
+    Returns:
+        Markdown: the headline, mismatches, the first divergences with their narrow
+        experiments, the largest differences per category, one-run series, the rule, and a
+        prompt for an LLM.
+    """
+    summary, base, cand = comparison["summary"], comparison["baseline"], comparison["candidate"]
+    lines = [
+        "# torchinstruments comparison",
+        "",
+        f"**{summary['headline']}**",
+        "",
+        f"Baseline `{base['path']}` ({base['samples_seen']} samples, {base['forwards_seen']} "
+        f"training forwards); candidate `{cand['path']}` ({cand['samples_seen']} samples, "
+        f"{cand['forwards_seen']} training forwards); generated {comparison['generated_at']}.",
+        "",
+    ]
+    mismatches = comparison["mismatches"]
+    if mismatches:
+        title = (
+            "## Mismatches: a weak comparison"
+            if comparison["strength"] == "weak"
+            else "## Notes on the runs"
+        )
+        lines += [title, ""]
+        for m in mismatches:
+            tag = " (limits the claims below)" if m["weakens"] else ""
+            lines.append(f"- **{m['kind']}**{tag}: {m.get('detail', '')}")
+        lines.append("")
+    for note in comparison.get("notes", []):
+        lines += [f"Note: {note}", ""]
+    lines += ["## First divergences", ""]
+    if comparison["first_divergences"]:
+        lines.append(
+            "Earliest first; at one point, activations in forward call order, then output "
+            "gradients in backward order. Later entries are often echoes of the first."
+        )
+        lines.append("")
+        for number, event in enumerate(comparison["first_divergences"], start=1):
+            lines += _event_line(number, event)
+    else:
+        lines.append("None.")
+    lines.append("")
+    lines += ["## Largest differences per category", ""]
+    for category, section in comparison["categories"].items():
+        lines += [
+            f"### {category.replace('_', ' ').capitalize()}",
+            "",
+            f"{section['series_compared']} series compared, {section['notable']} notable.",
+            "",
+        ]
+        entries = section["entries"]
+        if not entries:
+            continue
+        if category == "non_finite":
+            for number, event in enumerate(entries, start=1):
+                lines += _event_line(number, event)
+            lines.append("")
+            continue
+        lines += [
+            "| # | series | notable | sustained departure | first divergence "
+            "| largest (baseline -> candidate) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for number, e in enumerate(entries, start=1):
+            first = e.get("first_divergence")
+            largest = e["largest"]
+            lines.append(
+                f"| {number} | `{e['module']}` call {e['call_index']} {e['signal']}.{e['metric']} "
+                f"| {'yes' if e['notable'] else 'no'} | {e['sustained_departure']} "
+                f"| {_describe_when(first) if first else '-'} "
+                f"| {largest['baseline']} -> {largest['candidate']} at "
+                f"{_describe_when(largest)} |"
+            )
+        lines.append("")
+    for side in ("baseline", "candidate"):
+        entries = comparison[f"only_in_{side}"]
+        if not entries:
+            continue
+        lines += [f"## Observed only in the {side}", ""]
+        for e in entries[:40]:
+            why = f" ({e['explained_by']})" if e.get("explained_by") else ""
+            lines.append(
+                f"- `{e['module']}` call {e['call_index']} {e['signal']} ({e['tensor_path']}): "
+                f"samples {e['first_sample']} to {e['last_sample']}{why}"
+            )
+        lines.append("")
+    rule = comparison["rule"]
+    coverage = comparison["coverage"]
+    left_out = {k: v["by_bytes"] for k, v in coverage["omitted"].items() if v["by_bytes"]}
+    lines += [
+        "## Rule",
+        "",
+        f"- {rule['statistic']}",
+        f"- Threshold {rule['threshold']} noise units for {rule['persistence_points']} "
+        f"consecutive compared points; noise floors {rule['noise_floors']}.",
+        f"- Order: {rule['order']}.",
+        "",
+        "## Coverage and limits",
+        "",
+        f"- Series compared per category: {coverage['series_compared']}; compared through "
+        f"{_describe_when(comparison['alignment']['compared_through'] or {})} on the "
+        f"{comparison['alignment']['axis']} axis.",
+        f"- Left out to fit the byte bound: {left_out or 'nothing'}; limits hit: "
+        f"{', '.join(coverage['limits_hit']) or 'none'}.",
+        "",
+        "## Prompt for an LLM",
+        "",
+        "Send `comparison.json` (and both runs' `report.json`) with this prompt:",
+        "",
+        "```text",
+        COMPARISON_PROMPT.rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- entry point
+def compare_runs(
+    baseline_dir: str | os.PathLike[str],
+    candidate_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    threshold: float = DIVERGENCE_THRESHOLD,
+) -> Path:
+    """Compare a candidate run with a baseline run and say where they first part.
+
+    Reads ``series.json`` of the baseline, then of the candidate (one parsed file in
+    memory at a time), and writes ``comparison.json`` (at most ``max_bytes`` bytes as
+    written: lists are cut round-robin and what was cut is counted under
+    ``coverage.omitted``) and ``comparison.md`` into ``output_dir``, atomically.
+
+    **The statistic.** Series are matched by (module, call index, signal, tensor path,
+    metric) and compared at the points both runs kept in their bounded histories: the same
+    sample index, which the deterministic schedule makes the same training forward (when
+    the schedules differ, at the training forwards both sampled). At each point::
+
+        departure = (candidate - baseline) / noise      # ln values for scale metrics
+
+    where ``noise`` is the baseline's own variability: the largest of its warm-up standard
+    deviation, its per-sample volatility (RMS change, end of run), 1.4826 x the median
+    absolute change between consecutive history points, and a floor (0.1 in natural log,
+    about 10%, for scale metrics; 0.02 for fractions; see :func:`noise_floor`). Two runs
+    that see different batches differ at one sample by about the per-sample change within
+    one run; the floor covers the level offsets that a different initialisation or data
+    order causes and that one run cannot show.
+
+    A series **diverges notably** at the first point that starts ``PERSISTENCE_POINTS``
+    (2) consecutive departures beyond ``threshold`` (default 5) with one sign, so a
+    one-sample spike does not count. Within a category a series is ranked by its
+    sustained departure (:func:`sustained_departure`). Categories: ``activation_scale``
+    (activation ``rms``), ``gradient_scale`` (output-gradient ``rms_to_root``, net of the
+    loss gradient), ``zero_fraction`` (both signals) and ``non_finite`` (the first sample
+    with a non-finite value, exact, in one run but not, or later, in the other).
+
+    **First divergences.** Notable value divergences, first non-finite samples, calls that
+    one run stops observing while the other goes on (exact: the sample after the last
+    observation, when both runs observed it at every sample until then), and calls
+    observed in one run only, ordered by the point (earliest first), then activations in
+    forward call order, then output gradients in reverse call order. Each names a narrow
+    experiment. A value divergence is located to the first compared history point beyond
+    the threshold: with a bounded history it lies after ``last_agreeing``.
+
+    **Mismatch guards.** Different sampling schedules, module sets, tracking or
+    observation options, non-deterministic sampling, samples added by the non-finite
+    sentinel and truncated ``series.json`` files are listed under ``mismatches`` and make
+    ``strength`` ``"weak"``; the headline says so. Only modules selected in both runs are
+    compared, and with different schedules only common training forwards. A run compared
+    with itself reports no divergence and no weakening mismatch.
+
+    Args:
+        baseline_dir: the ``output_dir`` of the baseline run (holds ``series.json``).
+        candidate_dir: the ``output_dir`` of the candidate run.
+        output_dir: where to write. Default: ``candidate_dir``.
+        max_bytes: bound on ``comparison.json`` in bytes, at least 4,096. Default 256,000.
+        threshold: departure, in noise units, of a notable divergence. Default 5.0.
+
+    Returns:
+        The path of ``comparison.json``.
+
+    Raises:
+        ReportReadError: a directory or its ``series.json`` is missing, unreadable, not
+            JSON or not a series summary (the message names the path).
+        ConfigError: an argument is out of range.
+        OSError: the output files cannot be written.
+
+    Example:
+        >>> path = compare_runs("runs/baseline", "runs/candidate", "runs/compare")  # doctest: +SKIP
+        >>> path.name  # doctest: +SKIP
+        'comparison.json'
+    """
+    require_int("compare_runs", "max_bytes", max_bytes, minimum=4_096)
+    limit = require_float(
+        "compare_runs", "threshold", threshold, minimum=0.0, exclusive_minimum=True
+    )
+    if output_dir is not None and (
+        not isinstance(output_dir, str | os.PathLike) or str(output_dir) == ""
+    ):
+        raise ConfigError(f"compare_runs: output_dir must be a non-empty path, got {output_dir!r}")
+    baseline = _read_run(baseline_dir, "baseline")
+    candidate = _read_run(candidate_dir, "candidate")
+    comparison = _bounded(_compare(baseline, candidate, limit), max_bytes)
+    target = Path(output_dir) if output_dir is not None else candidate.directory
+    path = target / COMPARISON_NAME
+    atomic_write(path, dumps_report(comparison))
+    atomic_write(target / COMPARISON_INDEX_NAME, render_comparison_markdown(comparison).encode())
+    return path
+
+
+def first_divergence_lines(comparison: dict[str, Any], count: int = 3) -> list[str]:
+    """One line per first divergence (at most ``count``), for the command line."""
+    lines = []
+    for number, event in enumerate(comparison.get("first_divergences", [])[:count], start=1):
+        metric = f".{event['metric']}" if event.get("metric") else ""
+        lines.append(
+            f"  {number}. {_describe_when(event)}: `{event['module']}` call "
+            f"{event['call_index']} {event['signal']}{metric} ({event['kind']})"
+        )
+    return lines

@@ -1,0 +1,255 @@
+"""compare_runs and ``torchinstruments compare``: first divergence, noise, guards, bounds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from torchinstruments import (
+    ConfigError,
+    EveryNSampling,
+    ReportReadError,
+    compare_runs,
+    inject_observer,
+    remove_observer,
+)
+from torchinstruments.__main__ import main as cli_main
+from torchinstruments.compare import (
+    COMPARISON_SCHEMA,
+    _Schedule,
+    noise_floor,
+    render_comparison_markdown,
+    sustained_departure,
+)
+from torchinstruments.report import dumps_report
+from torchinstruments.sampling import DefaultSampling
+
+from .conftest import ResidualNet, make_batches, train
+from .test_example import load_example
+
+
+def read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    return load_example()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, example: ModuleType) -> dict[str, Path]:
+    """The main example: baseline (seed 0), drop-norm candidate (seed 0), seed 1."""
+    root = tmp_path_factory.mktemp("runs")
+    arguments = {
+        "baseline": ["--seed", "0"],
+        "drop_norm": ["--seed", "0", "--modification", "drop-norm"],
+        "seed1": ["--seed", "1"],
+    }
+    out = {}
+    for name, extra in arguments.items():
+        out[name] = root / name
+        assert example.main([*extra, "--steps", "300", "--output-dir", str(out[name])]) == 0
+    return out
+
+
+def small_run(directory: Path, sampling: int | None, steps: int = 80) -> Path:
+    torch.manual_seed(0)
+    model = ResidualNet()
+    inject_observer(model, output_dir=directory, sampling=sampling)
+    train(model, make_batches(steps))
+    remove_observer(model)
+    return directory
+
+
+# ---------------------------------------------------------------------- the example
+def test_dropped_norm_is_the_first_divergence(runs: dict[str, Path], tmp_path: Path) -> None:
+    path = compare_runs(runs["baseline"], runs["drop_norm"], tmp_path)
+    comparison = read(path)
+    assert comparison["schema"] == COMPARISON_SCHEMA
+    assert comparison["strength"] == "full" and comparison["mismatches"] == []
+    first = comparison["summary"]["first_divergence"]
+    # The modification skips blocks.2.norm from training forward 150: the first sample
+    # after it (sample 78, forward 152 of the default schedule) is the first where the
+    # candidate no longer calls the norm, exactly; blocks.2.fc1's activation, which now
+    # receives the un-normalised stream, departs at the next compared history point.
+    assert first["module"] == "blocks.2.norm"
+    assert first["kind"] == "stopped" and first["side"] == "candidate"
+    assert first["signal"] == "activation"
+    assert (first["sample"], first["forward"]) == (78, 152)
+    assert first["last_observed"]["sample"] == 77
+    assert "blocks.2.norm" in first["next_experiment"]
+    events = comparison["first_divergences"]
+    assert events[0] == first
+    assert all(e["module"].startswith("blocks.2.") for e in events)
+    fc1 = next(e for e in events if e["module"] == "blocks.2.fc1" and e["kind"] == "value")
+    assert fc1["signal"] == "activation" and fc1["metric"] == "rms"
+    assert fc1["sample"] >= 78 and fc1["last_agreeing"]["sample"] < 78
+    assert fc1["candidate"] > 2 * fc1["baseline"]
+    leader = comparison["categories"]["activation_scale"]["entries"][0]
+    assert leader["module"].startswith("blocks.2.") and leader["notable"]
+    assert comparison["categories"]["gradient_scale"]["notable"] == 0
+    assert comparison["summary"]["headline"].startswith("First divergence at sample 78")
+    markdown = (tmp_path / "comparison.md").read_text(encoding="utf-8")
+    assert markdown.startswith("# torchinstruments comparison")
+    assert "`blocks.2.norm`" in markdown and "Next experiment:" in markdown
+
+
+def test_different_seeds_give_no_notable_divergence(runs: dict[str, Path], tmp_path: Path) -> None:
+    comparison = read(compare_runs(runs["baseline"], runs["seed1"], tmp_path))
+    assert comparison["strength"] == "full" and comparison["mismatches"] == []
+    assert comparison["summary"]["notable_divergences"] == 0
+    assert comparison["summary"]["first_divergence"] is None
+    assert comparison["first_divergences"] == []
+    assert comparison["summary"]["headline"].startswith("No notable divergence")
+    for section in comparison["categories"].values():
+        assert section["notable"] == 0
+    # The seeds do differ: the comparison ranks them, below the threshold.
+    entries = comparison["categories"]["activation_scale"]["entries"]
+    assert entries and 0 < entries[0]["sustained_departure"] < comparison["rule"]["threshold"]
+
+
+def test_run_compared_with_itself(runs: dict[str, Path], tmp_path: Path) -> None:
+    comparison = read(compare_runs(runs["baseline"], runs["baseline"], tmp_path))
+    assert comparison["mismatches"] == [] and comparison["strength"] == "full"
+    assert comparison["summary"]["notable_divergences"] == 0
+    assert comparison["first_divergences"] == []
+    assert comparison["only_in_baseline"] == [] and comparison["only_in_candidate"] == []
+    for section in comparison["categories"].values():
+        assert section["entries"] == [] and section["series_compared"] > 0
+    assert comparison["notes"] == ["Baseline and candidate are the same directory."]
+
+
+def test_byte_bound_counts_what_was_cut(runs: dict[str, Path], tmp_path: Path) -> None:
+    path = compare_runs(runs["baseline"], runs["drop_norm"], tmp_path, max_bytes=8_000)
+    data = path.read_bytes()
+    assert len(data) <= 8_000
+    comparison = json.loads(data)
+    assert dumps_report(comparison) == data
+    coverage = comparison["coverage"]
+    assert "max_bytes" in coverage["limits_hit"]
+    assert sum(v["by_bytes"] for v in coverage["omitted"].values()) > 0
+    # The first divergence is kept first.
+    assert comparison["first_divergences"][0]["module"] == "blocks.2.norm"
+    assert comparison["summary"]["first_divergence"]["module"] == "blocks.2.norm"
+    render_comparison_markdown(comparison)
+    with pytest.raises(ConfigError, match="max_bytes"):
+        compare_runs(runs["baseline"], runs["drop_norm"], tmp_path, max_bytes=100)
+
+
+def test_cli_prints_where_it_wrote(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert cli_main(["compare", str(runs["baseline"]), str(runs["drop_norm"]), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'comparison.json'}" in printed
+    assert f"wrote {out / 'comparison.md'}" in printed
+    assert "blocks.2.norm" in printed and "next experiment:" in printed
+    assert (out / "comparison.json").is_file()
+
+
+# ---------------------------------------------------------------------- guards
+def test_sampling_mismatch_is_flagged_and_compared_on_common_forwards(tmp_path: Path) -> None:
+    every = small_run(tmp_path / "every", 1)
+    default = small_run(tmp_path / "default", None)
+    comparison = read(compare_runs(default, every, tmp_path / "out"))
+    assert comparison["strength"] == "weak"
+    kinds = [m["kind"] for m in comparison["mismatches"]]
+    assert "sampling" in kinds
+    assert comparison["alignment"]["axis"] == "forward"
+    assert comparison["summary"]["headline"].startswith("Weak comparison (mismatched: sampling)")
+    # Same seed, same batches: at the forwards both sampled, the values are identical.
+    assert comparison["first_divergences"] == []
+    assert comparison["categories"]["activation_scale"]["series_compared"] > 0
+    markdown = (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
+    assert "## Mismatches: a weak comparison" in markdown
+
+
+def test_module_set_mismatch_compares_common_modules(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path / "part", sampling=1, include=["inp", "fc"])
+    train(model, make_batches(30))
+    remove_observer(model)
+    full = small_run(tmp_path / "full", 1, steps=30)
+    comparison = read(compare_runs(full, tmp_path / "part", tmp_path / "out"))
+    assert comparison["strength"] == "weak"
+    assert {"modules", "configuration"} <= {m["kind"] for m in comparison["mismatches"]}
+    assert comparison["only_in_baseline"]
+    assert all(e["explained_by"] for e in comparison["only_in_baseline"])
+    assert comparison["first_divergences"] == []
+
+
+def test_missing_and_corrupt_files_name_the_path(tmp_path: Path) -> None:
+    run = small_run(tmp_path / "run", 1, steps=10)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ReportReadError, match=str(empty / "series.json")):
+        compare_runs(run, empty, tmp_path / "out")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "series.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ReportReadError, match="expected JSON"):
+        compare_runs(corrupt, run, tmp_path / "out")
+    (corrupt / "series.json").write_text(json.dumps({"schema": "other/1"}), encoding="utf-8")
+    with pytest.raises(ReportReadError, match="expected schema"):
+        compare_runs(run, corrupt, tmp_path / "out")
+    summary = read(run / "series.json")
+    summary["series"][0]["points"] = [[3, 1.0], [2, 1.0]]
+    (corrupt / "series.json").write_text(json.dumps(summary), encoding="utf-8")
+    with pytest.raises(ReportReadError, match=r"series\[0\]"):
+        compare_runs(run, corrupt, tmp_path / "out")
+    assert cli_main(["compare", str(run), str(empty)]) == 1
+
+
+# ---------------------------------------------------------------------- pieces
+def test_sustained_departure_needs_two_points_of_one_sign() -> None:
+    assert sustained_departure([0.0, 9.0, 0.0]) == 0.0
+    assert sustained_departure([6.0, -7.0]) == 0.0
+    assert sustained_departure([0.0, 6.0, 7.0, 1.0]) == 6.0
+    assert sustained_departure([-8.0, -5.0]) == 5.0
+    assert noise_floor("rms", log_scale=True) == 0.1
+
+
+@pytest.mark.parametrize("policy", [DefaultSampling(), DefaultSampling(samples_per_stage=3)])
+def test_schedule_maps_samples_to_forwards(policy: DefaultSampling) -> None:
+    schedule = _Schedule(policy.describe())
+    sampled = [f for f in range(3_000) if policy.should_sample(f)]
+    assert [schedule.forward(k) for k in range(len(sampled))] == sampled
+    assert all(schedule.sample(f) == k for k, f in enumerate(sampled))
+    assert schedule.sample(sampled[-1] - 1) is None or policy.should_sample(sampled[-1] - 1)
+    assert schedule.expected_samples(3_000) == len(sampled)
+    every = _Schedule(EveryNSampling(3).describe())
+    assert [every.forward(k) for k in range(4)] == [0, 3, 6, 9]
+    assert every.expected_samples(10) == 4 and every.sample(4) is None
+
+
+def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path: Path) -> None:
+    def run(directory: Path, poison: bool) -> Path:
+        torch.manual_seed(0)
+        model = ResidualNet()
+        batches = make_batches(80)
+        if poison:  # a NaN input at training forward 40 (sample 36 of the default schedule)
+            batches[40] = (torch.full_like(batches[40][0], float("nan")), batches[40][1])
+        inject_observer(model, output_dir=directory)
+        train(model, batches)
+        remove_observer(model)
+        return directory
+
+    comparison = read(
+        compare_runs(run(tmp_path / "a", False), run(tmp_path / "b", True), tmp_path / "out")
+    )
+    first = comparison["summary"]["first_divergence"]
+    assert first["kind"] == "non_finite" and first["side"] == "candidate"
+    assert (first["module"], first["signal"]) == ("inp", "activation")
+    assert (first["sample"], first["forward"]) == (36, 40)
+    # The sentinel forced extra samples after the NaN: sample indices stop matching.
+    assert comparison["strength"] == "weak"
+    assert "extra_samples" in [m["kind"] for m in comparison["mismatches"]]
+    assert comparison["categories"]["non_finite"]["notable"] > 0
