@@ -245,3 +245,25 @@ def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch
     first = report["errors"][0]
     assert first["error_type"] == "RuntimeError"
     assert first["message"] == "reduction failed on purpose"
+
+
+def test_selection_that_matches_nothing_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"select no module besides the root; module names"):
+        inject_observer(ResidualNet(), output_dir=tmp_path, include="block.*")
+    with pytest.raises(ConfigError, match=r"module_types=\['Conv2d'\] select no module"):
+        inject_observer(ResidualNet(), output_dir=tmp_path, module_types=nn.Conv2d)
+
+
+def test_side_calls_of_a_submodule_are_kept_out_of_root_training(tmp_path: Path) -> None:
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for x, y in make_batches(10):
+        nn.functional.mse_loss(model(x), y).backward()
+        model.fc(torch.randn(4, 16) * 100).sum().backward()  # an auxiliary side call
+    remove_observer(model)
+    report = read_report(tmp_path)
+    coverage = report["coverage"]
+    assert coverage["samples_observed"] == 10
+    assert coverage["forwards_seen"] == 10
+    assert coverage["calls_outside_root_skipped"] == 10
+    assert report["summary"]["notable_findings"] == 0

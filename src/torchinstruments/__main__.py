@@ -28,7 +28,7 @@ from .compare import (
     first_divergence_lines,
 )
 from .compare import DEFAULT_MAX_BYTES as COMPARE_MAX_BYTES
-from .errors import TorchInstrumentsError
+from .errors import ConfigError, TorchInstrumentsError
 from .merge import (
     DEFAULT_MAX_BYTES,
     GLOBAL_INDEX_NAME,
@@ -182,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return handler(args)
+    except ConfigError as error:  # an option value out of range: a usage error
+        print(f"{_PROGRAM} {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except (TorchInstrumentsError, OSError) as error:
         print(f"{_PROGRAM} {args.command}: error: {error}", file=sys.stderr)
         return 1

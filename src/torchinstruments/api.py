@@ -341,6 +341,13 @@ def inject_observer(
                 "live observer; give each observed model its own output_dir"
             )
         modules = select_modules(root, include_patterns, exclude_patterns, types)
+        if (include_patterns is not None or types is not None) and len(modules) == 1:
+            examples = [name for name, _ in root.named_modules() if name][:5]
+            raise ConfigError(
+                f"inject_observer: include={list(include_patterns or ())!r} and "
+                f"module_types={[t.__name__ for t in types or ()]!r} select no module "
+                f"besides the root; module names look like {examples!r}"
+            )
         # A DirectorySink for the same directory (say with write_full_details=True)
         # replaces the default writer instead of writing the same files twice.
         own_sink = any(

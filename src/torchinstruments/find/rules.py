@@ -594,7 +594,7 @@ class RegimeChange(Rule):
         change = t.strongest_change
         assert change is not None
         return (
-            f"{_where(c)}{_net(c.series)} changed level "
+            f"{_where(c)}{_net(c.series)}{',' if _net(c.series) else ''} changed level "
             f"{'upwards' if c.direction > 0 else 'downwards'} from sample {change.start_sample} "
             f"(CUSUM alarm at sample {change.alarm_sample}): from "
             f"{format_value(t.level(change.level_before))} to "
