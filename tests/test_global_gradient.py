@@ -1,0 +1,56 @@
+"""Model-wide gradient rescaling is one <all> finding, never a set of module findings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchinstruments import inject_observer, remove_observer
+
+from .conftest import ResidualNet, make_batches, read_report
+
+
+def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    for step, (x, y) in enumerate(make_batches(80)):
+        reduction = "mean" if step < 50 else "sum"  # x16 on every output gradient
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y, reduction=reduction).backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    scale = [f for f in report["findings"] if f["category"] == "gradient_scale_change"]
+    model_wide = [f for f in scale if f["module"] == "<all>"]
+    assert len(model_wide) == 1
+    event = model_wide[0]
+    assert event["notable"] and event["rank"] == 1
+    assert abs(event["evidence"]["factor"] - 16.0) / 16.0 < 0.5
+    assert 49 <= event["evidence"]["step_start_sample"] <= 51
+    assert not [f for f in scale if f["notable"] and f["module"] != "<all>"]
+
+
+def test_grad_scaler_scale_is_divided_out_and_reported_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=5)
+    for x, y in make_batches(40):
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    scale = [f for f in report["findings"] if f["category"] == "gradient_scale_change"]
+    loss_scale = [f for f in scale if f["metric"] == "loss_scale"]
+    assert len(loss_scale) == 1 and loss_scale[0]["module"] == "<all>"
+    assert loss_scale[0]["first"]["value"] == 2.0**10
+    assert loss_scale[0]["max"]["value"] > 2.0**10  # the scaler grew
+    assert report["coverage"]["loss_scaled_samples"] == 40
+    assert not [f for f in scale if f["notable"] and f["module"] != "<all>"]
