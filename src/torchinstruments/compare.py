@@ -28,10 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from ._jsonio import read_json_object
 from ._validate import require_float, require_int
 from .errors import ConfigError, ReportReadError
 from .find import display_module
-from .report import SERIES_SCHEMA, dumps_report
+from .report import SERIES_SCHEMA, dumps_report, longest_fitting_prefix
 from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
 from .sinks import atomic_write
 
@@ -416,36 +417,18 @@ def _read_run(directory: str | os.PathLike[str], role: str) -> _Run:
             f"{root}: expected the output directory of an observed run ({role}), "
             f"got {'a file' if root.exists() else 'nothing'} at that path"
         )
-    try:
-        size = path.stat().st_size
-        if size > MAX_SOURCE_BYTES:
-            raise ReportReadError(
-                f"{path}: expected a series summary of at most {MAX_SOURCE_BYTES} bytes, "
-                f"got {size} bytes"
-            )
-        with path.open("rb") as stream:
-            raw = json.load(stream)
-    except FileNotFoundError as error:
-        raise ReportReadError(
-            f"{path}: not found; the {role} run must be observed by a torchinstruments version "
-            f"that writes series.json, with DirectorySink(write_series_summary=True) (the "
-            f"default), and must have written its report"
-        ) from error
-    except OSError as error:
-        raise ReportReadError(f"{path}: cannot be read ({error.strerror or error})") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ReportReadError(f"{path}: expected JSON, got a parse error ({error})") from error
-    if not isinstance(raw, dict):
-        raise ReportReadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    schema = raw.get("schema")
-    if not isinstance(schema, str) or schema.split("/")[0] != SERIES_SCHEMA.split("/")[0]:
-        raise ReportReadError(f"{path}: expected schema {SERIES_SCHEMA!r}, got {schema!r}")
-    for name, kind in (("run", dict), ("config", dict), ("series", list)):
-        if not isinstance(raw.get(name), kind):
-            raise ReportReadError(
-                f"{path}: expected {name!r} to be a JSON {'object' if kind is dict else 'array'},"
-                f" got {type(raw.get(name)).__name__}"
-            )
+    raw = read_json_object(
+        path,
+        what="a series summary",
+        max_bytes=MAX_SOURCE_BYTES,
+        schema=SERIES_SCHEMA,
+        required={"run": dict, "config": dict, "series": list},
+        missing_hint=(
+            f"the {role} run must be observed by a torchinstruments version that writes "
+            f"series.json, with DirectorySink(write_series_summary=True) (the default), "
+            f"and must have written its report"
+        ),
+    )
     selected = raw.get("modules_selected", [])
     if not isinstance(selected, list) or not all(isinstance(m, str) for m in selected):
         raise ReportReadError(f"{path}: expected 'modules_selected' to be a list of names")
@@ -1453,18 +1436,7 @@ def _bounded(comparison: _Comparison, max_bytes: int) -> dict[str, Any]:
             kept[name] += 1
         return _assemble(comparison, kept)
 
-    best = build(len(order))
-    if len(dumps_report(best)) <= max_bytes:
-        return best
-    low, high = 0, len(order)
-    best = build(0)
-    while low < high:
-        middle = (low + high + 1) // 2
-        candidate = build(middle)
-        if len(dumps_report(candidate)) <= max_bytes:
-            low, best = middle, candidate
-        else:
-            high = middle - 1
+    best = longest_fitting_prefix(build, len(order), max_bytes)
     for shrink in _SHRINK_STEPS:
         if len(dumps_report(best)) <= max_bytes:
             break

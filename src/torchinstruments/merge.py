@@ -18,7 +18,6 @@ or a notable finding that most other ranks lack (a non-finite value, a drift, ..
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -29,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ._jsonio import read_json_object
 from ._validate import require_float, require_int
 from .distributed import parse_rank_directory
 from .errors import ConfigError, ReportReadError
@@ -246,31 +246,13 @@ def _discover(directory: Path) -> tuple[dict[int, Path], list[str]]:
 
 def _load(path: Path) -> dict[str, Any]:
     """Parse one rank report; raise ``ReportReadError`` saying what is wrong with it."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_SOURCE_BYTES:
-            raise ReportReadError(
-                f"{path}: expected a rank report of at most {MAX_SOURCE_BYTES} bytes, "
-                f"got {size} bytes"
-            )
-        with path.open("rb") as stream:
-            report = json.load(stream)
-    except OSError as error:
-        raise ReportReadError(f"{path}: cannot be read ({error.strerror or error})") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ReportReadError(f"{path}: expected JSON, got a parse error ({error})") from error
-    if not isinstance(report, dict):
-        raise ReportReadError(f"{path}: expected a JSON object, got {type(report).__name__}")
-    schema = report.get("schema")
-    if not isinstance(schema, str) or schema.split("/")[0] != RANK_SCHEMA.split("/")[0]:
-        raise ReportReadError(f"{path}: expected schema {RANK_SCHEMA!r}, got {schema!r}")
-    for name, kind in (("run", dict), ("coverage", dict), ("findings", list)):
-        if not isinstance(report.get(name), kind):
-            raise ReportReadError(
-                f"{path}: expected {name!r} to be a JSON {'object' if kind is dict else 'array'}, "
-                f"got {type(report.get(name)).__name__}"
-            )
-    return report
+    return read_json_object(
+        path,
+        what="a rank report",
+        max_bytes=MAX_SOURCE_BYTES,
+        schema=RANK_SCHEMA,
+        required={"run": dict, "coverage": dict, "findings": list},
+    )
 
 
 def _int_or_none(value: object) -> int | None:

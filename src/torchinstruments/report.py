@@ -13,7 +13,7 @@ import json
 import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "build_report",
     "build_series_summary",
     "dumps_report",
+    "longest_fitting_prefix",
     "render_markdown",
     "sparkline",
 ]
@@ -377,17 +378,23 @@ def build_report(observer: Observer) -> dict[str, Any]:
             }
         )
 
-    limit = config.max_bytes
-    low, high = 0, len(order)
-    best = assemble(high)
-    if len(dumps_report(best)) <= limit:
+    return longest_fitting_prefix(assemble, len(order), config.max_bytes)
+
+
+def longest_fitting_prefix(
+    build: Callable[[int], dict[str, Any]], count: int, max_bytes: int
+) -> dict[str, Any]:
+    """``build(k)`` for the largest ``k <= count`` whose :func:`dumps_report` bytes fit
+    ``max_bytes`` (binary search; ``build(0)`` if none does). ``build`` must grow with k."""
+    best = build(count)
+    if len(dumps_report(best)) <= max_bytes:
         return best
-    # Binary search for the longest round-robin prefix that fits.
-    best = assemble(0)
+    low, high = 0, count
+    best = build(0)
     while low < high:
         middle = (low + high + 1) // 2
-        candidate = assemble(middle)
-        if len(dumps_report(candidate)) <= limit:
+        candidate = build(middle)
+        if len(dumps_report(candidate)) <= max_bytes:
             low, best = middle, candidate
         else:
             high = middle - 1
