@@ -39,7 +39,7 @@ from .config import ReportConfig, TrackConfig
 from .histogram import Histogram, HistogramSpec, histogram_counts
 from .reduce import (
     STAT_WIDTH,
-    cpu_statistics,
+    cpu_statistics_unchecked,
     finish_statistics,
     skip_reason,
     tensor_statistics,
@@ -918,7 +918,7 @@ def _padded_row(values: Tensor) -> Tensor:
 def _statistics(tensor: Tensor) -> Tensor | list[float]:
     """Host floats on the CPU (no synchronisation to avoid), a device vector elsewhere."""
     if tensor.device.type == "cpu":
-        return cpu_statistics(tensor)
+        return cpu_statistics_unchecked(tensor)
     return tensor_statistics(tensor)
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "METRICS",
     "STAT_WIDTH",
     "cpu_statistics",
+    "cpu_statistics_unchecked",
     "finish_statistics",
     "is_reducible",
     "skip_reason",
@@ -172,7 +173,6 @@ SUBSAMPLE_SIZE = 1 << 16
 _FAST_PATH_FLOOR = 1e-8
 
 
-@torch.no_grad()
 def cpu_statistics(x: Tensor) -> list[float]:
     """Reduce one CPU tensor to its statistics row, as host floats.
 
@@ -191,6 +191,12 @@ def cpu_statistics(x: Tensor) -> list[float]:
     reason = skip_reason(x)
     if reason is not None:
         raise ValueError(f"cpu_statistics: x must be a dense floating tensor, got {reason}")
+    return cpu_statistics_unchecked(x)
+
+
+def cpu_statistics_unchecked(x: Tensor) -> list[float]:
+    """:func:`cpu_statistics` for a tensor already known to be reducible (hooks check
+    :func:`skip_reason` first). Works on a detached view, so no graph is recorded."""
     x = x.detach()
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.is_complex():
         return tensor_statistics(x).tolist()

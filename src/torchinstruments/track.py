@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .config import TrackConfig
 
@@ -49,9 +50,11 @@ def _change_start(runup: list[tuple[int, float]], fallback: int) -> int:
     return fallback
 
 
-@dataclass(frozen=True, slots=True)
-class SeriesPoint:
-    """One observation: the sample index and the metric value in its own units."""
+class SeriesPoint(NamedTuple):
+    """One observation: the sample index and the metric value in its own units.
+
+    A named tuple: built once per update on the hot path, so it must be cheap.
+    """
 
     sample: int
     value: float
