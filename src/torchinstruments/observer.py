@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import atexit
 import math
-import threading
 import time
 import warnings
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,33 +87,12 @@ class _ErrorEntry:
     first_sample: int | None = None
 
 
-@dataclass(slots=True)
-class _Pending:
-    """Statistics records waiting on the device, in arrival order.
-
-    Hooks add a record with one ``list.append`` of a tuple, which is atomic, so worker
-    threads running modules of the same forward never interleave half records.
-    ``split`` turns the records into parallel lists when a batch leaves for the host.
-    """
-
-    records: list[tuple[tuple[int, int, str, str], int, int, Tensor | list[float]]] = field(
-        default_factory=list
-    )
-    keys: list[tuple[int, int, str, str]] = field(default_factory=list)
-    samples: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    stats: list[Tensor | list[float]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.records) or len(self.keys)
-
-    def split(self) -> None:
-        records, self.records = self.records, []
-        for key, sample, position, stat in records:
-            self.keys.append(key)
-            self.samples.append(sample)
-            self.positions.append(position)
-            self.stats.append(stat)
+#: What a pending record says about its statistics row: (series key, sample, position).
+_Meta = tuple[tuple[int, int, str, str], int, int]
+#: A statistics record waiting for the host: its meta and its row (a device vector, or
+#: host floats for CPU tensors). Hooks add one with a single ``list.append`` of a tuple,
+#: which is atomic, so worker threads of one forward never interleave half records.
+_Record = tuple[tuple[int, int, str, str], int, int, Tensor | list[float]]
 
 
 class Observer:
@@ -194,9 +172,9 @@ class Observer:
         self._no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = {}
         self._recompute_anchor = -1
         self._sample_in_backward = False
-        self._lock = threading.Lock()
         self._unsampled_training = False
         self._no_grad_training_forwards = 0
+        self._sample_open = False
         self._forced_samples = 0
         self._sentinel_calls: dict[int, int] = {}
         self.sentinel_checks = 0
@@ -205,7 +183,7 @@ class Observer:
         self._last_sentinel_forward = -1
 
         # Pipeline state.
-        self._pending = _Pending()
+        self._pending: list[_Record] = []
         self._in_flight: list[_InFlight] = []
         self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
         self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
@@ -377,11 +355,14 @@ class Observer:
         if not self._unsampled_training or self.full_sentinel or not self.attached:
             return
         try:
-            for path, leaf in iter_output_tensors(output):
-                if isinstance(leaf, Tensor) and skip_reason(leaf) is None:
-                    self._sentinel_check(ROOT_INDEX, 0, path, leaf)
+            self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
             self.record_error("sentinel", "", error)
+
+    def _sentinel_output(self, index: int, call: int, output: object) -> None:
+        for path, leaf in iter_output_tensors(output):
+            if isinstance(leaf, Tensor) and skip_reason(leaf) is None:
+                self._sentinel_check(index, call, path, leaf)
 
     def _sentinel_check(self, index: int, call: int, path: str, tensor: Tensor) -> None:
         self.sentinel_checks += 1
@@ -437,8 +418,6 @@ class Observer:
             self._position = 0
             self._no_grad_calls = {}
 
-    _sample_open = False
-
     # ------------------------------------------------------------------ capture
     @_opaque_to_compiler
     def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
@@ -462,9 +441,7 @@ class Observer:
             if state == self.SENTINEL:
                 call = self._sentinel_calls.get(index, 0)
                 self._sentinel_calls[index] = call + 1
-                for path, leaf in iter_output_tensors(output):
-                    if isinstance(leaf, Tensor) and skip_reason(leaf) is None:
-                        self._sentinel_check(index, call, path, leaf)
+                self._sentinel_output(index, call, output)
                 return
             if state != self.SAMPLED:
                 if in_backward():
@@ -527,9 +504,7 @@ class Observer:
                 self.paths_dropped += 1
                 continue
             assert isinstance(leaf, Tensor)
-            pending.records.append(
-                ((index, call, ACTIVATION, path), sample, position, _statistics(leaf))
-            )
+            pending.append(((index, call, ACTIVATION, path), sample, position, _statistics(leaf)))
             if self.histogram_specs:
                 self._histogram(index, call, ACTIVATION, path, sample, leaf)
             if leaf.requires_grad and grad_enabled:
@@ -610,10 +585,7 @@ class Observer:
                 self.skipped_tensors[f"grad_{reason}"] += 1
                 return
             index, call, path = key
-            pending = self._pending
-            pending.records.append(
-                ((index, call, GRAD_OUTPUT, path), sample, -1, _statistics(grad))
-            )
+            self._append_record((index, call, GRAD_OUTPUT, path), sample, _statistics(grad))
             if self.histogram_specs:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
@@ -642,13 +614,12 @@ class Observer:
             if sample % spec.every_n_samples:
                 continue
             key = (index, call, f"{_HISTOGRAM}{number}:{signal}", path)
-            self._pending.records.append((key, sample, -1, histogram_counts(tensor, spec)))
+            self._append_record(key, sample, histogram_counts(tensor, spec))
 
     def _append_record(
         self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
     ) -> None:
-        pending = self._pending
-        pending.records.append((key, sample, -1, row))
+        self._pending.append((key, sample, -1, row))
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook; keep the first few distinct ones."""
@@ -681,8 +652,8 @@ class Observer:
         device; ``block=True`` waits for all of them.
         """
         pending = self._pending
-        if len(pending):
-            self._pending = _Pending()
+        if pending:
+            self._pending = []
             try:
                 self._in_flight.append(_launch_transfer(pending))
             except Exception as error:
@@ -693,19 +664,17 @@ class Observer:
                 break
             self._in_flight.pop(0)
             try:
-                self._process(batch.pending, batch.rows())
+                self._process(batch.meta, batch.rows())
             except Exception as error:
                 self.record_error("flush", "", error)
 
-    def _process(self, pending: _Pending, rows: list[list[float]]) -> None:
+    def _process(self, meta: list[_Meta], rows: list[list[float]]) -> None:
         grad_groups: dict[int, list[tuple[tuple[int, int, str, str], dict[str, float | None]]]]
         grad_groups = {}
         loss_scales = self._loss_scales
         scalars: list[tuple[TensorSeries, int, dict[str, float | None]]] = []
         config = self.track_config
-        for key, sample, position, row in zip(
-            pending.keys, pending.samples, pending.positions, rows, strict=True
-        ):
+        for (key, sample, position), row in zip(meta, rows, strict=True):
             if key[2] == _LOSS_SCALE:
                 if row[0] > 0 and math.isfinite(row[0]):
                     loss_scales[sample] = row[0]
@@ -942,15 +911,15 @@ def _first_tensor_pointer(args: tuple[object, ...]) -> object:
 class _InFlight:
     """One batch of statistics on its way to the host."""
 
-    __slots__ = ("_events", "_host", "pending")
+    __slots__ = ("_events", "_host", "meta")
 
     def __init__(
         self,
-        pending: _Pending,
+        meta: list[_Meta],
         host: list[tuple[list[int], Tensor | list[list[float]]]],
         events: list[Any],
     ) -> None:
-        self.pending = pending
+        self.meta = meta
         self._host = host
         self._events = events
 
@@ -960,7 +929,7 @@ class _InFlight:
     def rows(self) -> list[list[float]]:
         for event in self._events:
             event.synchronize()
-        rows: list[list[float]] = [[] for _ in range(len(self.pending))]
+        rows: list[list[float]] = [[] for _ in range(len(self.meta))]
         for positions, host in self._host:
             values = host.tolist() if isinstance(host, Tensor) else host
             for i, row in zip(positions, values, strict=True):
@@ -968,13 +937,13 @@ class _InFlight:
         return rows
 
 
-def _launch_transfer(pending: _Pending) -> _InFlight:
+def _launch_transfer(records: list[_Record]) -> _InFlight:
     """Stack the pending device vectors per device and start one host copy per device.
 
     Rows already on the host (CPU tensors are reduced to host floats) pass through.
     """
-    pending.split()
-    stats = pending.stats
+    meta: list[_Meta] = [(key, sample, position) for key, sample, position, _ in records]
+    stats = [stat for *_, stat in records]
     by_device: dict[tuple[torch.device, int], list[int]] = {}
     host_rows: list[int] = []
     for i, item in enumerate(stats):
@@ -997,5 +966,4 @@ def _launch_transfer(pending: _Pending) -> _InFlight:
             host.append((positions, buffer))
         else:
             host.append((positions, stacked.cpu()))
-    pending.stats = []  # the device vectors are no longer needed
-    return _InFlight(pending, host, events)
+    return _InFlight(meta, host, events)
