@@ -17,7 +17,6 @@ __all__ = [
     "RMS_TO_ROOT",
     "SIGNALS",
     "TensorSeries",
-    "metric_noise_floor",
 ]
 
 ACTIVATION = "activation"
@@ -43,11 +42,6 @@ _NOISE_FLOORS = {
     "nonfinite_fraction": 0.005,
     RMS_TO_ROOT: 0.02,
 }
-
-
-def metric_noise_floor(metric: str) -> float:
-    """Smallest baseline standard deviation used for ``metric``, in tracked units."""
-    return _NOISE_FLOORS[metric]
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ kurtosis are tracked as they are.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,6 +35,14 @@ def _keep_runup(runup: list[tuple[int, float]], sample: int, z: float) -> None:
     runup.append((sample, z))
     if len(runup) > RUNUP_POINTS:
         del runup[0]
+
+
+def _first_largest(changes: Iterable[ChangePoint]) -> ChangePoint | None:
+    largest: ChangePoint | None = None
+    for change in changes:
+        if largest is None or abs(change.step) > abs(largest.step):
+            largest = change
+    return largest
 
 
 def _change_start(runup: list[tuple[int, float]], fallback: int) -> int:
@@ -164,7 +173,6 @@ class SeriesTracker:
         "first",
         "first_nonzero",
         "flips",
-        "largest_change",
         "latest",
         "latest_change",
         "max",
@@ -211,7 +219,6 @@ class SeriesTracker:
         self.cusum_peak = 0.0
         self._pending_change: ChangePoint | None = None
         self._changes: list[ChangePoint] = []
-        self.largest_change: ChangePoint | None = None
         self.latest_change: ChangePoint | None = None
         self.change_count = 0
         self.momentum = 0.0
@@ -311,7 +318,6 @@ class SeriesTracker:
                 pending.level_after = self._seg_mean
                 if self._seg_count == warmup:
                     pending.confirmed = True
-                    self._consider_largest(pending)
                     self._pending_change = None
             return
         # The reference is frozen once the segment has seen warm-up: a slow fault must
@@ -391,11 +397,6 @@ class SeriesTracker:
                 return change
         return None
 
-    def _consider_largest(self, change: ChangePoint) -> None:
-        largest = self.largest_change
-        if largest is None or abs(change.step) > abs(largest.step):
-            self.largest_change = change
-
     def _append_history(self, sample: int, value: float) -> None:
         if (self.count - 1) % self._history_stride != 0:
             return
@@ -422,13 +423,15 @@ class SeriesTracker:
         return self.count >= self._config.warmup_samples
 
     @property
+    def largest_change(self) -> ChangePoint | None:
+        """The confirmed change with the largest step (the first of equals), or None."""
+        return _first_largest(c for c in self._changes if c.confirmed)
+
+    @property
     def strongest_change(self) -> ChangePoint | None:
-        """The confirmed change with the largest step, else the unconfirmed latest one."""
-        pending = self._pending_change
-        largest = self.largest_change
-        if pending is not None and (largest is None or abs(pending.step) > abs(largest.step)):
-            return pending
-        return largest
+        """The largest step among the kept changes, the unconfirmed latest one included
+        (the first of equals, so a confirmed change wins a tie)."""
+        return _first_largest(self._changes)
 
     @property
     def cusum_positive(self) -> float:

@@ -173,14 +173,6 @@ def _scale_evidence(tracker: SeriesTracker) -> dict[str, object]:
     }
 
 
-def _notable_step(change: ChangePoint | None, factor: float) -> bool:
-    return (
-        change is not None
-        and abs(change.step) >= math.log(factor)
-        and abs(change.step_z) >= SHIFT_Z_NOTABLE
-    )
-
-
 class _ScaleRule(Rule):
     """Shared logic of the two scale categories (activation and output-gradient RMS).
 
