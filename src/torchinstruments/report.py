@@ -21,7 +21,8 @@ import torch
 
 from .find import CATEGORIES, RULES, Candidate, display_module, format_value, run_rules
 from .find.base import ONSET_TOLERANCE_SAMPLES
-from .series import GRAD_OUTPUT, LOG_SCALE_METRICS
+from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, forward_positions
+from .track import SeriesPoint
 
 if TYPE_CHECKING:
     from .observer import Observer
@@ -87,9 +88,9 @@ def _clean(obj: object) -> Any:
     return str(obj)
 
 
-def _point(point: object) -> dict[str, object]:
+def _point(point: SeriesPoint | None) -> dict[str, float | int]:
     assert point is not None
-    return {"sample": point.sample, "value": point.value}  # type: ignore[attr-defined]
+    return point.as_dict()
 
 
 def _finding(c: Candidate, rank: int, max_echoes: int) -> dict[str, Any]:
@@ -830,11 +831,7 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     are counted under ``omitted``. No raw tensors.
     """
     rows = []
-    positions = {
-        (s.module, s.call_index, s.tensor_path): s.forward_position
-        for s in observer.series.values()
-        if s.signal != GRAD_OUTPUT
-    }
+    positions = forward_positions(observer.series.values())
 
     def position(s: Any) -> int:
         return positions.get((s.module, s.call_index, s.tensor_path), s.forward_position)

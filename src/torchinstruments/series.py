@@ -6,6 +6,7 @@ A tensor series owns one :class:`~torchinstruments.track.SeriesTracker` per metr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import TrackConfig
@@ -17,6 +18,7 @@ __all__ = [
     "RMS_TO_ROOT",
     "SIGNALS",
     "TensorSeries",
+    "forward_positions",
 ]
 
 ACTIVATION = "activation"
@@ -90,3 +92,16 @@ class TensorSeries:
                 )
                 trackers[metric] = tracker
             tracker.update(sample, value)
+
+
+def forward_positions(series: Iterable[TensorSeries]) -> dict[tuple[str, int, str], int]:
+    """Forward call position per (module, call index, tensor path), from the activations.
+
+    Output gradients take the position of the activation of the same module call and
+    tensor path, so both signals can be put in propagation order.
+    """
+    return {
+        (s.module, s.call_index, s.tensor_path): s.forward_position
+        for s in series
+        if s.signal == ACTIVATION
+    }

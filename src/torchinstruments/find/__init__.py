@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..series import ACTIVATION, GRAD_OUTPUT, TensorSeries
+from ..series import ACTIVATION, GRAD_OUTPUT, TensorSeries, forward_positions
 from .base import Candidate, display_module, format_value, rank_candidates
 from .rules import CATEGORIES, RULES, Rule, RuleContext
 
@@ -27,14 +27,13 @@ def run_rules(
     """Run every rule over the series; return ranked candidates per category.
 
     Output gradients take the forward call position of the activation of the same
-    module call and tensor path, so that both signals can be put in propagation order.
+    module call and tensor path (:func:`~torchinstruments.series.forward_positions`).
     ``loss_scaled`` says a ``torch.amp.GradScaler`` scaled some samples' losses.
     """
     items = list(series)
-    context = RuleContext(loss_scaled=loss_scaled)
+    context = RuleContext(loss_scaled=loss_scaled, positions=forward_positions(items))
     for s in items:
         if s.signal == ACTIVATION:
-            context.positions[(s.module, s.call_index, s.tensor_path)] = s.forward_position
             tracker = s.trackers.get("nonfinite_fraction")
             first = tracker.first_nonzero if tracker is not None else None
             if first is not None and (
