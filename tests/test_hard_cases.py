@@ -1108,15 +1108,19 @@ def test_forwards_without_backward_leak_nothing(tmp_path: Path, mode: str | None
     model = CheckpointNet(mode)
     kept: list[weakref.ref[Tensor]] = []
     model.block.lin.register_forward_hook(lambda m, a, o: kept.append(weakref.ref(o)) and None)
-    attach(model, tmp_path)
+    handle = attach(model, tmp_path)
     x = torch.randn(4, 6, requires_grad=True)
     for _ in range(10):
         model(x)
+    handle.flush()
     baseline = live_tensors()
     for _ in range(100):
         out = model(x)
         kept.append(weakref.ref(out))
         del out
+    # Copies of small observed tensors wait for the next flush, to be reduced in a batch
+    # (at most STAGE_MAX_ELEMENTS elements); the flush releases them.
+    handle.flush()
     gc.collect()
     assert all(ref() is None for ref in kept), "an output (and its graph) is kept alive"
     assert live("GradHook") == 0

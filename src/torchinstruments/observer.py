@@ -30,7 +30,7 @@ from .capture import (
     GradHook,
     RootPostHook,
     RootPreHook,
-    _opaque_to_compiler,
+    compiled_frames,
     in_backward,
     iter_output_tensors,
 )
@@ -38,6 +38,7 @@ from .config import ReportConfig, TrackConfig
 from .histogram import Histogram, HistogramSpec, histogram_counts
 from .reduce import (
     STAT_WIDTH,
+    cpu_statistics_batch,
     cpu_statistics_unchecked,
     finish_statistics,
     skip_reason,
@@ -55,6 +56,12 @@ __all__ = ["Observer", "RankInfo"]
 MAX_SAMPLES_AWAITING_BACKWARD = 256
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
+#: CPU tensors of at most this many elements are copied (as float32) when observed and
+#: reduced later in batches (see Observer._stage); larger ones are reduced at once.
+STAGE_MAX_NUMEL = 1 << 16
+#: Staged elements (float32) after which the staged copies are reduced (16 MiB).
+STAGE_MAX_ELEMENTS = 1 << 22
+_STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Prefix of pending-record signals carrying histogram counts.
 _HISTOGRAM = "histogram"
 #: Pending-record signal carrying a device-side sentinel count (CUDA).
@@ -181,9 +188,17 @@ class Observer:
         self.sentinel_nonfinite_forwards = 0
         self.sentinel_events: list[dict[str, object]] = []
         self._last_sentinel_forward = -1
+        # Hook parking (see _park_hooks): (hooks dict, handle id, hook) per submodule.
+        self._parkable: list[tuple[dict[int, Any], int, ForwardHook]] = []
+        self._parked = False
+        self._parked_depth = 0
+        self._frames_at_park = 0
+        self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
 
         # Pipeline state.
         self._pending: list[_Record] = []
+        self._staged: list[tuple[tuple[int, int, str, str], int, int, Tensor]] = []
+        self._staged_elements = 0
         self._in_flight: list[_InFlight] = []
         self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
         self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
@@ -245,15 +260,22 @@ class Observer:
                     handle = module.register_forward_hook(post, always_call=True)
                 except TypeError:  # torch < 2.1 has no always_call
                     handle = module.register_forward_hook(post)
+                    # A forward that raises would skip the post-hook: never park.
+                    self.hook_parking = "off: torch without always_call forward hooks"
                 self._handles.append(handle)
             else:
-                self._handles.append(module.register_forward_hook(ForwardHook(self, index)))
+                hook = ForwardHook(self, index)
+                handle = module.register_forward_hook(hook)
+                self._handles.append(handle)
+                self._parkable.append((module._forward_hooks, handle.id, hook))
         self.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
+        self._restore_hooks()
+        self._parkable.clear()
         for handle in self._handles + self._leaf_hooks:
             handle.remove()
         self._handles.clear()
@@ -277,47 +299,59 @@ class Observer:
         atexit.unregister(self._atexit)
 
     # ------------------------------------------------------------------ context
-    @_opaque_to_compiler
     def enter_root(self, module: nn.Module) -> None:
         """Open a root forward: decide once whether it is sampled."""
-        self._state_stack.append(self.state)
+        stack = self._state_stack
+        stack.append(self.state)
         if not self.attached:
             self.state = self.SKIP
             return
+        if self._parked and len(stack) == 1:
+            self._restore_hooks()  # the previous root forward never closed
         try:
-            if in_backward():
-                if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
-                    # A reentrant checkpoint of the root: its first pass ran without
-                    # grad; this recomputation is the forward that gradients flow through.
-                    self._no_grad_training_forwards -= 1
-                    self.eval_forwards_skipped -= 1
-                    self._open_training_forward()
-                    self._sample_in_backward = True
-                    return
-                self.state = self.RECOMPUTE
-                self.recompute_calls += 1
-                return
-            if len(self._state_stack) > 1 and self._state_stack[-1] in (
-                self.SAMPLED,
-                self.SKIP,
-                self.SENTINEL,
-            ):
-                return  # the root calling itself: same forward
-            if torch.jit.is_tracing() or torch.is_inference_mode_enabled() or not module.training:
-                self.state = self.SKIP
-                self.eval_forwards_skipped += 1
-                return
-            if not torch.is_grad_enabled():
-                # Evaluation in train mode, or the first pass of a reentrant checkpoint.
-                self.state = self.SKIP
-                self.eval_forwards_skipped += 1
-                self._no_grad_training_forwards = min(self._no_grad_training_forwards + 1, 64)
-                return
-            self._no_grad_training_forwards = 0
-            self._open_training_forward()
+            if self._open_root(module) and not self._parked and self.hook_parking == "on":
+                self._park_hooks()
         except Exception as error:  # never break training
             self.state = self.SKIP
             self.record_error("enter_root", "", error)
+
+    def _open_root(self, module: nn.Module) -> bool:
+        """Set the state for a root forward; True if its submodule hooks may be parked."""
+        if in_backward():
+            if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
+                # A reentrant checkpoint of the root: its first pass ran without
+                # grad; this recomputation is the forward that gradients flow through.
+                self._no_grad_training_forwards -= 1
+                self.eval_forwards_skipped -= 1
+                self._open_training_forward()
+                self._sample_in_backward = True
+                return False
+            self.state = self.RECOMPUTE
+            self.recompute_calls += 1
+            return False
+        if len(self._state_stack) > 1 and self._state_stack[-1] in (
+            self.SAMPLED,
+            self.SKIP,
+            self.SENTINEL,
+        ):
+            return False  # the root calling itself: same forward
+        if torch.jit.is_tracing():
+            self.state = self.SKIP
+            self.eval_forwards_skipped += 1
+            return False  # a trace must record the module calls as they are
+        if torch.is_inference_mode_enabled() or not module.training:
+            self.state = self.SKIP
+            self.eval_forwards_skipped += 1
+            return True
+        if not torch.is_grad_enabled():
+            # Evaluation in train mode, or the first pass of a reentrant checkpoint.
+            self.state = self.SKIP
+            self.eval_forwards_skipped += 1
+            self._no_grad_training_forwards = min(self._no_grad_training_forwards + 1, 64)
+            return True
+        self._no_grad_training_forwards = 0
+        self._open_training_forward()
+        return self.state == self.SKIP
 
     def _open_training_forward(self) -> None:
         self.root_forwards += 1
@@ -333,31 +367,87 @@ class Observer:
             self.state = self.SENTINEL if self.full_sentinel else self.SKIP
         self._maybe_flush()
 
-    @_opaque_to_compiler
     def exit_root(self) -> None:
         """Close the innermost root forward."""
         if not self.attached:
             self._state_stack.clear()
             self.state = self.SKIP
             return
-        self.state = self._state_stack.pop() if self._state_stack else self.IDLE
+        stack = self._state_stack
+        self.state = stack.pop() if stack else self.IDLE
+        if self._parked and len(stack) < self._parked_depth:
+            self._restore_hooks()
         if self.state == self.IDLE:
             self._unsampled_training = False
 
-    @_opaque_to_compiler
-    def root_sentinel(self, output: object) -> None:
+    def leave_root(self, index: int, args: tuple[object, ...], output: object) -> None:
+        """The root returned (or raised, with ``output`` None): observe it, then close."""
+        state = self.state
+        if state == self.SAMPLED or state == self.SENTINEL:
+            self.on_forward(index, args, output)
+        elif self._unsampled_training and not self.full_sentinel and self.attached:
+            self._root_sentinel(output)
+        self.exit_root()
+
+    def _root_sentinel(self, output: object) -> None:
         """Check the root output of an unsampled training forward for non-finite values.
 
         One reduction per output tensor. On the CPU the answer is read at once; on CUDA
         the count stays on the device and is read at the next flush (no host sync).
         A hit counts, is recorded, and makes the next forwards sampled.
         """
-        if not self._unsampled_training or self.full_sentinel or not self.attached:
-            return
         try:
-            self._sentinel_output(ROOT_INDEX, 0, output)
+            if type(output) is Tensor and output.is_cpu and output.is_floating_point():
+                # The common case, kept short: it runs in every unsampled forward.
+                self.sentinel_checks += 1
+                if not math.isfinite(output.detach().sum(dtype=torch.float32).item()):
+                    self._confirm_cpu_hit(ROOT_INDEX, 0, "output", output)
+            else:
+                self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
             self.record_error("sentinel", "", error)
+
+    def _park_hooks(self) -> None:
+        """Take the submodule hooks out of their modules for one unsampled root forward.
+
+        In a forward that is not sampled every submodule hook would return at once, but
+        PyTorch's dispatch to it alone costs 1 to 2 us per module call; a module without
+        hooks takes ``nn.Module``'s hook-free fast path instead. Parking removes our hook
+        from each module's ``_forward_hooks`` (only where it is that module's only forward
+        hook, so hook order is unchanged) and :meth:`_restore_hooks` puts it back when the
+        root forward closes (the root's post-hook is always called, even on errors).
+
+        Compiled code does not see hook changes (Dynamo does not guard on hooks), so
+        parking stops for good once ``torch.compile`` has compiled any frame in the
+        process; if a frame was compiled during a parked forward, Dynamo's caches are
+        reset so that the code is traced again with the hooks in place.
+        """
+        frames = compiled_frames()
+        if frames != 0:
+            self.hook_parking = "off: torch.compile in use"
+            return
+        self._parked = True
+        self._parked_depth = len(self._state_stack)
+        self._frames_at_park = frames
+        for hooks, key, _ in self._parkable:
+            if len(hooks) == 1:  # ours alone (a module with more is left as it is)
+                del hooks[key]
+
+    def _restore_hooks(self) -> None:
+        """Put parked hooks back (see :meth:`_park_hooks`)."""
+        if not self._parked:
+            return
+        self._parked = False
+        for hooks, key, hook in self._parkable:
+            if key not in hooks:
+                hooks[key] = hook
+        if compiled_frames() != self._frames_at_park:
+            self.hook_parking = "off: torch.compile in use"
+            # Code compiled while the hooks were parked would never call them.
+            try:
+                torch._dynamo.reset()
+            except Exception as error:
+                self.record_error("compile_reset", "", error)
 
     def _sentinel_output(self, index: int, call: int, output: object) -> None:
         for path, leaf in iter_output_tensors(output):
@@ -368,16 +458,19 @@ class Observer:
         self.sentinel_checks += 1
         forward = self.forwards_seen - 1
         if tensor.device.type == "cpu":
-            value = tensor.detach()
             # A non-finite element makes the sum non-finite; one plain reduction is
-            # cheaper than an isfinite mask. Confirm before counting (a sum can overflow).
-            if not math.isfinite(float(value.sum(dtype=torch.float32))) and not bool(
-                torch.isfinite(value).all()
-            ):
-                self._sentinel_hit(forward, index, call, path)
+            # cheaper than an isfinite mask.
+            if not math.isfinite(tensor.detach().sum(dtype=torch.float32).item()):
+                self._confirm_cpu_hit(index, call, path, tensor)
             return
         bad = (~torch.isfinite(tensor.detach())).sum().to(torch.float64).reshape(1)
         self._append_record((index, call, _SENTINEL, path), forward, _padded_row(bad))
+
+    def _confirm_cpu_hit(self, index: int, call: int, path: str, tensor: Tensor) -> None:
+        """The sum of a CPU tensor was not finite: count a hit if an element is not
+        (the sum of finite values can overflow)."""
+        if not bool(torch.isfinite(tensor.detach()).all()):
+            self._sentinel_hit(self.forwards_seen - 1, index, call, path)
 
     def _sentinel_hit(self, forward: int, index: int, call: int, path: str) -> None:
         self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
@@ -419,7 +512,6 @@ class Observer:
             self._no_grad_calls = {}
 
     # ------------------------------------------------------------------ capture
-    @_opaque_to_compiler
     def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
         """A selected module returned ``output`` (only called when not in SKIP state)."""
         started = time.perf_counter()
@@ -492,7 +584,6 @@ class Observer:
         self._position = position + 1
         sample = self._sample
         grad_enabled = torch.is_grad_enabled()
-        pending = self._pending
         taken = 0
         for path, leaf in iter_output_tensors(output):
             reason = skip_reason(leaf)
@@ -504,7 +595,7 @@ class Observer:
                 self.paths_dropped += 1
                 continue
             assert isinstance(leaf, Tensor)
-            pending.append(((index, call, ACTIVATION, path), sample, position, _statistics(leaf)))
+            self._measure((index, call, ACTIVATION, path), sample, position, leaf)
             if self.histogram_specs:
                 self._histogram(index, call, ACTIVATION, path, sample, leaf)
             if leaf.requires_grad and grad_enabled:
@@ -585,7 +676,7 @@ class Observer:
                 self.skipped_tensors[f"grad_{reason}"] += 1
                 return
             index, call, path = key
-            self._append_record((index, call, GRAD_OUTPUT, path), sample, _statistics(grad))
+            self._measure((index, call, GRAD_OUTPUT, path), sample, -1, grad)
             if self.histogram_specs:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
@@ -616,6 +707,54 @@ class Observer:
             key = (index, call, f"{_HISTOGRAM}{number}:{signal}", path)
             self._append_record(key, sample, histogram_counts(tensor, spec))
 
+    def _measure(
+        self, key: tuple[int, int, str, str], sample: int, position: int, tensor: Tensor
+    ) -> None:
+        """Reduce one observed tensor, or stage a float32 copy of it for a batch.
+
+        Small CPU tensors are copied and reduced later, many at a time, by
+        :meth:`_reduce_staged` (per-operation overhead, not arithmetic, is what reducing
+        them costs). The copy is needed: the tensor may be changed in place after the
+        hook returns (``out += residual``, ``relu_``). Larger CPU tensors are reduced at
+        once to host floats, and CUDA tensors to a device vector (no synchronisation).
+        """
+        if tensor.device.type != "cpu":
+            self._pending.append((key, sample, position, tensor_statistics(tensor)))
+            return
+        if tensor.dtype in _STAGED_DTYPES and tensor.numel() <= STAGE_MAX_NUMEL:
+            copy = tensor.detach().to(
+                torch.float32, memory_format=torch.contiguous_format, copy=True
+            )
+            self._staged.append((key, sample, position, copy.view(-1)))
+            self._staged_elements += copy.numel()
+            if self._staged_elements > STAGE_MAX_ELEMENTS:
+                self._reduce_staged()
+            return
+        self._pending.append((key, sample, position, cpu_statistics_unchecked(tensor)))
+
+    def _reduce_staged(self) -> None:
+        """Reduce the staged copies, grouped by length, into pending host rows."""
+        staged = self._staged
+        if not staged:
+            return
+        self._staged = []
+        self._staged_elements = 0
+        try:
+            groups: dict[int, list[int]] = {}
+            for i, record in enumerate(staged):
+                groups.setdefault(record[3].numel(), []).append(i)
+            rows: list[list[float]] = [[] for _ in staged]
+            for indices in groups.values():
+                batch = cpu_statistics_batch([staged[i][3] for i in indices])
+                for i, row in zip(indices, batch, strict=True):
+                    rows[i] = row
+        except Exception as error:
+            self.record_error("reduce", "", error)
+            return
+        pending = self._pending
+        for (key, sample, position, _), row in zip(staged, rows, strict=True):
+            pending.append((key, sample, position, row))
+
     def _append_record(
         self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
     ) -> None:
@@ -637,7 +776,7 @@ class Observer:
 
     # ------------------------------------------------------------------ flush
     def _maybe_flush(self) -> None:
-        pending = len(self._pending)
+        pending = len(self._pending) + len(self._staged)
         if pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % 32 == 0):
             self.flush_statistics(block=False)
         if time.monotonic() - self._last_write >= self.report_config.rewrite_interval_s:
@@ -651,6 +790,7 @@ class Observer:
         only batches whose copy has completed are processed, so no hook waits on the
         device; ``block=True`` waits for all of them.
         """
+        self._reduce_staged()
         pending = self._pending
         if pending:
             self._pending = []
@@ -882,13 +1022,6 @@ class _AtExit:
 def _padded_row(values: Tensor) -> Tensor:
     """A float64 row of ``STAT_WIDTH`` on the values' device: the values, then zeros."""
     return torch.nn.functional.pad(values, (0, STAT_WIDTH - values.numel()))
-
-
-def _statistics(tensor: Tensor) -> Tensor | list[float]:
-    """Host floats on the CPU (no synchronisation to avoid), a device vector elsewhere."""
-    if tensor.device.type == "cpu":
-        return cpu_statistics_unchecked(tensor)
-    return tensor_statistics(tensor)
 
 
 def _first_tensor_pointer(args: tuple[object, ...]) -> object:

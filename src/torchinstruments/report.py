@@ -476,6 +476,7 @@ def _run_section(observer: Observer) -> dict[str, Any]:
         ),
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
+        "hook_parking": observer.hook_parking,
         "versions": {
             "torchinstruments": __version__,
             "torch": torch.__version__,

@@ -125,6 +125,9 @@ class DefaultSampling:
         return interval
 
     def should_sample(self, forward_index: int) -> bool:
+        last_start, last_interval = self._stage_starts[-1]
+        if forward_index >= last_start:  # the steady state: one test
+            return (forward_index - last_start) % last_interval == 0
         stage_start, interval = self._stage_starts[0]
         for start, stage_interval in self._stage_starts:
             if forward_index < start:

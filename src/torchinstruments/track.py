@@ -148,6 +148,8 @@ class SeriesTracker:
         "_history",
         "_history_stride",
         "_last_diff",
+        "_latest_sample",
+        "_latest_value",
         "_log_scale",
         "_noise_floor",
         "_peak",
@@ -161,6 +163,7 @@ class SeriesTracker:
         "_seg_std",
         "_vol_sq_ema",
         "_warm_vol_sq",
+        "_warmup",
         "baseline_mean",
         "baseline_std",
         "baseline_volatility",
@@ -173,7 +176,6 @@ class SeriesTracker:
         "first",
         "first_nonzero",
         "flips",
-        "latest",
         "latest_change",
         "max",
         "max_drawdown",
@@ -189,12 +191,14 @@ class SeriesTracker:
         self._noise_floor = noise_floor
         self._alpha_fast = config.fast_ema_alpha
         self._alpha_slow = config.slow_ema_alpha
+        self._warmup = config.warmup_samples
         self._reset()
 
     def _reset(self) -> None:
         self.count = 0
         self.first: SeriesPoint | None = None
-        self.latest: SeriesPoint | None = None
+        self._latest_sample = -1
+        self._latest_value = 0.0
         self.min: SeriesPoint | None = None
         self.max: SeriesPoint | None = None
         self.first_nonzero: SeriesPoint | None = None
@@ -242,11 +246,16 @@ class SeriesTracker:
 
     def update(self, sample: int, value: float) -> None:
         """Add the value observed at ``sample`` (0-based sample index)."""
-        point = SeriesPoint(sample, value)
-        v = self.transform(value)
+        # The hot path of the host side (one call per series and metric per sample):
+        # locals, and a SeriesPoint built only where one is kept.
+        v = math.log(value if value > LOG_FLOOR else LOG_FLOOR) if self._log_scale else value
         count = self.count + 1
         self.count = count
+        self._latest_sample = sample
+        self._latest_value = value
+        alpha_fast = self._alpha_fast
         if count == 1:
+            point = SeriesPoint(sample, value)
             self.first = point
             self.min = point
             self.max = point
@@ -254,30 +263,30 @@ class SeriesTracker:
             self.ema_slow = v
         else:
             if value < self.min.value:  # type: ignore[union-attr]
-                self.min = point
-            if value > self.max.value:  # type: ignore[union-attr]
-                self.max = point
-            self.ema_fast += self._alpha_fast * (v - self.ema_fast)
+                self.min = SeriesPoint(sample, value)
+            elif value > self.max.value:  # type: ignore[union-attr]
+                self.max = SeriesPoint(sample, value)
+            self.ema_fast += alpha_fast * (v - self.ema_fast)
             self.ema_slow += self._alpha_slow * (v - self.ema_slow)
-        self.latest = point
         if value != 0.0:
             self.nonzero_count += 1
             if self.first_nonzero is None:
-                self.first_nonzero = point
+                self.first_nonzero = SeriesPoint(sample, value)
 
-        warmup = self._config.warmup_samples
+        warmup = self._warmup
         if count > 1:
             diff = v - self._prev
-            self.momentum += self._alpha_fast * (diff - self.momentum)
-            self._vol_sq_ema += self._alpha_fast * (diff * diff - self._vol_sq_ema)
+            self.momentum += alpha_fast * (diff - self.momentum)
+            self._vol_sq_ema += alpha_fast * (diff * diff - self._vol_sq_ema)
             if count <= warmup:
                 self._warm_vol_sq += diff * diff
                 self.baseline_volatility = math.sqrt(self._warm_vol_sq / (count - 1))
-            if self.diffs > 0 and diff * self._last_diff < 0.0:
-                self.flips += 1
-                self._flip_ema += self._alpha_slow * (1.0 - self._flip_ema)
-            elif self.diffs > 0:
-                self._flip_ema += self._alpha_slow * (0.0 - self._flip_ema)
+            if self.diffs > 0:
+                if diff * self._last_diff < 0.0:
+                    self.flips += 1
+                    self._flip_ema += self._alpha_slow * (1.0 - self._flip_ema)
+                else:
+                    self._flip_ema -= self._alpha_slow * self._flip_ema
             if diff != 0.0:
                 self._last_diff = diff
             self.diffs += 1
@@ -296,7 +305,15 @@ class SeriesTracker:
             self.baseline_std = self._seg_std
             if count == warmup:
                 self.warmup_end_sample = sample
-        self._append_history(sample, value)
+        if (count - 1) % self._history_stride == 0:
+            self._append_history(sample, value)
+
+    @property
+    def latest(self) -> SeriesPoint | None:
+        """The latest observation, or None before the first."""
+        if not self.count:
+            return None
+        return SeriesPoint(self._latest_sample, self._latest_value)
 
     def _update_segment(self, sample: int, v: float) -> None:
         # The first segment learns over the whole warm-up; after a change point the
@@ -398,8 +415,6 @@ class SeriesTracker:
         return None
 
     def _append_history(self, sample: int, value: float) -> None:
-        if (self.count - 1) % self._history_stride != 0:
-            return
         self._history.append((sample, value))
         if len(self._history) >= self._config.history_points:
             # Keep every other point and halve the density of what follows.

@@ -1,0 +1,200 @@
+"""Hook parking: submodule hooks leave their modules during unsampled eager forwards.
+
+Parking stops for good once ``torch.compile`` has compiled a frame in the process, which
+the observer reads from Dynamo's counters. Other tests in the session compile, so each
+test here starts those counters at zero (``fresh_dynamo``) and lets them count from there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+import torch._dynamo.utils
+from torch import Tensor, nn
+
+from torchinstruments import EveryNSampling, ReportConfig, inject_observer, remove_observer
+
+from .conftest import read_report
+
+
+class Probe(nn.Module):
+    """Records how many forward hooks it carries while it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks_seen: list[int] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.hooks_seen.append(len(self._forward_hooks))
+        return torch.tanh(x)
+
+
+class Net(nn.Module):
+    def __init__(self, fail_on: int = -1) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.probe = Probe()
+        self.fc2 = nn.Linear(12, 1)
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.fail_on:
+            raise RuntimeError("forward failed on purpose")
+        return self.fc2(self.probe(self.fc1(x)))
+
+
+class OddForwards:
+    """Samples forwards 1, 3, 5, ...: the first forward is not sampled."""
+
+    def should_sample(self, forward_index: int) -> bool:
+        return forward_index % 2 == 1
+
+    def describe(self) -> dict[str, object]:
+        return {"policy": "odd_forwards"}
+
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch._dynamo.reset()
+    monkeypatch.setitem(torch._dynamo.utils.counters["frames"], "total", 0)
+
+
+def hook_counts(model: nn.Module) -> dict[str, int]:
+    return {name: len(module._forward_hooks) for name, module in model.named_modules()}
+
+
+def train(model: nn.Module, steps: int, seed: int = 0) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 6, generator=generator)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+#: Wide enough that every series appears among the findings.
+WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
+
+
+def findings(report: dict, metric: str) -> dict[tuple[str, str], dict]:
+    found: dict[tuple[str, str], dict] = {}
+    for finding in report["findings"]:
+        if finding["metric"] == metric and finding["call_index"] == 0:
+            found.setdefault((finding["module"], finding["signal"]), finding)
+    return found
+
+
+def observations(report: dict) -> dict[tuple[str, str], int]:
+    return {key: finding["observations"] for key, finding in findings(report, "rms").items()}
+
+
+def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dynamo) -> None:
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    before = hook_counts(model)
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
+    attached = hook_counts(model)
+    losses = train(model, 7)
+    assert hook_counts(model) == attached  # every hook back in place between forwards
+    remove_observer(model)
+    assert hook_counts(model) == before
+    assert losses == train(twin, 7)
+    # Forwards 0, 3 and 6 are sampled: only then does the probe carry our hook.
+    assert model.probe.hooks_seen == [1, 0, 0, 1, 0, 0, 1]
+    report = read_report(tmp_path)
+    assert report["run"]["hook_parking"] == "on"
+    assert report["coverage"]["samples_observed"] == 3
+
+
+def test_a_forward_that_raises_gets_its_hooks_back(tmp_path: Path, fresh_dynamo) -> None:
+    model = Net(fail_on=1)
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
+    attached = hook_counts(model)
+    train(model, 1)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        train(model, 1)
+    assert hook_counts(model) == attached
+    train(model, 2)
+    remove_observer(model)
+    # Training forwards 0 and 3 are sampled; forward 1 raised before reaching the probe.
+    assert model.probe.hooks_seen == [1, 0, 1]
+
+
+def test_a_module_with_another_hook_keeps_its_hooks_in_order(tmp_path: Path, fresh_dynamo) -> None:
+    model = Net()
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
+    seen: list[float] = []
+
+    def doubling(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        seen.append(output.detach().double().pow(2).mean().sqrt().item())
+        return output * 2  # a user hook that replaces the output
+
+    model.probe.register_forward_hook(doubling)
+    train(model, 4)
+    remove_observer(model)
+    assert model.probe.hooks_seen == [2, 2, 2, 2]  # never parked: two hooks
+    assert len(seen) == 4
+    # Our hook ran first, on the probe's own output, not on the doubled one.
+    probe = findings(read_report(tmp_path), "rms")[("probe", "activation")]
+    assert probe["latest"]["sample"] == 1  # forwards 0 and 3
+    assert probe["latest"]["value"] == pytest.approx(seen[3], rel=1e-5)
+
+
+def test_parking_stops_once_the_model_is_compiled(tmp_path: Path, fresh_dynamo) -> None:
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
+    train(model, 2)  # eager, parked in forward 1
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
+    train(twin, 2)
+    losses = train(compiled, 6, seed=1)
+    remove_observer(model)
+    torch._dynamo.reset()
+    assert losses == train(twin_compiled, 6, seed=1)
+    report = read_report(tmp_path)
+    assert report["run"]["hook_parking"] == "off: torch.compile in use"
+    seen = observations(report)
+    # Sampled forwards 0, 2, 4, 6: every submodule observed in each, compiled or not.
+    for name in ("fc1", "probe", "fc2"):
+        assert seen[(name, "activation")] == 4, (name, seen)
+        assert seen[(name, "grad_output")] == 4, (name, seen)
+
+
+class Outer(nn.Module):
+    """Its middle block is compiled on its own (an OptimizedModule child)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.block = torch.compile(nn.Sequential(nn.Tanh(), nn.Linear(12, 12)), backend="eager")
+        self.fc2 = nn.Linear(12, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.block(self.fc1(x)))
+
+
+def test_code_first_compiled_in_a_parked_forward_is_traced_again(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    model = Outer()
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=OddForwards())
+    train(model, 6)  # forward 0 is parked and compiles the block without our hooks
+    remove_observer(model)
+    torch._dynamo.reset()
+    report = read_report(tmp_path)
+    assert report["run"]["hook_parking"] == "off: torch.compile in use"
+    seen = observations(report)
+    inner = [name for name, _ in seen if name.startswith("block.")]
+    assert inner, sorted(seen)
+    for name in inner:
+        assert seen[(name, "activation")] == 3, (name, seen)
