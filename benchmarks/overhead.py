@@ -19,8 +19,8 @@ minimum and maximum of its block ratios over ``--repeats`` blocks. Configuration
 * ``default``: ``inject_observer(model, output_dir=tmp)``. The whole-run ratio covers the
   first ``--run-steps`` (1,000) steps after injection, dense start included (one run, so
   no spread). The steady-state ratio is measured once the default schedule has reached
-  its largest interval (forward 1,984 with the default 64 samples per stage and interval
-  at most 32); the forwards between the end of the whole run and that point are advanced
+  its largest interval (forward 1,524 with the default 12 samples per stage and interval
+  at most 128); the forwards between the end of the whole run and that point are advanced
   with untimed forward-only training forwards of a one-row batch on the observed copy
   (no backward, so no parameter changes). Steady-state blocks are whole multiples of the
   steady interval, so every block holds the same number of samples.
@@ -231,7 +231,7 @@ def _steady_schedule() -> tuple[int, int]:
             return int(last["from_forward"]), int(last["interval_forwards"])
     except Exception:
         pass
-    return 1984, 32
+    return 1524, 128
 
 
 def _histograms_supported() -> bool:
@@ -1084,8 +1084,8 @@ def print_compile(result: dict[str, Any]) -> None:
     print(
         f"\ncompiled-step ratio: compiled plain vs compiled observed copy, default settings, "
         f"interleaved; dynamo {result.get('ratio_dynamo_setting')} so that each copy has its "
-        "own compiled code;\ndense start = 4 blocks inside the first 64 forwards (all sampled); "
-        "steady = from forward 1984 on"
+        "own compiled code;\ndense start = 4 blocks inside the first 64 forwards; "
+        f"steady = from forward {_steady_schedule()[0]} on"
     )
     rows = []
     for case in COMPILE_CASES:
@@ -1194,7 +1194,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="steps per block (default: enough for about 0.25 s of plain steps; rounded up "
-        "to a multiple of 32 for the default steady state)",
+        "to a multiple of the default steady interval for the default steady state)",
     )
     parser.add_argument(
         "--repeats", type=int, default=None, help="blocks per configuration (default 7; quick 3)"

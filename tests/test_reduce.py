@@ -548,3 +548,40 @@ def test_mean_abs_accumulation_precision():
     device = finish_statistics(tensor_statistics(x).tolist())
     assert device["mean_abs"] == pytest.approx(expected["mean_abs"], rel=REL)
     assert device["rms"] == pytest.approx(expected["rms"], rel=REL)
+
+
+def test_large_cpu_tensor_keeps_scale_exact_and_estimates_shape_from_a_subsample():
+    """Above 65,536 elements: RMS and maximum exact, the rest from a block subsample."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 16, 32, 32, generator=generator).relu()
+    x[:, 3] *= 100.0  # one loud channel: a subsample must still see it
+    expected = reference_metrics(x)
+    actual = finish_statistics(cpu_statistics(x))
+    assert x.numel() > reduce_module.SUBSAMPLE_ABOVE
+    assert actual["max_abs"] == expected["max_abs"]
+    assert actual["rms"] == pytest.approx(expected["rms"], rel=2e-5)
+    assert actual["tail_ratio"] == pytest.approx(expected["tail_ratio"], rel=2e-5)
+    assert actual["mean_abs"] == pytest.approx(expected["mean_abs"], rel=0.05)
+    assert actual["zero_fraction"] == pytest.approx(expected["zero_fraction"], abs=0.01)
+    assert actual["excess_kurtosis"] == pytest.approx(expected["excess_kurtosis"], rel=0.1)
+    assert actual["nonfinite_fraction"] == 0.0
+
+
+def test_batched_rows_match_single_tensor_rows():
+    generator = torch.Generator().manual_seed(1)
+    flats = [
+        torch.randn(4096, generator=generator) * 3 + 1,
+        torch.randn(4096, generator=generator).relu(),
+        torch.full((4096,), 2.0),
+        torch.zeros(4096),
+        torch.randn(4096, generator=generator) * 1e-20,  # below the fast path: exact path
+    ]
+    flats[1][7] = float("nan")
+    rows = reduce_module.cpu_statistics_batch(flats)
+    for flat, row in zip(flats, rows, strict=True):
+        assert row[:4] == cpu_statistics(flat)[:4]  # counts and max_abs exact
+        assert_metrics_close(finish_statistics(row), reference_metrics(flat))
+    with pytest.raises(ValueError, match="one length"):
+        reduce_module.cpu_statistics_batch([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(ValueError, match="at least one tensor"):
+        reduce_module.cpu_statistics_batch([])

@@ -81,24 +81,26 @@ def test_default_interval_one_samples_every_forward():
 
 def test_default_schedule_with_defaults():
     policy = DefaultSampling()
-    assert (policy.samples_per_stage, policy.max_interval_forwards) == (32, 32)
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (12, 128)
     indices = sampled(policy, 4000)
-    # The first 32 forwards, then 64 samples within the first 96 forwards.
-    assert indices[:32] == list(range(32))
-    assert len([i for i in indices if i < 96]) == 64
-    assert indices[32:38] == [32, 34, 36, 38, 40, 42]
-    # Stages start at 0, 32, 96, 224, 480 and 992; 32 samples per stage until the cap.
-    stage_starts = [0, 32, 96, 224, 480, 992]
+    # The first 12 forwards, then every 2nd: the 24th sample (warm-up) is forward 34.
+    assert indices[:12] == list(range(12))
+    assert indices[12:18] == [12, 14, 16, 18, 20, 22]
+    assert indices[23] == 34
+    # Stages start at 0, 12, 36, 84, 180, 372, 756 and 1524; 12 samples each until the cap.
+    stage_starts = [0, 12, 36, 84, 180, 372, 756, 1524]
     for start, next_start in itertools.pairwise(stage_starts):
-        assert len([i for i in indices if start <= i < next_start]) == 32
-    assert [i for i in indices if i >= 992][:4] == [992, 1024, 1056, 1088]
-    assert len(indices) == 5 * 32 + len(range(992, 4000, 32))
+        assert len([i for i in indices if start <= i < next_start]) == 12
+    assert [i for i in indices if i >= 1524][:4] == [1524, 1652, 1780, 1908]
+    assert len(indices) == 7 * 12 + len(range(1524, 4000, 128))
+    assert len([i for i in indices if i < 300]) == 56
+    assert len([i for i in indices if i < 1000]) == 76
 
 
 def test_default_interval_at():
     policy = DefaultSampling()
-    expected = {0: 1, 31: 1, 32: 2, 95: 2, 96: 4, 223: 4, 224: 8, 479: 8, 480: 16}
-    expected |= {991: 16, 992: 32, 10**9: 32}
+    expected = {0: 1, 11: 1, 12: 2, 35: 2, 36: 4, 83: 4, 84: 8, 179: 8, 180: 16}
+    expected |= {371: 16, 372: 32, 755: 32, 756: 64, 1523: 64, 1524: 128, 10**9: 128}
     for index, interval in expected.items():
         assert policy.interval_at(index) == interval, index
 
@@ -107,18 +109,20 @@ def test_default_describe_and_repr():
     policy = DefaultSampling()
     assert policy.describe() == {
         "policy": "default",
-        "samples_per_stage": 32,
-        "max_interval_forwards": 32,
+        "samples_per_stage": 12,
+        "max_interval_forwards": 128,
         "stages": [
             {"from_forward": 0, "interval_forwards": 1},
-            {"from_forward": 32, "interval_forwards": 2},
-            {"from_forward": 96, "interval_forwards": 4},
-            {"from_forward": 224, "interval_forwards": 8},
-            {"from_forward": 480, "interval_forwards": 16},
-            {"from_forward": 992, "interval_forwards": 32},
+            {"from_forward": 12, "interval_forwards": 2},
+            {"from_forward": 36, "interval_forwards": 4},
+            {"from_forward": 84, "interval_forwards": 8},
+            {"from_forward": 180, "interval_forwards": 16},
+            {"from_forward": 372, "interval_forwards": 32},
+            {"from_forward": 756, "interval_forwards": 64},
+            {"from_forward": 1524, "interval_forwards": 128},
         ],
     }
-    assert repr(policy) == "DefaultSampling(samples_per_stage=32, max_interval_forwards=32)"
+    assert repr(policy) == "DefaultSampling(samples_per_stage=12, max_interval_forwards=128)"
     assert isinstance(policy, SamplingPolicy)
 
 
