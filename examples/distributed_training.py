@@ -69,7 +69,7 @@ def make_batches(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="stats-ddp", help="default: stats-ddp")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank (default: 32)")
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument(

@@ -75,26 +75,26 @@ def test_dropped_norm_is_the_first_divergence(runs: dict[str, Path], tmp_path: P
     assert comparison["strength"] == "full" and comparison["mismatches"] == []
     first = comparison["summary"]["first_divergence"]
     # The modification skips blocks.2.norm from training forward 150: the first sample
-    # after it (sample 78, forward 152 of the default schedule) is the first where the
+    # after it (sample 53, forward 152 of the default schedule) is the first where the
     # candidate no longer calls the norm, exactly; blocks.2.fc1's activation, which now
     # receives the un-normalised stream, departs at the next compared history point.
     assert first["module"] == "blocks.2.norm"
     assert first["kind"] == "stopped" and first["side"] == "candidate"
     assert first["signal"] == "activation"
-    assert (first["sample"], first["forward"]) == (78, 152)
-    assert first["last_observed"]["sample"] == 77
+    assert (first["sample"], first["forward"]) == (53, 152)
+    assert first["last_observed"]["sample"] == 52
     assert "blocks.2.norm" in first["next_experiment"]
     events = comparison["first_divergences"]
     assert events[0] == first
     assert all(e["module"].startswith("blocks.2.") for e in events)
     fc1 = next(e for e in events if e["module"] == "blocks.2.fc1" and e["kind"] == "value")
     assert fc1["signal"] == "activation" and fc1["metric"] == "rms"
-    assert fc1["sample"] >= 78 and fc1["last_agreeing"]["sample"] < 78
+    assert fc1["sample"] >= 53 and fc1["last_agreeing"]["sample"] < 53
     assert fc1["candidate"] > 2 * fc1["baseline"]
     leader = comparison["categories"]["activation_scale"]["entries"][0]
     assert leader["module"].startswith("blocks.2.") and leader["notable"]
     assert comparison["categories"]["gradient_scale"]["notable"] == 0
-    assert comparison["summary"]["headline"].startswith("First divergence at sample 78")
+    assert comparison["summary"]["headline"].startswith("First divergence at sample 53")
     markdown = (tmp_path / "comparison.md").read_text(encoding="utf-8")
     assert markdown.startswith("# torchinstruments comparison")
     assert "`blocks.2.norm`" in markdown and "Next experiment:" in markdown
@@ -235,7 +235,7 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
         torch.manual_seed(0)
         model = ResidualNet()
         batches = make_batches(80)
-        if poison:  # a NaN input at training forward 40 (sample 36 of the default schedule)
+        if poison:  # a NaN input at training forward 40 (sample 28 of the default schedule)
             batches[40] = (torch.full_like(batches[40][0], float("nan")), batches[40][1])
         inject_observer(model, output_dir=directory)
         train(model, batches)
@@ -248,7 +248,7 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
     first = comparison["summary"]["first_divergence"]
     assert first["kind"] == "non_finite" and first["side"] == "candidate"
     assert (first["module"], first["signal"]) == ("inp", "activation")
-    assert (first["sample"], first["forward"]) == (36, 40)
+    assert (first["sample"], first["forward"]) == (28, 40)
     # The sentinel forced extra samples after the NaN: sample indices stop matching.
     assert comparison["strength"] == "weak"
     assert "extra_samples" in [m["kind"] for m in comparison["mismatches"]]

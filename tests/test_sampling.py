@@ -81,26 +81,26 @@ def test_default_interval_one_samples_every_forward():
 
 def test_default_schedule_with_defaults():
     policy = DefaultSampling()
-    assert (policy.samples_per_stage, policy.max_interval_forwards) == (12, 128)
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (16, 128)
     indices = sampled(policy, 4000)
-    # The first 12 forwards, then every 2nd: the 24th sample (warm-up) is forward 34.
-    assert indices[:12] == list(range(12))
-    assert indices[12:18] == [12, 14, 16, 18, 20, 22]
-    assert indices[23] == 34
-    # Stages start at 0, 12, 36, 84, 180, 372, 756 and 1524; 12 samples each until the cap.
-    stage_starts = [0, 12, 36, 84, 180, 372, 756, 1524]
+    # The first 16 forwards, then every 2nd: the 24th sample (warm-up) is forward 30.
+    assert indices[:16] == list(range(16))
+    assert indices[16:22] == [16, 18, 20, 22, 24, 26]
+    assert indices[23] == 30
+    # Stages start at 0, 16, 48, 112, 240, 496, 1008 and 2032; 16 samples each until the cap.
+    stage_starts = [0, 16, 48, 112, 240, 496, 1008, 2032]
     for start, next_start in itertools.pairwise(stage_starts):
-        assert len([i for i in indices if start <= i < next_start]) == 12
-    assert [i for i in indices if i >= 1524][:4] == [1524, 1652, 1780, 1908]
-    assert len(indices) == 7 * 12 + len(range(1524, 4000, 128))
-    assert len([i for i in indices if i < 300]) == 56
-    assert len([i for i in indices if i < 1000]) == 76
+        assert len([i for i in indices if start <= i < next_start]) == 16
+    assert [i for i in indices if i >= 2032][:4] == [2032, 2160, 2288, 2416]
+    assert len(indices) == 7 * 16 + len(range(2032, 4000, 128))
+    assert len([i for i in indices if i < 300]) == 68
+    assert len([i for i in indices if i < 1000]) == 96
 
 
 def test_default_interval_at():
     policy = DefaultSampling()
-    expected = {0: 1, 11: 1, 12: 2, 35: 2, 36: 4, 83: 4, 84: 8, 179: 8, 180: 16}
-    expected |= {371: 16, 372: 32, 755: 32, 756: 64, 1523: 64, 1524: 128, 10**9: 128}
+    expected = {0: 1, 15: 1, 16: 2, 47: 2, 48: 4, 111: 4, 112: 8, 239: 8, 240: 16}
+    expected |= {495: 16, 496: 32, 1007: 32, 1008: 64, 2031: 64, 2032: 128, 10**9: 128}
     for index, interval in expected.items():
         assert policy.interval_at(index) == interval, index
 
@@ -109,20 +109,20 @@ def test_default_describe_and_repr():
     policy = DefaultSampling()
     assert policy.describe() == {
         "policy": "default",
-        "samples_per_stage": 12,
+        "samples_per_stage": 16,
         "max_interval_forwards": 128,
         "stages": [
             {"from_forward": 0, "interval_forwards": 1},
-            {"from_forward": 12, "interval_forwards": 2},
-            {"from_forward": 36, "interval_forwards": 4},
-            {"from_forward": 84, "interval_forwards": 8},
-            {"from_forward": 180, "interval_forwards": 16},
-            {"from_forward": 372, "interval_forwards": 32},
-            {"from_forward": 756, "interval_forwards": 64},
-            {"from_forward": 1524, "interval_forwards": 128},
+            {"from_forward": 16, "interval_forwards": 2},
+            {"from_forward": 48, "interval_forwards": 4},
+            {"from_forward": 112, "interval_forwards": 8},
+            {"from_forward": 240, "interval_forwards": 16},
+            {"from_forward": 496, "interval_forwards": 32},
+            {"from_forward": 1008, "interval_forwards": 64},
+            {"from_forward": 2032, "interval_forwards": 128},
         ],
     }
-    assert repr(policy) == "DefaultSampling(samples_per_stage=12, max_interval_forwards=128)"
+    assert repr(policy) == "DefaultSampling(samples_per_stage=16, max_interval_forwards=128)"
     assert isinstance(policy, SamplingPolicy)
 
 

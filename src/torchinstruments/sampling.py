@@ -77,16 +77,17 @@ class DefaultSampling:
     The run is cut into stages of ``samples_per_stage`` samples each. Stage 0 samples every
     forward, stage 1 every 2nd, stage 2 every 4th, and so on, doubling until
     ``max_interval_forwards``, which then holds for the rest of the run. With the defaults
-    (12 samples per stage, interval at most 128) a run samples its first 12 forwards, then
-    every 2nd, so the 24-sample warm-up completes at forward 34; 48 samples fall in the
-    first 180 forwards, 56 in a 300-step run, 76 in the first 1,000, and after 1,524
+    (16 samples per stage, interval at most 128) a run samples its first 16 forwards, then
+    every 2nd, so the 24-sample warm-up completes at forward 30; 64 samples fall in the
+    first 240 forwards, 68 in a 300-step run, 96 in the first 1,000, and after 2,032
     forwards one forward in 128 is sampled. The defaults were chosen with
-    ``benchmarks/overhead.py``: on small CPU models (a step under 2 ms), where a sample
-    costs about as much as a training step, the dense start stays near 10% of a
-    1,000-step run and the steady state near the per-forward cost of the root hooks.
+    ``benchmarks/overhead.py`` and the localisation benchmark: on small CPU models (a
+    step under 2 ms), where a sample costs about as much as a training step, the dense
+    start costs about 10% of a 1,000-step run, and a fault halfway through a 200-step
+    run still has a dozen samples after it.
 
     Args:
-        samples_per_stage: samples taken at each interval before it doubles. Default 12.
+        samples_per_stage: samples taken at each interval before it doubles. Default 16.
         max_interval_forwards: largest interval, in root forwards. Default 128.
 
     Raises:
@@ -100,7 +101,7 @@ class DefaultSampling:
 
     __slots__ = ("_stage_starts", "max_interval_forwards", "samples_per_stage")
 
-    def __init__(self, *, samples_per_stage: int = 12, max_interval_forwards: int = 128) -> None:
+    def __init__(self, *, samples_per_stage: int = 16, max_interval_forwards: int = 128) -> None:
         self.samples_per_stage = require_int(
             "DefaultSampling", "samples_per_stage", samples_per_stage, minimum=1
         )
