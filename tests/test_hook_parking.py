@@ -7,6 +7,7 @@ test here starts those counters at zero (``fresh_dynamo``) and lets them count f
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import cast
 
@@ -62,6 +63,7 @@ class OddForwards:
 def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
     monkeypatch.setitem(torch._dynamo.utils.counters["frames"], "total", 0)
+    monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
 
 
 def hook_counts(model: nn.Module) -> dict[str, int]:
@@ -198,3 +200,56 @@ def test_code_first_compiled_in_a_parked_forward_is_traced_again(
     assert inner, sorted(seen)
     for name in inner:
         assert seen[(name, "activation")] == 3, (name, seen)
+
+
+def test_a_hook_added_during_a_parked_forward_runs_after_ours(tmp_path: Path, fresh_dynamo) -> None:
+    model = Net()
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=OddForwards())
+    seen: list[float] = []
+
+    def hundredfold(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        seen.append(output.detach().double().pow(2).mean().sqrt().item())
+        return output * 100
+
+    original = model.forward
+
+    def forward_registering_late(x: Tensor) -> Tensor:
+        if not seen and not model.probe._forward_hooks:  # inside the parked forward 0
+            model.probe.register_forward_hook(hundredfold)
+        return original(x)
+
+    model.forward = forward_registering_late  # type: ignore[method-assign]
+    train(model, 2)
+    order = [type(hook).__name__ for hook in model.probe._forward_hooks.values()]
+    remove_observer(model)
+    assert order == ["ForwardHook", "function"]
+    probe = findings(read_report(tmp_path), "rms")[("probe", "activation")]
+    assert probe["latest"]["value"] == pytest.approx(seen[1], rel=1e-5)  # not 100x
+
+
+def test_keyboard_interrupt_inside_a_forward_leaves_no_hook_parked(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    class Interrupting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.calls += 1
+            if self.calls == 2:
+                raise KeyboardInterrupt  # skips even always-called forward hooks
+            return x
+
+    model = nn.Sequential(nn.Linear(8, 16), Interrupting(), nn.Tanh(), nn.Linear(16, 1))
+    before = hook_counts(model)
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(2))
+    attached = hook_counts(model)
+    for _ in range(8):
+        with contextlib.suppress(KeyboardInterrupt):
+            model(torch.randn(4, 8)).sum().backward()
+    assert hook_counts(model) == attached
+    remove_observer(model)
+    assert hook_counts(model) == before
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (8, 4)

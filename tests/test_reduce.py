@@ -585,3 +585,14 @@ def test_batched_rows_match_single_tensor_rows():
         reduce_module.cpu_statistics_batch([torch.zeros(3), torch.zeros(4)])
     with pytest.raises(ValueError, match="at least one tensor"):
         reduce_module.cpu_statistics_batch([])
+
+
+def test_large_tensor_subsample_sees_every_feature_of_a_768_wide_row():
+    """Rows of 12 blocks: a periodic block stride of 3 would see a third of the features."""
+    for channel in (1, 138):
+        x = torch.randn(1, 128, 768, generator=torch.Generator().manual_seed(0))
+        x[..., channel] = 60.0  # one outlier feature
+        expected = reference_metrics(x)
+        actual = finish_statistics(cpu_statistics(x))
+        assert actual["excess_kurtosis"] == pytest.approx(expected["excess_kurtosis"], rel=0.1)
+        assert actual["mean_abs"] == pytest.approx(expected["mean_abs"], rel=0.05)

@@ -46,17 +46,21 @@ def _opaque_to_compiler(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compiled_frames() -> int:
-    """How many frames ``torch.compile`` (Dynamo) has tried to compile in this process.
+    """A count that grows whenever ``torch.compile`` (Dynamo) compiles in this process.
 
-    Read from Dynamo's own counters (``torch._dynamo.utils.counters``), which
-    ``torch._dynamo.reset()`` leaves alone; 0 when Dynamo was never imported, and -1
-    when the counters cannot be read (callers then assume compilation is in use).
+    The frames Dynamo tried to compile plus the graphs it built, from its own counters
+    (``torch._dynamo.utils.counters``, which ``torch._dynamo.reset()`` leaves alone); 0
+    when Dynamo never compiled anything (or was never imported), and -1 when the
+    counters cannot be read (callers then assume compilation is in use).
     """
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return 0
     try:
-        return int(utils.counters["frames"]["total"])
+        counters = utils.counters
+        # Frames Dynamo tried to convert, plus graphs it built: fullgraph=True compiles
+        # through a path that does not count frames.
+        return int(counters["frames"]["total"]) + int(counters["stats"]["unique_graphs"])
     except Exception:
         return -1
 

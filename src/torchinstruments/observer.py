@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import atexit
 import math
+import sys
 import time
 import warnings
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,8 @@ _HISTOGRAM = "histogram"
 _SENTINEL = "sentinel"
 #: Index of the root among the observed modules (``select_modules`` puts it first).
 ROOT_INDEX = 0
+#: Code of nn.Module._call_impl, whose frames show which module calls are running.
+_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
 #: Pending-record signal carrying the GradScaler loss scale of a sample.
 _LOSS_SCALE = "loss_scale"
 #: Gradient values of these metrics are divided by the GradScaler loss scale.
@@ -190,14 +193,15 @@ class Observer:
         self._last_sentinel_forward = -1
         # Hook parking (see _park_hooks): (hooks dict, handle id, hook) per submodule.
         self._parkable: list[tuple[dict[int, Any], int, ForwardHook]] = []
-        self._parked = False
+        self._parked: list[tuple[dict[int, Any], int, ForwardHook]] = []
         self._parked_depth = 0
         self._frames_at_park = 0
         self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
 
         # Pipeline state.
         self._pending: list[_Record] = []
-        self._staged: list[tuple[tuple[int, int, str, str], int, int, Tensor]] = []
+        # A deque: hooks on worker threads append while a flush pops (both atomic).
+        self._staged: deque[tuple[tuple[int, int, str, str], int, int, Tensor]] = deque()
         self._staged_elements = 0
         self._in_flight: list[_InFlight] = []
         self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
@@ -306,6 +310,8 @@ class Observer:
         if not self.attached:
             self.state = self.SKIP
             return
+        if len(stack) > 1 and not self.capture_direct_forwards:
+            self._drop_unclosed_forwards(module)
         if self._parked and len(stack) == 1:
             self._restore_hooks()  # the previous root forward never closed
         try:
@@ -314,6 +320,23 @@ class Observer:
         except Exception as error:  # never break training
             self.state = self.SKIP
             self.record_error("enter_root", "", error)
+
+    def _drop_unclosed_forwards(self, module: nn.Module) -> None:
+        """Forget root forwards that never closed (a KeyboardInterrupt skips even the
+        always-called post-hook): keep only as many open forwards as calls of the root
+        on this thread's stack. The root calling itself is the one legitimate nesting."""
+        open_calls = 0
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is module:
+                open_calls += 1
+            frame = frame.f_back
+        stack = self._state_stack
+        if open_calls == 0 or open_calls >= len(stack):
+            return  # cannot tell (compiled frames), or nothing was left open
+        del stack[: len(stack) - open_calls]
+        stack[0] = self.IDLE
+        self._unsampled_training = False
 
     def _open_root(self, module: nn.Module) -> bool:
         """Set the state for a root forward; True if its submodule hooks may be parked."""
@@ -426,20 +449,28 @@ class Observer:
         if frames != 0:
             self.hook_parking = "off: torch.compile in use"
             return
-        self._parked = True
         self._parked_depth = len(self._state_stack)
         self._frames_at_park = frames
-        for hooks, key, _ in self._parkable:
-            if len(hooks) == 1:  # ours alone (a module with more is left as it is)
-                del hooks[key]
+        # Only where ours is the module's only forward hook (order stays as it was).
+        parked = [entry for entry in self._parkable if len(entry[0]) == 1 and entry[1] in entry[0]]
+        for hooks, key, _ in parked:
+            del hooks[key]
+        self._parked = parked
 
     def _restore_hooks(self) -> None:
         """Put parked hooks back (see :meth:`_park_hooks`)."""
-        if not self._parked:
+        parked = self._parked
+        if not parked:
             return
-        self._parked = False
-        for hooks, key, hook in self._parkable:
-            if key not in hooks:
+        self._parked = []
+        for hooks, key, hook in parked:
+            if hooks:
+                # A hook registered while ours was parked: ours goes back in front.
+                others = list(hooks.items())
+                hooks.clear()
+                hooks[key] = hook
+                hooks.update(others)
+            else:
                 hooks[key] = hook
         if compiled_frames() != self._frames_at_park:
             self.hook_parking = "off: torch.compile in use"
@@ -735,25 +766,38 @@ class Observer:
     def _reduce_staged(self) -> None:
         """Reduce the staged copies, grouped by length, into pending host rows."""
         staged = self._staged
-        if not staged:
-            return
-        self._staged = []
+        taken = []
+        while True:  # pop rather than swap lists: worker threads may be appending
+            try:
+                taken.append(staged.popleft())
+            except IndexError:
+                break
         self._staged_elements = 0
-        try:
-            groups: dict[int, list[int]] = {}
-            for i, record in enumerate(staged):
-                groups.setdefault(record[3].numel(), []).append(i)
-            rows: list[list[float]] = [[] for _ in staged]
-            for indices in groups.values():
-                batch = cpu_statistics_batch([staged[i][3] for i in indices])
-                for i, row in zip(indices, batch, strict=True):
-                    rows[i] = row
-        except Exception as error:
-            self.record_error("reduce", "", error)
+        if not taken:
             return
+        groups: dict[int, list[int]] = {}
+        for i, record in enumerate(taken):
+            groups.setdefault(record[3].numel(), []).append(i)
         pending = self._pending
-        for (key, sample, position, _), row in zip(staged, rows, strict=True):
-            pending.append((key, sample, position, row))
+        for indices in groups.values():
+            try:
+                rows = cpu_statistics_batch([taken[i][3] for i in indices])
+            except Exception:
+                # One bad copy must not cost the whole batch: reduce them one by one.
+                rows = [self._reduce_one(taken[i]) for i in indices]
+            for i, row in zip(indices, rows, strict=True):
+                if row is not None:
+                    key, sample, position, _ = taken[i]
+                    pending.append((key, sample, position, row))
+
+    def _reduce_one(
+        self, record: tuple[tuple[int, int, str, str], int, int, Tensor]
+    ) -> list[float] | None:
+        try:
+            return cpu_statistics_unchecked(record[3])
+        except Exception as error:
+            self.record_error("reduce", self.names[record[0][0]], error)
+            return None
 
     def _append_record(
         self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
@@ -794,6 +838,9 @@ class Observer:
         pending = self._pending
         if pending:
             self._pending = []
+            # Trackers need each series in sample order; rows of small tensors (staged)
+            # come after rows of large ones (reduced at once) of later samples.
+            pending.sort(key=_record_sample)
             try:
                 self._in_flight.append(_launch_transfer(pending))
             except Exception as error:
@@ -1017,6 +1064,10 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _record_sample(record: _Record) -> int:
+    return record[1]
 
 
 def _padded_row(values: Tensor) -> Tensor:

@@ -476,13 +476,21 @@ def _run_section(observer: Observer) -> dict[str, Any]:
         ),
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
-        "hook_parking": observer.hook_parking,
+        "hook_parking": _hook_parking(observer),
         "versions": {
             "torchinstruments": __version__,
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
     }
+
+
+def _hook_parking(observer: Observer) -> str:
+    from .capture import compiled_frames
+
+    if observer.hook_parking == "on" and compiled_frames() != 0:
+        return "off: torch.compile in use"  # parking would stop at the next try
+    return observer.hook_parking
 
 
 def _config_section(observer: Observer) -> dict[str, Any]:

@@ -1,0 +1,80 @@
+"""Small CPU tensors are copied and reduced in batches at the next flush.
+
+The batches must not change what the trackers see: each series in sample order, even
+when its tensor crosses the staging size between samples, and one bad copy must not
+cost the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from torchinstruments import ReportConfig, inject_observer, remove_observer
+from torchinstruments.observer import STAGE_MAX_NUMEL
+
+from .conftest import read_report
+
+WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(64, 64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.emb(x).pow(2).mean()
+
+
+def rms_finding(report: dict, module: str) -> dict:
+    return next(
+        f
+        for f in report["findings"]
+        if f["module"] == module and f["signal"] == "activation" and f["metric"] == "rms"
+    )
+
+
+def test_series_stay_in_sample_order_across_the_staging_size(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Embed()
+    lengths = [900, 1100] * 3  # 57,600 and 70,400 elements: staged, then not
+    assert 900 * 64 <= STAGE_MAX_NUMEL < 1100 * 64
+    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=WIDE)
+    expected = []
+    for i, length in enumerate(lengths):
+        x = torch.randn(length, 64) * (i + 1)
+        with torch.no_grad():
+            expected.append(model.emb(x).double().pow(2).mean().sqrt().item())
+        model(x).backward()
+    remove_observer(model)
+    finding = rms_finding(read_report(tmp_path), "emb")
+    assert [point[0] for point in finding["history"]] == list(range(6))
+    for (_, value), truth in zip(finding["history"], expected, strict=True):
+        assert abs(value - truth) <= 1e-5 * truth
+    assert finding["first"]["sample"] == 0 and finding["latest"]["sample"] == 5
+
+
+def test_calls_inside_vmap_are_skipped_and_training_calls_kept(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=WIDE)
+
+    def loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return (functional_call(model, params, (x.unsqueeze(0),)) - y).pow(2).mean()
+
+    for _ in range(4):
+        x, y = torch.randn(6, 8), torch.randn(6, 1)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)  # per-sample gradients
+        (model(x) - y).pow(2).mean().backward()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    coverage = report["coverage"]
+    assert coverage["errors_total"] == 0
+    assert coverage["tensors_skipped"]["functorch_transform"] > 0
+    for name in ("0", "1", "2"):
+        assert rms_finding(report, name)["observations"] == 4
