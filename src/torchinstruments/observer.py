@@ -749,15 +749,16 @@ class Observer:
         hook returns (``out += residual``, ``relu_``). Larger CPU tensors are reduced at
         once to host floats, and CUDA tensors to a device vector (no synchronisation).
         """
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             self._pending.append((key, sample, position, tensor_statistics(tensor)))
             return
-        if tensor.dtype in _STAGED_DTYPES and tensor.numel() <= STAGE_MAX_NUMEL:
+        numel = tensor.numel()
+        if numel <= STAGE_MAX_NUMEL and tensor.dtype in _STAGED_DTYPES:
             copy = tensor.detach().to(
                 torch.float32, memory_format=torch.contiguous_format, copy=True
             )
             self._staged.append((key, sample, position, copy.view(-1)))
-            self._staged_elements += copy.numel()
+            self._staged_elements += numel
             if self._staged_elements > STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return

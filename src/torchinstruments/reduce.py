@@ -76,7 +76,7 @@ def skip_reason(value: object) -> str | None:
         return "not_a_tensor"
     if value.layout != torch.strided:
         return "sparse"
-    if value.device.type == "meta":
+    if value.is_meta:
         return "meta"
     if _is_functorch_wrapped(value):
         return "functorch_transform"
