@@ -105,7 +105,7 @@ def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dy
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
     attached = hook_counts(model)
     losses = train(model, 7)
-    assert hook_counts(model) == attached  # every hook back in place between forwards
+    assert hook_counts(model) == attached  # forward 6 was sampled: every hook in place
     remove_observer(model)
     assert hook_counts(model) == before
     assert losses == train(twin, 7)
@@ -116,18 +116,42 @@ def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dy
     assert report["coverage"]["samples_observed"] == 3
 
 
-def test_a_forward_that_raises_gets_its_hooks_back(tmp_path: Path, fresh_dynamo) -> None:
+def test_a_forward_that_raises_leaves_the_hooks_working(tmp_path: Path, fresh_dynamo) -> None:
     model = Net(fail_on=1)
+    before = hook_counts(model)
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
     attached = hook_counts(model)
     train(model, 1)
     with pytest.raises(RuntimeError, match="on purpose"):
         train(model, 1)
-    assert hook_counts(model) == attached
     train(model, 2)
+    assert hook_counts(model) == attached  # forward 3 was sampled: hooks back in place
     remove_observer(model)
+    assert hook_counts(model) == before
     # Training forwards 0 and 3 are sampled; forward 1 raised before reaching the probe.
     assert model.probe.hooks_seen == [1, 0, 1]
+
+
+def test_hooks_stay_parked_across_unsampled_forwards_until_a_sample(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    model = Net()
+    before = hook_counts(model)
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(4))
+    counts = []
+    for _ in range(6):
+        train(model, 1)
+        counts.append(hook_counts(model)["probe"])
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 6))  # eval forwards leave them parked too
+    model.train()
+    assert hook_counts(model)["probe"] == 0
+    train(model, 1)  # training forward 6 (eval forwards are not counted): not sampled
+    remove_observer(model)
+    assert counts == [1, 0, 0, 0, 1, 0]
+    assert model.probe.hooks_seen == [1, 0, 0, 0, 1, 0, 0, 0]  # the 7th is the eval forward
+    assert hook_counts(model) == before
 
 
 def test_a_module_with_another_hook_keeps_its_hooks_in_order(tmp_path: Path, fresh_dynamo) -> None:
@@ -248,8 +272,10 @@ def test_keyboard_interrupt_inside_a_forward_leaves_no_hook_parked(
     for _ in range(8):
         with contextlib.suppress(KeyboardInterrupt):
             model(torch.randn(4, 8)).sum().backward()
+    assert hook_counts(model) == {name: 0 if name else 1 for name in attached}  # parked
+    model(torch.randn(4, 8)).sum().backward()  # forward 8: sampled, hooks back
     assert hook_counts(model) == attached
     remove_observer(model)
     assert hook_counts(model) == before
     coverage = read_report(tmp_path)["coverage"]
-    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (8, 4)
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (9, 5)

@@ -194,7 +194,6 @@ class Observer:
         # Hook parking (see _park_hooks): (hooks dict, handle id, hook) per submodule.
         self._parkable: list[tuple[dict[int, Any], int, ForwardHook]] = []
         self._parked: list[tuple[dict[int, Any], int, ForwardHook]] = []
-        self._parked_depth = 0
         self._frames_at_park = 0
         self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
 
@@ -278,7 +277,7 @@ class Observer:
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
-        self._restore_hooks()
+        self._restore_hooks(reset=False)
         self._parkable.clear()
         for handle in self._handles + self._leaf_hooks:
             handle.remove()
@@ -312,10 +311,17 @@ class Observer:
             return
         if len(stack) > 1 and not self.capture_direct_forwards:
             self._drop_unclosed_forwards(module)
-        if self._parked and len(stack) == 1:
-            self._restore_hooks()  # the previous root forward never closed
         try:
-            if self._open_root(module) and not self._parked and self.hook_parking == "on":
+            parkable = self._open_root(module)
+            if parkable is None:
+                return  # the root calling itself: the same forward
+            if self._parked:
+                # Hooks stay parked across unsampled forwards; back for a forward that
+                # needs them, or once torch.compile appears (between forwards, or
+                # compiling this very call up to this hook).
+                if not parkable or compiled_frames() != self._frames_at_park:
+                    self._restore_hooks(reset=False)
+            elif parkable and self.hook_parking == "on":
                 self._park_hooks()
         except Exception as error:  # never break training
             self.state = self.SKIP
@@ -338,8 +344,9 @@ class Observer:
         stack[0] = self.IDLE
         self._unsampled_training = False
 
-    def _open_root(self, module: nn.Module) -> bool:
-        """Set the state for a root forward; True if its submodule hooks may be parked."""
+    def _open_root(self, module: nn.Module) -> bool | None:
+        """Set the state for a root forward: True if its submodule hooks may be parked,
+        False if it needs them, None if it continues the open forward (recursion)."""
         if in_backward():
             if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
                 # A reentrant checkpoint of the root: its first pass ran without
@@ -357,7 +364,7 @@ class Observer:
             self.SKIP,
             self.SENTINEL,
         ):
-            return False  # the root calling itself: same forward
+            return None  # the root calling itself: same forward
         if torch.jit.is_tracing():
             self.state = self.SKIP
             self.eval_forwards_skipped += 1
@@ -398,8 +405,8 @@ class Observer:
             return
         stack = self._state_stack
         self.state = stack.pop() if stack else self.IDLE
-        if self._parked and len(stack) < self._parked_depth:
-            self._restore_hooks()
+        if self._parked and not stack and compiled_frames() != self._frames_at_park:
+            self._restore_hooks(reset=True)  # something was compiled during this forward
         if self.state == self.IDLE:
             self._unsampled_training = False
 
@@ -431,25 +438,31 @@ class Observer:
             self.record_error("sentinel", "", error)
 
     def _park_hooks(self) -> None:
-        """Take the submodule hooks out of their modules for one unsampled root forward.
+        """Take the submodule hooks out of their modules while no forward needs them.
 
         In a forward that is not sampled every submodule hook would return at once, but
         PyTorch's dispatch to it alone costs 1 to 2 us per module call; a module without
         hooks takes ``nn.Module``'s hook-free fast path instead. Parking removes our hook
         from each module's ``_forward_hooks`` (only where it is that module's only forward
-        hook, so hook order is unchanged) and :meth:`_restore_hooks` puts it back when the
-        root forward closes (the root's post-hook is always called, even on errors).
+        hook, so hook order is unchanged). The hooks stay out across unsampled, eval and
+        no-grad root forwards, and :meth:`_restore_hooks` puts them back when a root
+        forward that needs them opens (sampled, full sentinel, recomputation in backward)
+        and at removal, so parking costs one pass over the modules per sample, not per
+        forward. While parked, calls of submodules outside any root forward are not seen
+        (they are only ever counted, under ``calls_outside_root_skipped``), and nothing
+        is parked while a sampled forward's reentrant checkpoints await their backward.
 
         Compiled code does not see hook changes (Dynamo does not guard on hooks), so
-        parking stops for good once ``torch.compile`` has compiled any frame in the
-        process; if a frame was compiled during a parked forward, Dynamo's caches are
+        parking stops for good once ``torch.compile`` has compiled anything in the
+        process; if something was compiled during a parked forward, Dynamo's caches are
         reset so that the code is traced again with the hooks in place.
         """
         frames = compiled_frames()
         if frames != 0:
             self.hook_parking = "off: torch.compile in use"
             return
-        self._parked_depth = len(self._state_stack)
+        if any(self._no_grad_calls.values()):
+            return  # a sampled forward's reentrant checkpoints will run again in backward
         self._frames_at_park = frames
         # Only where ours is the module's only forward hook (order stays as it was).
         parked = [entry for entry in self._parkable if len(entry[0]) == 1 and entry[1] in entry[0]]
@@ -457,8 +470,9 @@ class Observer:
             del hooks[key]
         self._parked = parked
 
-    def _restore_hooks(self) -> None:
-        """Put parked hooks back (see :meth:`_park_hooks`)."""
+    def _restore_hooks(self, *, reset: bool) -> None:
+        """Put parked hooks back (see :meth:`_park_hooks`); with ``reset``, also reset
+        Dynamo if something was compiled since they were parked."""
         parked = self._parked
         if not parked:
             return
@@ -474,11 +488,12 @@ class Observer:
                 hooks[key] = hook
         if compiled_frames() != self._frames_at_park:
             self.hook_parking = "off: torch.compile in use"
-            # Code compiled while the hooks were parked would never call them.
-            try:
-                torch._dynamo.reset()
-            except Exception as error:
-                self.record_error("compile_reset", "", error)
+            if reset:
+                # Code compiled while the hooks were parked would never call them.
+                try:
+                    torch._dynamo.reset()
+                except Exception as error:
+                    self.record_error("compile_reset", "", error)
 
     def _sentinel_output(self, index: int, call: int, output: object) -> None:
         for path, leaf in iter_output_tensors(output):
