@@ -29,7 +29,9 @@ minimum and maximum of its block ratios over ``--repeats`` blocks. Configuration
   ``histograms`` argument; "n/a (not implemented)" until then.
 
 Also measured: the cost of one unsampled hook call (a chain of trivial modules whose
-forwards are never sampled, minus the same chain without hooks, per module call), the
+forwards are never sampled, minus the same chain without hooks, per module call; with
+hook parking switched off, as under ``torch.compile``, and with the default, where the
+hooks of unsampled forwards are parked and never called), the
 resident memory over 5,000 samples, the time to build and write the report of a model
 with 2,000 observed modules, and ``torch.compile`` (injection before and after
 compiling; graph breaks; compiled-step ratio).
@@ -508,7 +510,7 @@ def bench_hook_call(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     def chain() -> nn.Module:
         return nn.Sequential(*(nn.Identity() for _ in range(modules)))
 
-    plain, noop, observed = chain(), chain(), chain()
+    plain, noop, observed, parked = chain(), chain(), chain(), chain()
 
     def noop_hook(module: nn.Module, inputs: object, output: object) -> None:
         return None
@@ -516,8 +518,15 @@ def bench_hook_call(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     for module in noop.modules():
         module.register_forward_hook(noop_hook)
     handle = inject_observer(observed, output_dir=tmp / "hook", sampling=_NeverSample())
+    # Parking (submodule hooks taken out during unsampled eager forwards) would leave no
+    # hook to call; switch it off on this copy, as torch.compile does, to time the call.
+    # The "parked" copy keeps the default.
+    observer = handle._observer
+    assert observer is not None
+    observer.hook_parking = "off: benchmark"
+    inject_observer(parked, output_dir=tmp / "hook-parked", sampling=_NeverSample())
     x = torch.randn(4, 4)
-    models = {"plain": plain, "noop": noop, "observed": observed}
+    models = {"plain": plain, "noop": noop, "observed": observed, "parked": parked}
     times: dict[str, list[float]] = {name: [] for name in models}
     clock = time.perf_counter
     with torch.enable_grad():
@@ -533,6 +542,7 @@ def bench_hook_call(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 times[name].append(clock() - start)
     report = handle.report() or {}
     remove_observer(observed)
+    remove_observer(parked)
 
     # Fixed cost per unsampled training forward: the root's pre- and post-hooks (sampling
     # decision, context) and whatever they check on the root output (a 64 x 10 "logits").
@@ -557,6 +567,9 @@ def bench_hook_call(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ours = [1e6 * (o - p) / calls for o, p in zip(times["observed"], times["plain"], strict=True)]
     noop_cost = [1e6 * (n - p) / calls for n, p in zip(times["noop"], times["plain"], strict=True)]
     above = [1e6 * (o - n) / calls for o, n in zip(times["observed"], times["noop"], strict=True)]
+    parked_cost = [
+        1e6 * (o - p) / calls for o, p in zip(times["parked"], times["plain"], strict=True)
+    ]
     samples = report.get("coverage", {}).get("samples_observed")
     return {
         "modules": modules,
@@ -566,6 +579,7 @@ def bench_hook_call(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "unsampled_hook_us": _summary(ours),
         "noop_hook_us": _summary(noop_cost),
         "ours_above_noop_us": _summary(above),
+        "parked_us": _summary(parked_cost),
         "root_forward_us": _summary(root_cost),
         "samples_observed": samples,
     }
@@ -937,8 +951,9 @@ def print_hook(result: dict[str, Any]) -> None:
     print("\n== Unsampled hook call ==")
     print(
         f"nn.Sequential of {result['modules']} nn.Identity, train mode, grad enabled, a sampling "
-        f"policy that samples no forward; {result['repeats']} repeats of "
-        f"{result['forwards_per_repeat']} forwards, per module call:"
+        f"policy that samples no forward, hook parking off (as under torch.compile) unless "
+        f"stated; {result['repeats']} repeats of {result['forwards_per_repeat']} forwards, "
+        "per module call:"
     )
     print(
         _table(
@@ -953,6 +968,10 @@ def print_hook(result: dict[str, Any]) -> None:
                 [
                     "ours above a no-op hook (observed - noop)",
                     _fmt_ratio(result["ours_above_noop_us"]),
+                ],
+                [
+                    "default (hooks parked in unsampled forwards; parked - plain)",
+                    _fmt_ratio(result["parked_us"]) if "parked_us" in result else "n/a",
                 ],
                 [
                     "per unsampled root forward: root hooks + output check (64 x 10)",

@@ -807,24 +807,28 @@ def build_details(observer: Observer) -> dict[str, Any]:
     )
 
 
-def _summary_row(series: Any, metric: str, tracker: Any) -> dict[str, Any]:
+def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[str, Any]:
+    """One JSON-safe row of ``series.json``, rounded as :func:`_clean` would round it
+    (built directly: a 2,000-module model has tens of thousands of rows)."""
+    first_nonzero = tracker.first_nonzero
+    low, high = tracker.min, tracker.max
     return {
         "module": display_module(series.module),
         "call_index": series.call_index,
         "signal": series.signal,
         "tensor_path": series.tensor_path,
         "metric": metric,
-        "forward_position": series.forward_position,
+        "forward_position": position,
         "count": tracker.count,
-        "points": [[sample, value] for sample, value in tracker.history()],
-        "ema_fast": tracker.level(tracker.ema_fast),
-        "baseline": tracker.level(tracker.baseline_mean),
-        "baseline_std": tracker.baseline_std,
-        "volatility": tracker.volatility,
+        "points": [[sample, _round(value)] for sample, value in tracker.history()],
+        "ema_fast": _round(tracker.level(tracker.ema_fast)),
+        "baseline": _round(tracker.level(tracker.baseline_mean)),
+        "baseline_std": _round(tracker.baseline_std),
+        "volatility": _round(tracker.volatility),
         "log_scale": tracker.log_scale,
-        "min": _point(tracker.min),
-        "max": _point(tracker.max),
-        "first_nonzero_sample": tracker.first_nonzero.sample if tracker.first_nonzero else None,
+        "min": {"sample": low.sample, "value": _round(low.value)},
+        "max": {"sample": high.sample, "value": _round(high.value)},
+        "first_nonzero_sample": first_nonzero.sample if first_nonzero else None,
         "nonzero_samples": tracker.nonzero_count,
     }
 
@@ -839,7 +843,6 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     Series are kept in forward call order until ``max_bytes`` of compact JSON; the rest
     are counted under ``omitted``. No raw tensors.
     """
-    rows = []
     positions = forward_positions(observer.series.values())
 
     def position(s: Any) -> int:
@@ -849,13 +852,12 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
         observer.series.values(),
         key=lambda s: (position(s), s.module, s.call_index, s.signal, s.tensor_path),
     )
-    for series in ordered:
-        for metric in SUMMARY_METRICS:
-            tracker = series.trackers.get(metric)
-            if tracker is not None and tracker.count:
-                row = _summary_row(series, metric, tracker)
-                row["forward_position"] = position(series)
-                rows.append(_clean(row))
+    pairs = [
+        (series, metric, tracker)
+        for series in ordered
+        for metric in SUMMARY_METRICS
+        if (tracker := series.trackers.get(metric)) is not None and tracker.count
+    ]
     header = _clean(
         {
             "schema": SERIES_SCHEMA,
@@ -867,10 +869,11 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     )
     budget = max_bytes - len(json.dumps(header, separators=(",", ":"))) - 64
     kept: list[dict[str, Any]] = []
-    for row in rows:
+    for series, metric, tracker in pairs:
+        row = _summary_row(series, metric, tracker, position(series))
         size = len(json.dumps(row, separators=(",", ":"), ensure_ascii=False)) + 1
         if size > budget:
-            break
+            break  # rows past the budget are counted, not built
         budget -= size
         kept.append(row)
-    return {**header, "series": kept, "omitted": len(rows) - len(kept)}
+    return {**header, "series": kept, "omitted": len(pairs) - len(kept)}
