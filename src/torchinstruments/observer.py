@@ -69,6 +69,8 @@ _HISTOGRAM = "histogram"
 _SENTINEL = "sentinel"
 #: Index of the root among the observed modules (``select_modules`` puts it first).
 ROOT_INDEX = 0
+#: torch.jit.is_tracing without its Python wrapper (called once per root forward).
+_is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
 _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
 #: Pending-record signal carrying the GradScaler loss scale of a sample.
@@ -236,6 +238,7 @@ class Observer:
         self._cost_listener = listener if callable(listener) else None
         self.started_at = time.time()
         self._last_write = time.monotonic()
+        self._rewrite_interval_s = report_config.rewrite_interval_s
         self._warned_write = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
@@ -365,7 +368,7 @@ class Observer:
             self.SENTINEL,
         ):
             return None  # the root calling itself: same forward
-        if torch.jit.is_tracing():
+        if _is_tracing():
             self.state = self.SKIP
             self.eval_forwards_skipped += 1
             return False  # a trace must record the module calls as they are
@@ -839,7 +842,7 @@ class Observer:
         pending = len(self._pending) + len(self._staged)
         if pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % 32 == 0):
             self.flush_statistics(block=False)
-        if time.monotonic() - self._last_write >= self.report_config.rewrite_interval_s:
+        if time.monotonic() - self._last_write >= self._rewrite_interval_s:
             self.write_report(block=False)
 
     def flush_statistics(self, *, block: bool = True) -> None:
