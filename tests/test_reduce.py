@@ -551,7 +551,7 @@ def test_mean_abs_accumulation_precision():
 
 
 def test_large_cpu_tensor_keeps_scale_exact_and_estimates_shape_from_a_subsample():
-    """Above 65,536 elements: RMS and maximum exact, the rest from a block subsample."""
+    """Above 32,768 elements: RMS and maximum exact, the rest from a block subsample."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(32, 16, 32, 32, generator=generator).relu()
     x[:, 3] *= 100.0  # one loud channel: a subsample must still see it

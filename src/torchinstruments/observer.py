@@ -59,7 +59,7 @@ MAX_SAMPLES_AWAITING_BACKWARD = 256
 MAX_PENDING_RECORDS = 4_096
 #: CPU tensors of at most this many elements are copied (as float32) when observed and
 #: reduced later in batches (see Observer._stage); larger ones are reduced at once.
-STAGE_MAX_NUMEL = 1 << 16
+STAGE_MAX_NUMEL = 1 << 15
 #: Staged elements (float32) after which the staged copies are reduced (16 MiB).
 STAGE_MAX_ELEMENTS = 1 << 22
 _STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

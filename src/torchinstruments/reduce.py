@@ -175,7 +175,7 @@ def _fast_path_limit(numel: int) -> float:
 
 #: Tensors with more elements than this get their mean |x|, kurtosis and zero fraction
 #: from a subsample of about ``SUBSAMPLE_SIZE`` elements (CPU fast path).
-SUBSAMPLE_ABOVE = 1 << 16
+SUBSAMPLE_ABOVE = 1 << 15
 SUBSAMPLE_SIZE = 1 << 15
 #: Contiguous elements per block of that subsample.
 SUBSAMPLE_BLOCK = 64
@@ -223,7 +223,7 @@ def cpu_statistics(x: Tensor) -> list[float]:
     the largest magnitude lies where float32 powers neither overflow nor underflow, the
     sums are taken without the scaled copy (about three times faster on small tensors);
     otherwise it falls back to :func:`tensor_statistics`. Above ``SUBSAMPLE_ABOVE``
-    elements (65,536), the tensor is read twice in full (extremes, and the sum of
+    elements (32,768), the tensor is read twice in full (extremes, and the sum of
     squares as blocked BLAS dot products), so RMS and maximum stay exact (relative error
     of the sum of squares below about 5e-5); the mean, mean absolute value, central
     moments (excess kurtosis) and zero count are estimated on a subsample of about 32,768
