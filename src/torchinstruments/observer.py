@@ -29,6 +29,7 @@ from .capture import (
     ForwardHook,
     ForwardWrapper,
     GradHook,
+    NodeGradHook,
     RootPostHook,
     RootPreHook,
     compiled_frames,
@@ -648,15 +649,19 @@ class Observer:
             if self.histogram_specs:
                 self._histogram(index, call, ACTIVATION, path, sample, leaf)
             if leaf.requires_grad and grad_enabled:
+                node = leaf.grad_fn
+                if node is not None:
+                    node.register_prehook(
+                        NodeGradHook(self, (index, call, path), sample, leaf.output_nr)
+                    )
+                    continue
+                # A module that returns a parameter: a hook on a leaf outlives the
+                # graph, so it removes itself after its first gradient (and at detach).
                 hook = GradHook(self, (index, call, path), sample)
-                handle = leaf.register_hook(hook)
-                if leaf.is_leaf:
-                    # A module that returns a parameter: a hook on a leaf outlives the
-                    # graph, so it removes itself after its first gradient (and at detach).
-                    hook.handle = handle
-                    self._leaf_hooks.append(handle)
-                    if len(self._leaf_hooks) > MAX_SAMPLES_AWAITING_BACKWARD:
-                        self._leaf_hooks.pop(0).remove()
+                hook.handle = leaf.register_hook(hook)
+                self._leaf_hooks.append(hook.handle)
+                if len(self._leaf_hooks) > MAX_SAMPLES_AWAITING_BACKWARD:
+                    self._leaf_hooks.pop(0).remove()
         if not grad_enabled:
             # Under no_grad inside a training forward (reentrant checkpointing): the
             # gradient flows through a recomputation during backward.
