@@ -2,9 +2,12 @@
 
     capture (hooks) -> reduce (device vectors) -> track (host, in batches) -> find -> report
 
-Hooks call :meth:`Observer.enter_root`, :meth:`Observer.on_forward` and
-:meth:`Observer.on_grad`; each catches its own errors, counts them and returns ``None``.
-Statistics stay on the tensor's device until a flush moves a whole batch to the host.
+Hooks call :meth:`Observer.enter_root`, :meth:`Observer.leave_root`,
+:meth:`Observer.on_forward` and :meth:`Observer.on_grad`; each catches its own errors,
+counts them and returns ``None``. Statistics stay on the tensor's device until a flush
+moves a whole batch to the host; small CPU tensors are copied and reduced in batches at
+the flush. Submodule hooks are parked (taken out of their modules) while no forward
+needs them; see :meth:`Observer._park_hooks`.
 """
 
 from __future__ import annotations
