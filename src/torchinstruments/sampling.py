@@ -81,10 +81,10 @@ class DefaultSampling:
     every 2nd, so the 24-sample warm-up completes at forward 30; 64 samples fall in the
     first 240 forwards, 68 in a 300-step run, 96 in the first 1,000, and after 2,032
     forwards one forward in 128 is sampled. The defaults were chosen with
-    ``benchmarks/overhead.py`` and the localisation benchmark: on small CPU models (a
-    step under 2 ms), where a sample costs about as much as a training step, the dense
-    start costs about 10% of a 1,000-step run, and a fault halfway through a 200-step
-    run still has a dozen samples after it.
+    ``benchmarks/overhead.py`` and the localisation benchmark: the whole of a 1,000-step
+    run costs about 1.02x to 1.05x on the CNN and transformer workloads (1.17x on CPU
+    MLPs whose step is under 2 ms, where a sample costs about as much as a step), and a
+    fault halfway through a 200-step run still has a dozen samples after it.
 
     Args:
         samples_per_stage: samples taken at each interval before it doubles. Default 16.
