@@ -290,7 +290,7 @@ class NodeGradHook:
     gradients of the node's outputs and passes on the one of that tensor.
 
     Registered with ``grad_fn.register_prehook``, which skips ``Tensor.register_hook``'s
-    Python bookkeeping (its hook dictionary and removable handle, about 15 us a tensor).
+    Python bookkeeping (its hook dictionary and removable handle).
     It fires where a tensor hook registered at that moment would: for the value the
     module returned, even if the tensor is changed in place later.
     """

@@ -21,6 +21,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ MAX_SAMPLES_AWAITING_BACKWARD = 256
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
 #: CPU tensors of at most this many elements are copied (as float32) when observed and
-#: reduced later in batches (see Observer._stage); larger ones are reduced at once.
+#: reduced later in batches (see Observer._measure); larger ones are reduced at once.
 STAGE_MAX_NUMEL = 1 << 15
 #: Staged elements (float32) after which the staged copies are reduced (16 MiB).
 STAGE_MAX_ELEMENTS = 1 << 22
@@ -434,11 +435,9 @@ class Observer:
         A hit counts, is recorded, and makes the next forwards sampled.
         """
         try:
-            if type(output) is Tensor and output.is_cpu and output.is_floating_point():
+            if type(output) is Tensor and output.is_floating_point():
                 # The common case, kept short: it runs in every unsampled forward.
-                self.sentinel_checks += 1
-                if not math.isfinite(output.detach().sum(dtype=torch.float32).item()):
-                    self._confirm_cpu_hit(ROOT_INDEX, 0, "output", output)
+                self._sentinel_check(ROOT_INDEX, 0, "output", output)
             else:
                 self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
@@ -510,20 +509,17 @@ class Observer:
     def _sentinel_check(self, index: int, call: int, path: str, tensor: Tensor) -> None:
         self.sentinel_checks += 1
         forward = self.forwards_seen - 1
-        if tensor.device.type == "cpu":
+        value = tensor.detach()
+        if value.is_cpu:
             # A non-finite element makes the sum non-finite; one plain reduction is
-            # cheaper than an isfinite mask.
-            if not math.isfinite(tensor.detach().sum(dtype=torch.float32).item()):
-                self._confirm_cpu_hit(index, call, path, tensor)
+            # cheaper than an isfinite mask. Confirm before counting (a sum can overflow).
+            if not math.isfinite(value.sum(dtype=torch.float32).item()) and not bool(
+                torch.isfinite(value).all()
+            ):
+                self._sentinel_hit(forward, index, call, path)
             return
-        bad = (~torch.isfinite(tensor.detach())).sum().to(torch.float64).reshape(1)
+        bad = (~torch.isfinite(value)).sum().to(torch.float64).reshape(1)
         self._append_record((index, call, _SENTINEL, path), forward, _padded_row(bad))
-
-    def _confirm_cpu_hit(self, index: int, call: int, path: str, tensor: Tensor) -> None:
-        """The sum of a CPU tensor was not finite: count a hit if an element is not
-        (the sum of finite values can overflow)."""
-        if not bool(torch.isfinite(tensor.detach()).all()):
-            self._sentinel_hit(self.forwards_seen - 1, index, call, path)
 
     def _sentinel_hit(self, forward: int, index: int, call: int, path: str) -> None:
         self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
@@ -793,12 +789,8 @@ class Observer:
     def _reduce_staged(self) -> None:
         """Reduce the staged copies, grouped by length, into pending host rows."""
         staged = self._staged
-        taken = []
-        while True:  # pop rather than swap lists: worker threads may be appending
-            try:
-                taken.append(staged.popleft())
-            except IndexError:
-                break
+        # Pop rather than swap lists: worker threads may be appending meanwhile.
+        taken = [staged.popleft() for _ in range(len(staged))]
         self._staged_elements = 0
         if not taken:
             return
@@ -867,7 +859,7 @@ class Observer:
             self._pending = []
             # Trackers need each series in sample order; rows of small tensors (staged)
             # come after rows of large ones (reduced at once) of later samples.
-            pending.sort(key=_record_sample)
+            pending.sort(key=itemgetter(1))  # by sample
             try:
                 self._in_flight.append(_launch_transfer(pending))
             except Exception as error:
@@ -1091,10 +1083,6 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
-
-
-def _record_sample(record: _Record) -> int:
-    return record[1]
 
 
 def _padded_row(values: Tensor) -> Tensor:

@@ -286,6 +286,20 @@ def cpu_statistics_unchecked(x: Tensor) -> list[float]:
     central4 = float(centred.sum()) * weight
     # bool().sum() is an order of magnitude faster than count_nonzero on the CPU.
     zeros = (part.numel() - int(part.bool().sum())) * weight
+    return _finite_row(numel, zeros, max_abs, total, sum_abs, sum_sq, central2, central4)
+
+
+def _finite_row(
+    numel: int,
+    zeros: float,
+    max_abs: float,
+    total: float,
+    sum_abs: float,
+    sum_sq: float,
+    central2: float,
+    central4: float,
+) -> list[float]:
+    """The statistics row of an all-finite tensor from unscaled sums (fast paths)."""
     scale = 1.0 / max_abs
     return [
         float(numel),
@@ -379,20 +393,7 @@ def _batch_rows(flats: Sequence[Tensor], numel: int) -> list[list[float]]:
         if not (math.isfinite(max_abs) and _FAST_PATH_FLOOR <= max_abs <= limit):
             rows.append(tensor_statistics(matrix[i]).tolist())
             continue
-        scale = 1.0 / max_abs
-        rows.append(
-            [
-                float(numel),
-                float(numel),
-                float(numel - nonzeros),
-                max_abs,
-                s1 * scale,
-                s_abs * scale,
-                s2 * scale * scale,
-                c2 * scale * scale,
-                c4 * scale**4,
-            ]
-        )
+        rows.append(_finite_row(numel, numel - nonzeros, max_abs, s1, s_abs, s2, c2, c4))
     return rows
 
 

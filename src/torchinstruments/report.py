@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .capture import compiled_frames
 from .find import CATEGORIES, RULES, Candidate, display_module, format_value, run_rules
 from .find.base import ONSET_TOLERANCE_SAMPLES
 from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, forward_positions
@@ -486,8 +487,6 @@ def _run_section(observer: Observer) -> dict[str, Any]:
 
 
 def _hook_parking(observer: Observer) -> str:
-    from .capture import compiled_frames
-
     if observer.hook_parking == "on" and compiled_frames() != 0:
         return "off: torch.compile in use"  # parking would stop at the next try
     return observer.hook_parking

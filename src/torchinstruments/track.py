@@ -247,8 +247,8 @@ class SeriesTracker:
     def update(self, sample: int, value: float) -> None:
         """Add the value observed at ``sample`` (0-based sample index)."""
         # The hot path of the host side (one call per series and metric per sample):
-        # locals, and a SeriesPoint built only where one is kept.
-        v = math.log(value if value > LOG_FLOOR else LOG_FLOOR) if self._log_scale else value
+        # a SeriesPoint is built only where one is kept.
+        v = self.transform(value)
         count = self.count + 1
         self.count = count
         self._latest_sample = sample
