@@ -1,8 +1,12 @@
-"""Overhead of torchinstruments on CPU training loops (issue 4, item 1): measurement only.
+"""Overhead of torchinstruments on training loops (issue 4, item 1): measurement only.
 
     python benchmarks/overhead.py                 # full run (several minutes on 2 cores)
     python benchmarks/overhead.py --quick         # tiny sizes, for a CI smoke test (< 60 s)
     python benchmarks/overhead.py --workloads mlp,cnn --repeats 5 --json overhead.json
+    python benchmarks/overhead.py --device cuda   # on a GPU, plus a GPU-sized transformer
+
+On CUDA every timed step is bracketed by ``torch.cuda.synchronize()`` (both copies alike),
+so the host clock measures the GPU work; statistics still move to the host only at flushes.
 
 Method. Each workload is built twice from the same seed (identical initial weights): a
 *plain* copy and an *observed* copy, each with its own SGD optimizer, fed the same fixed
@@ -69,7 +73,24 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PATH = REPO_ROOT / "examples" / "basic_training.py"
 
 WORKLOAD_NAMES = ("mlp", "cnn", "transformer", "residual_mlp")
+#: Workloads sized for a GPU (a CPU-sized model leaves a GPU waiting on kernel launches);
+#: run by default with ``--device cuda``, on request elsewhere.
+GPU_WORKLOAD_NAMES = ("transformer_large",)
+ALL_WORKLOAD_NAMES = WORKLOAD_NAMES + GPU_WORKLOAD_NAMES
 SECTIONS = ("overhead", "hook", "memory", "report", "compile")
+#: Sections run by default with ``--device cuda``: the hook-call and report sections
+#: measure host-side work that does not depend on the device.
+CUDA_SECTIONS = ("overhead", "memory", "compile")
+#: Device of the training loops (``--device``); set by :func:`main`.
+DEVICE = torch.device("cpu")
+
+
+def _synchronize() -> None:
+    """Wait for queued GPU work, so that a host clock measures it (no-op on the CPU)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 #: Distinct batches cycled through by every training loop (same for both copies).
 BATCHES = 8
 #: Target plain seconds per block when ``--steps`` is not given.
@@ -141,7 +162,7 @@ def _cnn(channels: Sequence[int], size: int, hidden: int) -> nn.Module:
 
 
 def make_workloads(quick: bool) -> dict[str, Workload]:
-    """The four CPU workloads of issue 4 (tiny versions with ``quick``)."""
+    """The four CPU workloads of issue 4 and a GPU-sized one (tiny versions with ``quick``)."""
     example = _load_example_module()
     residual_mlp = example.ResidualMLP
     if quick:
@@ -167,6 +188,12 @@ def make_workloads(quick: bool) -> dict[str, Workload]:
                 lambda: residual_mlp(inputs=64, width=16, depth=2),
                 (8, 64),
             ),
+            "transformer_large": Workload(
+                "transformer_large",
+                "encoder 2 layers, d_model 32, 4 heads, seq 16, batch 4",
+                lambda: TransformerClassifier(16, 32, 4, 2, 10),
+                (4, 16, 16),
+            ),
         }
     return {
         "mlp": Workload(
@@ -189,6 +216,13 @@ def make_workloads(quick: bool) -> dict[str, Workload]:
             "examples/basic_training.py ResidualMLP() on digits-shaped input (64), batch 64",
             lambda: residual_mlp(),
             (64, 64),
+        ),
+        "transformer_large": Workload(
+            "transformer_large",
+            "nn.TransformerEncoder 6 layers, d_model 768, 12 heads, ff 3072, seq 256, "
+            "batch 32 (GPU-sized)",
+            lambda: TransformerClassifier(64, 768, 12, 6, 10),
+            (32, 256, 64),
         ),
     }
 
@@ -292,15 +326,17 @@ class Pair:
 
     def __init__(self, workload: Workload, seed: int = 0) -> None:
         torch.manual_seed(seed)
-        self.plain = workload.build()
+        self.plain = workload.build().to(DEVICE)
         self.observed = copy.deepcopy(self.plain)
         self.opt_plain = torch.optim.SGD(self.plain.parameters(), lr=1e-3, momentum=0.9)
         self.opt_observed = torch.optim.SGD(self.observed.parameters(), lr=1e-3, momentum=0.9)
         generator = torch.Generator().manual_seed(seed + 1)
         self.batches = [
             (
-                torch.randn(*workload.input_shape, generator=generator),
-                torch.randint(0, workload.classes, (workload.input_shape[0],), generator=generator),
+                torch.randn(*workload.input_shape, generator=generator).to(DEVICE),
+                torch.randint(
+                    0, workload.classes, (workload.input_shape[0],), generator=generator
+                ).to(DEVICE),
             )
             for _ in range(BATCHES)
         ]
@@ -312,13 +348,17 @@ class Pair:
         """Run ``steps`` interleaved step pairs; return (plain s, observed s)."""
         plain_s = observed_s = 0.0
         clock = time.perf_counter
+        synchronize = _synchronize
         for _ in range(steps):
             x, y = self.batches[self.step % BATCHES]
             self.step += 1
+            synchronize()
             t0 = clock()
             loss_plain = _train_step(self.plain, self.opt_plain, x, y)
+            synchronize()
             t1 = clock()
             loss_observed = _train_step(self.observed, self.opt_observed, x, y)
+            synchronize()
             t2 = clock()
             plain_s += t1 - t0
             observed_s += t2 - t1
@@ -607,12 +647,16 @@ def bench_memory(
     handle = inject_observer(model, output_dir=tmp / "memory", sampling=1)
     rss: dict[int, int | None] = {}
     blocks: dict[int, int] = {}
+    device_bytes: dict[int, int] = {}
     start = time.perf_counter()
     for i in range(total + 1):
         if i in checkpoints:
             gc.collect()
             rss[i] = _rss_kib()
             blocks[i] = sys.getallocatedblocks()
+            if DEVICE.type == "cuda":
+                _synchronize()
+                device_bytes[i] = torch.cuda.memory_allocated(DEVICE)
         if i == total:
             break
         x, y = pair.batches[i % BATCHES]
@@ -627,6 +671,7 @@ def bench_memory(
         "rss_kib_before_inject": before,
         "rss_kib": {str(k): v for k, v in rss.items()},
         "python_blocks": {str(k): v for k, v in blocks.items()},
+        "cuda_allocated_bytes": {str(k): v for k, v in device_bytes.items()},
         "seconds": elapsed,
         "samples_observed": coverage.get("samples_observed"),
         "series": coverage.get("series"),
@@ -908,35 +953,35 @@ OVERHEAD_HEADERS = (
 )
 
 
-def print_overhead(rows: list[dict[str, Any]]) -> None:
+def _overhead_cells(row: dict[str, Any]) -> list[str]:
+    if row.get("ratio") is None:
+        return [row["workload"], row["config"], "-", "-", row["note"], "-", "-", "-"]
+    ratio = row["ratio"]
+    return [
+        row["workload"],
+        row["config"],
+        f"{row['blocks']} x {row['steps_per_block']}",
+        f"{row['plain_ms_per_step']:.2f}",
+        f"{ratio['median']:.3f}" if row["blocks"] == 1 else _fmt_ratio(ratio),
+        f"{row['samples_per_block']:g}",
+        f"{row['extra_ms_per_step']:.3f}",
+        "yes" if row["losses_identical"] else "NO",
+    ]
+
+
+def print_overhead(rows: list[dict[str, Any]], *, partial: bool = False) -> None:
+    if partial:
+        print("\n== Training-step overhead so far (full table at the end) ==")
+        print(_table(OVERHEAD_HEADERS, [_overhead_cells(row) for row in rows]))
+        sys.stdout.flush()
+        return
     print("\n== Training-step overhead: ratio = observed / plain step time ==")
     print(
         "blocks: consecutive interleaved steps (A B A B ...); ratio per block = sum observed / "
         "sum plain;\nmedian [min, max] over blocks. extra ms/step: median over blocks of "
         "(observed - plain) / steps."
     )
-    table: list[list[str]] = []
-    for row in rows:
-        if row.get("ratio") is None:
-            table.append([row["workload"], row["config"], "-", "-", row["note"], "-", "-", "-"])
-            continue
-        blocks = f"{row['blocks']} x {row['steps_per_block']}"
-        ratio = row["ratio"]
-        text = f"{ratio['median']:.3f}" if row["blocks"] == 1 else _fmt_ratio(ratio)
-        extra = row["extra_ms_per_step"]
-        table.append(
-            [
-                row["workload"],
-                row["config"],
-                blocks,
-                f"{row['plain_ms_per_step']:.2f}",
-                text,
-                f"{row['samples_per_block']:g}",
-                f"{extra:.3f}",
-                "yes" if row["losses_identical"] else "NO",
-            ]
-        )
-    print(_table(OVERHEAD_HEADERS, table))
+    print(_table(OVERHEAD_HEADERS, [_overhead_cells(row) for row in rows]))
     notes = [
         f"  {r['workload']} / {r['config']}: {r['note']}"
         for r in rows
@@ -1016,6 +1061,12 @@ def print_memory(result: dict[str, Any]) -> None:
         print(
             f"growth from {first} to {last} samples: RSS {growth:+.1f} MiB, Python blocks "
             f"{blocks[last] - blocks[first]:+d}"
+        )
+    allocated = result.get("cuda_allocated_bytes") or {}
+    if allocated:
+        print(
+            "CUDA memory allocated (torch.cuda.memory_allocated), MiB: "
+            + ", ".join(f"{k}: {v / 2**20:.2f}" for k, v in allocated.items())
         )
     print(
         f"before inject: {result['rss_kib_before_inject'] / 1024:.1f} MiB; "
@@ -1192,6 +1243,8 @@ def print_targets(results: dict[str, Any]) -> None:
     if not rows:
         return
     print("\n== Issue 4 targets (for reading; nothing is asserted) ==")
+    if results["meta"].get("device", "cpu") != "cpu":
+        print(f"the targets are set for the CPU; this run trained on {results['meta']['device']}")
     if results["meta"].get("quick"):
         print("QUICK run: tiny sizes and short runs, not comparable with the targets")
     print(_table(("target", "measured", "within"), rows))
@@ -1204,9 +1257,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="tiny sizes and few steps (CI smoke test)"
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="device of the training loops: cpu (default) or cuda[:N]",
+    )
+    parser.add_argument(
         "--workloads",
-        default=",".join(WORKLOAD_NAMES),
-        help=f"comma-separated subset of {','.join(WORKLOAD_NAMES)} (default all)",
+        default=None,
+        help=f"comma-separated subset of {','.join(ALL_WORKLOAD_NAMES)} (default: "
+        f"{','.join(WORKLOAD_NAMES)}; on cuda also {','.join(GPU_WORKLOAD_NAMES)})",
     )
     parser.add_argument(
         "--steps",
@@ -1230,8 +1289,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default all)",
+        default=None,
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default all; on cuda "
+        f"{','.join(CUDA_SECTIONS)})",
     )
     parser.add_argument(
         "--compile-backend",
@@ -1241,7 +1301,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compile-workload",
-        choices=WORKLOAD_NAMES,
+        choices=ALL_WORKLOAD_NAMES,
         default="residual_mlp",
         help="workload for torch.compile",
     )
@@ -1249,11 +1309,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--json", type=Path, default=None, help="also save the numbers to this JSON file"
     )
     args = parser.parse_args(argv)
+    try:
+        args.device = torch.device(args.device)
+    except (RuntimeError, ValueError) as error:
+        parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r} ({error})")
+    if args.device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:N], got {str(args.device)!r}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    on_cuda = args.device.type == "cuda"
+    if args.workloads is None:
+        args.workloads = ",".join(ALL_WORKLOAD_NAMES if on_cuda else WORKLOAD_NAMES)
+    if args.sections is None:
+        args.sections = ",".join(CUDA_SECTIONS if on_cuda else SECTIONS)
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.section_list = [s.strip() for s in args.sections.split(",") if s.strip()]
     for name in args.workload_list:
-        if name not in WORKLOAD_NAMES:
-            parser.error(f"--workloads: unknown workload {name!r}; choose from {WORKLOAD_NAMES}")
+        if name not in ALL_WORKLOAD_NAMES:
+            parser.error(
+                f"--workloads: unknown workload {name!r}; choose from {ALL_WORKLOAD_NAMES}"
+            )
     for name in args.section_list:
         if name not in SECTIONS:
             parser.error(f"--sections: unknown section {name!r}; choose from {SECTIONS}")
@@ -1269,7 +1344,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global DEVICE
     args = parse_args(argv)
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     workloads = make_workloads(args.quick)
@@ -1281,9 +1358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "quick": args.quick,
+        "device": str(DEVICE),
+        "gpu": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else None,
         "argv": sys.argv[1:] if argv is None else list(argv),
     }
-    print("torchinstruments overhead benchmark (CPU)")
+    where = f"CUDA, {meta['gpu']}" if DEVICE.type == "cuda" else "CPU"
+    print(f"torchinstruments overhead benchmark ({where})")
     print(
         f"torch {meta['torch']}, torchinstruments {meta['torchinstruments']}, python "
         f"{meta['python']}, {meta['cpu_count']} CPUs, torch.set_num_threads({args.threads})"
@@ -1296,22 +1376,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ti-overhead-") as tmp_name:
         tmp = Path(tmp_name)
         if "memory" in args.section_list:
-            _progress("memory (run first, printed later: a fresh heap shows growth best)")
+            _progress("memory (run first: a fresh heap shows growth best)")
             results["memory"] = bench_memory(workloads, args, tmp)
+            print_memory(results["memory"])
             gc.collect()
         if "overhead" in args.section_list:
             rows: list[dict[str, Any]] = []
             for name in args.workload_list:
                 rows.extend(bench_overhead(workloads[name], args, tmp))
                 gc.collect()
+                if name != args.workload_list[-1]:  # partial table, in case the run is cut
+                    print_overhead(rows, partial=True)
             results["overhead"] = rows
             print_overhead(rows)
         if "hook" in args.section_list:
             _progress("unsampled hook call")
             results["hook"] = bench_hook_call(args, tmp)
             print_hook(results["hook"])
-        if "memory" in args.section_list:
-            print_memory(results["memory"])
         if "report" in args.section_list:
             _progress("report build and write")
             results["report"] = bench_report(args, tmp)

@@ -1,20 +1,182 @@
-"""CUDA: no host synchronisation inside hooks (runs only where CUDA is present)."""
+"""CUDA: exact statistics on the device and no host synchronisation inside hooks.
+
+These tests run only where CUDA is present. ``TI_CUDA_TESTS_DEVICE=cpu`` runs their bodies
+on the CPU (with the synchronisation guard switched off), to check the tests themselves on
+a machine without a GPU.
+"""
 
 from __future__ import annotations
 
+import copy
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from torchinstruments import inject_observer, remove_observer
+from torchinstruments.reduce import finish_statistics, tensor_statistics
 
 from .conftest import read_report
+from .test_hard_cases import (
+    MLP,
+    CastNet,
+    CompileNet,
+    act,
+    attach,
+    batches,
+    finish,
+    grad,
+    observations,
+    rms64,
+    value,
+)
+from .test_sentinel import check_poisoned_report, train_poisoned
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = torch.device(os.environ.get("TI_CUDA_TESTS_DEVICE", "cuda"))
+ON_CUDA = DEVICE.type == "cuda"
+
+pytestmark = pytest.mark.skipif(
+    ON_CUDA and not torch.cuda.is_available(), reason="needs a CUDA device"
+)
 
 
+@contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Make any host synchronisation on CUDA an error inside the block."""
+    if not ON_CUDA:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def on_device(data: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    return [(x.to(DEVICE), y.to(DEVICE)) for x, y in data]
+
+
+# ---------------------------------------------------------------- statistics values
+def reference_metrics(x: Tensor) -> dict[str, float | None]:
+    """The metrics of ``finish_statistics`` in float64 on the CPU, straight from the text."""
+    data = x.detach().cpu().to(torch.float64).reshape(-1)
+    finite = data[torch.isfinite(data)]
+    count = finite.numel()
+    nonfinite = (data.numel() - count) / data.numel()
+    if count == 0:
+        return {"nonfinite_fraction": nonfinite}
+    peak = float(finite.abs().max())
+    scaled = finite / peak if peak > 0 else finite
+    rms = peak * math.sqrt(float((scaled**2).mean())) if peak > 0 else 0.0
+    centred = scaled - scaled.mean()
+    m2, m4 = float((centred**2).mean()), float((centred**4).mean())
+    return {
+        "rms": rms,
+        "mean_abs": peak * float(scaled.abs().mean()) if peak > 0 else 0.0,
+        "max_abs": peak,
+        "excess_kurtosis": m4 / (m2 * m2) - 3.0 if m2 > 1e-10 else None,
+        "zero_fraction": float((finite == 0).sum()) / count,
+        "nonfinite_fraction": nonfinite,
+    }
+
+
+def _pattern(numel: int, nan_at: int | None) -> Tensor:
+    base = torch.tensor([1.0, -1.0, 3.0, -3.0]).repeat(numel // 4)
+    if nan_at is not None:
+        base[nan_at] = float("nan")
+    return base
+
+
+def _with_non_finite(x: Tensor) -> Tensor:
+    x = x.clone()
+    x[0, 0], x[1, 1], x[2, 2], x[3, :5] = float("inf"), float("nan"), float("-inf"), 0.0
+    return x
+
+
+STATISTICS_CASES = {
+    "f32-randn": lambda g: torch.randn(1000, 37, generator=g),
+    "f32-relu-300k": lambda g: torch.relu(torch.randn(300_000, generator=g)),
+    "f32-tiny": lambda g: torch.randn(2049, generator=g) * 1e-30,
+    "f16-inf-nan-zeros": lambda g: _with_non_finite(torch.randn(64, 129, generator=g)).half(),
+    "bf16-near-max": lambda g: (torch.rand(4096, generator=g) * 2 - 1).mul(3.3e38).bfloat16(),
+    "f64-1e300": lambda g: torch.randn(513, dtype=torch.float64, generator=g) * 1e300,
+    "all-zeros": lambda g: torch.zeros(100),
+    "all-nan": lambda g: torch.full((7,), float("nan")),
+    "f32-3x2^24-one-nan": lambda g: _pattern(3 * 2**24, nan_at=7),
+}
+
+
+@pytest.mark.parametrize("case", list(STATISTICS_CASES))
+def test_tensor_statistics_on_the_device_match_a_float64_reference(case: str) -> None:
+    x = STATISTICS_CASES[case](torch.Generator().manual_seed(0)).to(DEVICE)
+    with no_host_sync():
+        row = tensor_statistics(x)
+    assert row.device == x.device and row.dtype == torch.float64
+    got = finish_statistics(row.cpu().tolist())
+    expected = reference_metrics(x)
+    for metric, want in expected.items():
+        have = got[metric]
+        if want is None:
+            assert have is None, (metric, have)
+        elif metric in ("max_abs", "zero_fraction", "nonfinite_fraction"):
+            assert have == want, (metric, have, want)  # counts and extremes are exact
+        elif metric == "excess_kurtosis":
+            assert have == pytest.approx(want, abs=1e-3), (metric, have, want)
+        else:
+            assert have == pytest.approx(want, rel=1e-4), (metric, have, want)
+    if case == "all-nan":
+        assert got["rms"] is None and got["nonfinite_fraction"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale", "loss_scale"),
+    [
+        (torch.float16, 65000.0, 1e-4),
+        (torch.bfloat16, 3.3e38, 1e-38),
+        (torch.float32, 1e-30, 1e30),
+    ],
+    ids=["f16-max", "bf16-max", "f32-1e-30"],
+)
+def test_report_values_on_the_device_match_the_tensors(
+    tmp_path: Path, dtype: torch.dtype, scale: float, loss_scale: float
+) -> None:
+    torch.manual_seed(0)
+    model = CastNet(dtype, scale, loss_scale).to(DEVICE)
+    outputs: list[Tensor] = []
+    gradients: list[Tensor] = []
+
+    def keep(module: nn.Module, args: Any, output: Tensor) -> None:
+        outputs.append(output)
+        output.register_hook(lambda g: gradients.append(g) and None)
+
+    handle = model.cast.register_forward_hook(keep)
+    attach(model, tmp_path)
+    data = on_device(batches(3, features=6))  # a copy from pageable memory synchronises
+    with no_host_sync():
+        for x, _ in data:
+            model(x).backward()
+    report = finish(model, tmp_path)
+    handle.remove()
+    assert report["coverage"]["errors_total"] == 0
+    for point, index in (("first", 0), ("latest", 2)):
+        assert value(report, act("cast"), point=point) == pytest.approx(
+            rms64(outputs[index]), rel=1e-4
+        )
+        assert value(report, grad("cast"), point=point) == pytest.approx(
+            rms64(gradients[index]), rel=1e-4
+        )
+
+
+# ---------------------------------------------------------------- no host sync
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -28,30 +190,177 @@ class Block(nn.Module):
 
 @pytest.mark.parametrize(
     "options",
-    [{"sampling": 1}, {"sampling": 3}, {"sampling": 3, "full_sentinel": True}],
-    ids=["every", "every-3-root-sentinel", "every-3-full-sentinel"],
+    [{"sampling": 1}, {"sampling": 3}, {"sampling": 3, "full_sentinel": True}, {}],
+    ids=["every", "every-3-root-sentinel", "every-3-full-sentinel", "default"],
 )
 def test_sampled_steps_never_synchronise(tmp_path: Path, options: dict[str, object]) -> None:
-    device = torch.device("cuda")
     torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block(), nn.Linear(256, 10)).to(device)
+    model = nn.Sequential(Block(), Block(), nn.Linear(256, 10)).to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    inputs = torch.randn(20, 64, 256, device=device)
-    targets = torch.randint(0, 10, (20, 64), device=device)
+    inputs = torch.randn(40, 64, 256, device=DEVICE)
+    targets = torch.randint(0, 10, (40, 64), device=DEVICE)
     inject_observer(model, output_dir=tmp_path, **options)  # type: ignore[arg-type]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(20):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+    with no_host_sync():
+        for step in range(40):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
                 loss = nn.functional.cross_entropy(model(inputs[step]), targets[step])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     remove_observer(model)
     report = read_report(tmp_path)
     assert report["errors"] == []
-    assert report["coverage"]["samples_observed"] >= 7
+    assert report["coverage"]["samples_observed"] >= 13
     assert report["coverage"]["backward_samples_observed"] == report["coverage"]["samples_observed"]
+
+
+@pytest.mark.parametrize("full_sentinel", [False, True], ids=["root", "full"])
+def test_fault_between_samples_is_located_on_the_device_without_sync(
+    tmp_path: Path, full_sentinel: bool
+) -> None:
+    report = train_poisoned(tmp_path, DEVICE, no_host_sync, full_sentinel=full_sentinel)
+    check_poisoned_report(report, full_sentinel)
+
+
+# ---------------------------------------------------------------- training features
+class CheckpointNet(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 256)
+        self.block1, self.block2 = Block(), Block()
+        self.head = nn.Linear(256, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        for block in (self.block1, self.block2):
+            h = cast(Tensor, checkpoint(block, h, use_reentrant=self.reentrant))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_with_float16_autocast_and_grad_scaler(
+    tmp_path: Path, reentrant: bool
+) -> None:
+    """Checkpointed blocks under float16 autocast and a GradScaler (which itself syncs in
+    ``step``/``update``, so only forward and backward are guarded)."""
+    steps = 8
+    torch.manual_seed(0)
+    model = CheckpointNet(reentrant).to(DEVICE)
+    twin = copy.deepcopy(model)
+    data = [
+        (torch.randn(16, 32, device=DEVICE), torch.randn(16, 1, device=DEVICE))
+        for _ in range(steps)
+    ]
+    amp_dtype = torch.float16 if ON_CUDA else torch.bfloat16
+
+    def run(m: nn.Module, guard: bool) -> list[float]:
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**10)
+        losses = []
+        for x, y in data:
+            optimizer.zero_grad(set_to_none=True)
+            with no_host_sync() if guard else _nothing():
+                with torch.autocast(DEVICE.type, dtype=amp_dtype):
+                    loss = nn.functional.mse_loss(m(x).float(), y)
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(float(loss.detach()))
+        return losses
+
+    attach(model, tmp_path)
+    losses = run(model, guard=True)
+    report = finish(model, tmp_path)
+    assert losses == run(twin, guard=False)
+    assert report["coverage"]["errors_total"] == 0
+    seen = observations(report)
+    for name in ("inp", "block1.fc", "block1.norm", "block2.fc", "head"):
+        assert seen.get(act(name)) == steps, (name, sorted(seen))
+        assert seen.get(grad(name)) == steps, (name, sorted(seen))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@pytest.mark.parametrize("order", ["inject_then_compile", "compile_then_inject"])
+def test_torch_compile_with_inductor(tmp_path: Path, order: str) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    model = CompileNet().to(DEVICE)
+    twin = copy.deepcopy(model)
+    data = on_device(batches(5))
+    if order == "inject_then_compile":
+        attach(model, tmp_path)
+    compiled = cast(nn.Module, torch.compile(model, backend="inductor"))
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="inductor"))
+
+    def fit(m: nn.Module, chunk: list[tuple[Tensor, Tensor]]) -> list[float]:
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.05)
+        losses = []
+        for x, y in chunk:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    if order == "compile_then_inject":
+        fit(compiled, data[:1])
+        fit(twin_compiled, data[:1])
+        attach(model, tmp_path)
+    losses = fit(compiled, data[1:])
+    report = finish(model, tmp_path)
+    assert losses == pytest.approx(fit(twin_compiled, data[1:]), rel=1e-5)
+    torch._dynamo.reset()
+    seen = observations(report)
+    for name in ("fc1", "act", "fc2"):
+        assert seen.get(act(name)) == 4 and seen.get(grad(name)) == 4, (name, sorted(seen))
+    assert report["coverage"]["errors_total"] == 0
+
+
+def test_distributed_data_parallel_world_size_one(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if ON_CUDA else "gloo"
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable or already initialised")
+    if ON_CUDA and not dist.is_nccl_available():
+        pytest.skip("NCCL unavailable")
+    dist.init_process_group(
+        backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(1)
+        model = MLP().to(DEVICE)
+        twin = copy.deepcopy(model)
+        ids = [DEVICE.index or 0] if ON_CUDA else None
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        twin_wrapped = nn.parallel.DistributedDataParallel(twin, device_ids=ids)
+        data = on_device(batches(6))
+
+        def fit(m: nn.Module) -> list[float]:
+            optimizer = torch.optim.SGD(m.parameters(), lr=0.05)
+            losses = []
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+            return losses
+
+        attach(wrapped, tmp_path / "stats")
+        losses = fit(wrapped)
+        report = finish(wrapped, tmp_path / "stats")
+        assert losses == fit(twin_wrapped)
+        seen = observations(report)
+        for name in ("fc1", "act", "fc2"):
+            assert seen[act(name)] == 6 and seen[grad(name)] == 6, (name, sorted(seen))
+        assert report["coverage"]["errors_total"] == 0
+        assert report["run"]["world_size"] == 1
+    finally:
+        dist.destroy_process_group()

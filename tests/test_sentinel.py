@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -118,3 +122,99 @@ def test_sentinels_leave_training_unchanged(tmp_path: Path, full: bool) -> None:
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.equal(p.grad.nan_to_num(), q.grad.nan_to_num())
+
+
+class Poison(nn.Module):
+    """Multiplies by a gate buffer; setting the gate to NaN starts a fault here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gate", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate
+
+
+class PoisonNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.poison = Poison()
+        self.fc2 = nn.Linear(64, 64)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.fc2(self.poison(self.fc1(x)))))
+
+
+#: Training forward at which ``Poison`` turns NaN: unsampled by the default schedule
+#: (the second stage samples even forwards), so the values reach every module's
+#: parameters through the optimizer step before the next sample.
+POISONED_FORWARD = 45
+
+
+def train_poisoned(
+    directory: Path,
+    device: torch.device,
+    guard: Callable[[], AbstractContextManager[None]],
+    **options: Any,
+) -> dict[str, Any]:
+    """Train ``PoisonNet`` 60 steps with SGD, poisoned from ``POISONED_FORWARD`` on."""
+    torch.manual_seed(0)
+    model = PoisonNet().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs = torch.randn(60, 16, 32, device=device)
+    targets = torch.randn(60, 16, 1, device=device)
+    inject_observer(model, output_dir=directory, **options)
+    with guard():
+        for step in range(60):
+            if step == POISONED_FORWARD:
+                model.poison.gate.fill_(float("nan"))  # a kernel launch on CUDA, no sync
+            loss = nn.functional.mse_loss(model(inputs[step]), targets[step])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    remove_observer(model)
+    return read_report(directory)
+
+
+def check_poisoned_report(report: dict[str, Any], full_sentinel: bool) -> None:
+    """The non-finite finding names ``poison`` with the full sentinel; with the root
+    sentinel alone it says the origin is not located and how to locate it."""
+    assert report["coverage"]["errors_total"] == 0
+    first = report["findings"][0]
+    assert first["category"] == "non_finite" and first["notable"]
+    earlier = first["evidence"]["earlier_between_samples"]
+    assert earlier["forward_index"] == POISONED_FORWARD
+    assert first["evidence"]["first_nonfinite_sample"] == 31  # forward 46
+    if full_sentinel:
+        assert (first["module"], first["signal"]) == ("poison", "activation")
+        assert earlier == {
+            "source": "full_sentinel",
+            "forward_index": POISONED_FORWARD,
+            "module": "poison",
+            "call_index": 0,
+            "tensor_path": "output",
+            "this_series": True,
+        }
+        assert "full sentinel saw them here first" in first["interpretation"]
+        echoes = {e["module"] for e in first["evidence"]["echoes"]}
+        assert "fc1" in echoes
+    else:
+        # Every module is non-finite at the next sample (fc1 through its NaN weights);
+        # forward order cannot tell, and the report says so.
+        assert (first["module"], first["signal"]) == ("fc1", "activation")
+        assert earlier["source"] == "root_sentinel" and earlier["module"] == "<root>"
+        assert "need not show where they started" in first["interpretation"]
+        assert "full_sentinel=True" in first["next_experiment"]
+
+
+@pytest.mark.parametrize("full_sentinel", [False, True], ids=["root", "full"])
+def test_fault_between_samples_that_reaches_the_weights(
+    tmp_path: Path, full_sentinel: bool
+) -> None:
+    report = train_poisoned(
+        tmp_path, torch.device("cpu"), contextlib.nullcontext, full_sentinel=full_sentinel
+    )
+    check_poisoned_report(report, full_sentinel)

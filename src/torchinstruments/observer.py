@@ -516,12 +516,19 @@ class Observer:
             if not math.isfinite(value.sum(dtype=torch.float32).item()) and not bool(
                 torch.isfinite(value).all()
             ):
-                self._sentinel_hit(forward, index, call, path)
+                self._sentinel_hit(forward, index, call, path, self.samples_observed)
             return
         bad = (~torch.isfinite(value)).sum().to(torch.float64).reshape(1)
-        self._append_record((index, call, _SENTINEL, path), forward, _padded_row(bad))
+        # The position slot carries the index of the next sample, read when processed.
+        self._pending.append(
+            ((index, call, _SENTINEL, path), forward, self.samples_observed, _padded_row(bad))
+        )
 
-    def _sentinel_hit(self, forward: int, index: int, call: int, path: str) -> None:
+    def _sentinel_hit(
+        self, forward: int, index: int, call: int, path: str, next_sample: int
+    ) -> None:
+        """Count a non-finite value seen by a sentinel in unsampled training forward
+        ``forward``; ``next_sample`` is the index the next sample takes."""
         self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
         if forward == self._last_sentinel_forward:
             return  # only the first (earliest in forward order) per forward
@@ -534,6 +541,7 @@ class Observer:
                     "module": self.names[index],
                     "call_index": call,
                     "tensor_path": path,
+                    "next_sample": next_sample,
                 }
             )
 
@@ -892,7 +900,7 @@ class Observer:
                 continue
             if key[2] == _SENTINEL:
                 if row[0] > 0:
-                    self._sentinel_hit(sample, key[0], key[1], key[3])
+                    self._sentinel_hit(sample, key[0], key[1], key[3], position)
                 continue
             values = finish_statistics(row)
             if key[2] == GRAD_OUTPUT:

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .capture import compiled_frames
-from .find import CATEGORIES, RULES, Candidate, display_module, format_value, run_rules
+from .find import (
+    CATEGORIES,
+    RULES,
+    Candidate,
+    NonFiniteBetweenSamples,
+    display_module,
+    format_value,
+    run_rules,
+)
 from .find.base import ONSET_TOLERANCE_SAMPLES
 from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, forward_positions
 from .track import SeriesPoint
@@ -275,7 +283,11 @@ def build_report(observer: Observer) -> dict[str, Any]:
         ``observer.report_config.max_bytes`` long.
     """
     config = observer.report_config
-    ranked = run_rules(observer.series.values(), loss_scaled=observer.loss_scale.count > 0)
+    ranked = run_rules(
+        observer.series.values(),
+        loss_scaled=observer.loss_scale.count > 0,
+        nonfinite_between_samples=_first_sentinel_hit(observer),
+    )
     per_category: dict[str, list[dict[str, Any]]] = {}
     notable_counts: dict[str, int] = {}
     candidate_counts: dict[str, int] = {}
@@ -401,6 +413,21 @@ def longest_fitting_prefix(
         else:
             high = middle - 1
     return best
+
+
+def _first_sentinel_hit(observer: Observer) -> NonFiniteBetweenSamples | None:
+    """The earliest non-finite value the sentinels saw between samples, if any."""
+    if not observer.sentinel_events:
+        return None
+    event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
+    return NonFiniteBetweenSamples(
+        source="full_sentinel" if observer.full_sentinel else "root_sentinel",
+        forward_index=int(str(event["forward_index"])),
+        module=str(event["module"]),
+        call_index=int(str(event["call_index"])),
+        tensor_path=str(event["tensor_path"]),
+        next_sample=int(str(event["next_sample"])),
+    )
 
 
 def _first_non_finite(

@@ -6,12 +6,13 @@ from collections.abc import Iterable
 
 from ..series import ACTIVATION, GRAD_OUTPUT, TensorSeries, forward_positions
 from .base import Candidate, display_module, format_value, rank_candidates
-from .rules import CATEGORIES, RULES, Rule, RuleContext
+from .rules import CATEGORIES, RULES, NonFiniteBetweenSamples, Rule, RuleContext
 
 __all__ = [
     "CATEGORIES",
     "RULES",
     "Candidate",
+    "NonFiniteBetweenSamples",
     "Rule",
     "RuleContext",
     "display_module",
@@ -22,16 +23,24 @@ __all__ = [
 
 
 def run_rules(
-    series: Iterable[TensorSeries], *, loss_scaled: bool = False
+    series: Iterable[TensorSeries],
+    *,
+    loss_scaled: bool = False,
+    nonfinite_between_samples: NonFiniteBetweenSamples | None = None,
 ) -> dict[str, list[Candidate]]:
     """Run every rule over the series; return ranked candidates per category.
 
     Output gradients take the forward call position of the activation of the same
     module call and tensor path (:func:`~torchinstruments.series.forward_positions`).
-    ``loss_scaled`` says a ``torch.amp.GradScaler`` scaled some samples' losses.
+    ``loss_scaled`` says a ``torch.amp.GradScaler`` scaled some samples' losses;
+    ``nonfinite_between_samples`` is the sentinels' first hit between samples, if any.
     """
     items = list(series)
-    context = RuleContext(loss_scaled=loss_scaled, positions=forward_positions(items))
+    context = RuleContext(
+        loss_scaled=loss_scaled,
+        positions=forward_positions(items),
+        nonfinite_between_samples=nonfinite_between_samples,
+    )
     for s in items:
         if s.signal == ACTIVATION:
             tracker = s.trackers.get("nonfinite_fraction")

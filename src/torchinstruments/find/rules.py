@@ -17,7 +17,7 @@ from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import ChangePoint, SeriesTracker
 from .base import ONSET_TOLERANCE_SAMPLES, Candidate, display_module, format_value
 
-__all__ = ["CATEGORIES", "RULES", "Rule", "RuleContext"]
+__all__ = ["CATEGORIES", "RULES", "NonFiniteBetweenSamples", "Rule", "RuleContext"]
 
 CATEGORIES: tuple[str, ...] = (
     "non_finite",
@@ -42,6 +42,28 @@ STEP_FACTOR_NOTABLE = 2.0
 DRIFT_FACTOR_NOTABLE = 16.0
 
 
+@dataclass(frozen=True, slots=True)
+class NonFiniteBetweenSamples:
+    """The first non-finite value a sentinel saw in an unsampled training forward.
+
+    Attributes:
+        source: ``"root_sentinel"`` (only the root output is checked between samples)
+            or ``"full_sentinel"`` (every observed module's output is).
+        forward_index: the training forward (0-based) the sentinel saw it in.
+        module: qualified module name (``""`` for the root), first in forward order.
+        call_index: call of that module within the forward.
+        tensor_path: path of the tensor within the module's output.
+        next_sample: index of the first sample taken after that forward.
+    """
+
+    source: str
+    forward_index: int
+    module: str
+    call_index: int
+    tensor_path: str
+    next_sample: int
+
+
 @dataclass(slots=True)
 class RuleContext:
     """What rules need beyond one series.
@@ -52,12 +74,15 @@ class RuleContext:
             gradient), used as the reference that gradient rules measure net of.
         loss_scaled: a ``torch.amp.GradScaler`` scaled the loss of some samples.
         first_activation_nonfinite: earliest sample with a non-finite activation, if any.
+        nonfinite_between_samples: the sentinels' first non-finite value between
+            samples, if any.
     """
 
     positions: dict[tuple[str, int, str], int] = field(default_factory=dict)
     root_gradient: dict[str, SeriesTracker] = field(default_factory=dict)
     loss_scaled: bool = False
     first_activation_nonfinite: int | None = None
+    nonfinite_between_samples: NonFiniteBetweenSamples | None = None
 
 
 def _where(c: Candidate) -> str:
@@ -394,10 +419,19 @@ class NonFinite(Rule):
     Metric ``nonfinite_fraction``. Every series with a non-finite value is a candidate
     and notable (there is no noise floor for NaN), except output gradients that overflow
     under ``torch.amp.GradScaler`` loss scaling while all activations are finite: the
-    scaler skips those steps and lowers its scale, so they are listed, not notable. Ranking basis
-    ``first_nonfinite_sample``, as its negative (earlier ranks first); within one sample
-    the earliest module in forward order for activations (the latest for gradients) is
-    the origin and the rest are its echoes.
+    scaler skips those steps and lowers its scale, so they are listed, not notable.
+    Ranking basis ``first_nonfinite_sample``, as its negative (earlier ranks first);
+    within one sample the earliest module in forward order for activations (the latest
+    for gradients) is the origin and the rest are its echoes.
+
+    Between samples. When a sentinel saw a non-finite value in an unsampled forward
+    before a series' first non-finite sample, that series' evidence carries it under
+    ``earlier_between_samples``. An optimizer step in between can carry the values
+    into the parameters of every module, so forward order at the next sample need not
+    show where they started. The full sentinel names that module: its activation
+    series becomes the origin of its sample's group. With the root sentinel alone the
+    text says the origin is not located and the next experiment is a rerun with
+    ``full_sentinel=True``.
     """
 
     category = "non_finite"
@@ -425,6 +459,33 @@ class NonFinite(Rule):
                 or context.first_activation_nonfinite > first.sample
             )
         )
+        evidence: dict[str, object] = {
+            "first_nonfinite_sample": first.sample,
+            "first_nonfinite_fraction": first.value,
+            "samples_with_nonfinite": tracker.nonzero_count,
+            "samples_observed": tracker.count,
+            "latest_nonfinite_fraction": tracker.latest.value if tracker.latest else None,
+            "loss_scale_overflow": overflow,
+        }
+        earlier = context.nonfinite_between_samples
+        if earlier is not None and earlier.next_sample <= first.sample and not overflow:
+            located = earlier.source == "full_sentinel" and (
+                series.signal == ACTIVATION
+                and (series.module, series.call_index, series.tensor_path)
+                == (earlier.module, earlier.call_index, earlier.tensor_path)
+            )
+            evidence["earlier_between_samples"] = {
+                "source": earlier.source,
+                "forward_index": earlier.forward_index,
+                "module": display_module(earlier.module),
+                "call_index": earlier.call_index,
+                "tensor_path": earlier.tensor_path,
+                "this_series": located,
+            }
+            if located:
+                # It was non-finite before any module at the next sample: make it the
+                # origin of that sample's group (first in forward order).
+                position = -1
         return Candidate(
             category=self.category,
             series=series,
@@ -436,14 +497,7 @@ class NonFinite(Rule):
             direction=1,
             onset=first.sample,
             position=position,
-            evidence={
-                "first_nonfinite_sample": first.sample,
-                "first_nonfinite_fraction": first.value,
-                "samples_with_nonfinite": tracker.nonzero_count,
-                "samples_observed": tracker.count,
-                "latest_nonfinite_fraction": tracker.latest.value if tracker.latest else None,
-                "loss_scale_overflow": overflow,
-            },
+            evidence=evidence,
         )
 
     def interpretation(self, c: Candidate) -> str:
@@ -451,17 +505,53 @@ class NonFinite(Rule):
         first = t.first_nonzero
         assert first is not None and t.latest is not None
         recovered = t.latest.value == 0
-        return (
+        text = (
             f"{_where(c)}: non-finite values first appeared at sample {first.sample} "
             f"({format_value(first.value * 100)}% of elements) and were present in "
             f"{t.nonzero_count} of {t.count} samples"
             + ("; the latest sample is finite again." if recovered else ".")
+        )
+        earlier = c.evidence.get("earlier_between_samples")
+        if not isinstance(earlier, dict):
+            return text
+        forward = earlier["forward_index"]
+        if earlier["this_series"]:
+            return text + (
+                f" The full sentinel saw them here first, at training forward {forward} "
+                "between samples, before any other module."
+            )
+        if earlier["source"] == "full_sentinel":
+            return text + (
+                f" The full sentinel saw them first in {earlier['module']} (call "
+                f"{earlier['call_index']}, {earlier['tensor_path']}) at training forward "
+                f"{forward}, between samples: this is probably an echo of it."
+            )
+        return text + (
+            f" The root output was already non-finite at training forward {forward}, "
+            "between samples; an optimizer step since then can have carried the values "
+            "into every module's parameters, so forward order here need not show where "
+            "they started."
         )
 
     def next_experiment(self, c: Candidate) -> str:
         module = display_module(c.series.module)
         first = c.tracker.first_nonzero
         sample = first.sample if first is not None else "?"
+        earlier = c.evidence.get("earlier_between_samples")
+        if isinstance(earlier, dict) and earlier["source"] == "root_sentinel":
+            return _keep_fixed(
+                f"Rerun with inject_observer(..., full_sentinel=True), which checks every "
+                f"module's output on every training forward and names the module where "
+                f"the values start (training forward {earlier['forward_index']} here); "
+                "torch.autograd.detect_anomaly around that step names the failing op."
+            )
+        if isinstance(earlier, dict) and not earlier["this_series"]:
+            module = str(earlier["module"])
+            return _keep_fixed(
+                f"Replay the batch of training forward {earlier['forward_index']} and check "
+                f"{module}'s inputs, weights and any division, log, sqrt or exp in its "
+                "forward; torch.autograd.detect_anomaly around that step names the failing op."
+            )
         return _keep_fixed(
             f"Replay the batch of sample {sample} and check {module}'s inputs, weights "
             f"and any division, log, sqrt or exp in its forward; "
