@@ -364,3 +364,40 @@ def test_distributed_data_parallel_world_size_one(tmp_path: Path) -> None:
         assert report["run"]["world_size"] == 1
     finally:
         dist.destroy_process_group()
+
+
+class InplaceAfter(nn.Module):
+    """``fc``'s output is changed in place right after its hooks ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 48)
+        self.head = nn.Linear(48, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        h.mul_(-1.0).relu_()  # half the values become zeros after the hook
+        return self.head(h)
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+def test_staged_copies_keep_the_values_seen_by_the_hook(tmp_path: Path, side_stream: bool) -> None:
+    """Small CUDA tensors are copied and reduced later in batches: the values must be
+    those at hook time (not after the in-place ops), also when the forward and backward
+    run on a side stream and the batch is reduced on another one."""
+    torch.manual_seed(0)
+    model = InplaceAfter().to(DEVICE)
+    seen: list[Tensor] = []
+    model.fc.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    attach(model, tmp_path)
+    data = on_device(batches(6, features=32))
+    stream = torch.cuda.Stream() if ON_CUDA and side_stream else None
+    with torch.cuda.stream(stream) if stream is not None else _nothing():
+        for x, y in data:
+            nn.functional.mse_loss(model(x), y).backward()
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
+    report = finish(model, tmp_path)
+    assert report["coverage"]["errors_total"] == 0
+    for point, index in (("first", 0), ("latest", 5)):
+        assert value(report, act("fc"), point=point) == pytest.approx(rms64(seen[index]), rel=1e-5)

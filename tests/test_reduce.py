@@ -587,6 +587,47 @@ def test_batched_rows_match_single_tensor_rows():
         reduce_module.cpu_statistics_batch([])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_device_batch_rows_match_single_tensor_rows(dtype):
+    """The accelerator batch (run here on the CPU) gives each row what tensor_statistics
+    gives that tensor alone, whatever its values: non-finite, constant, zero, tiny, huge."""
+    generator = torch.Generator().manual_seed(2)
+    n = 3000
+    flats = [
+        torch.randn(n, generator=generator) * 3 + 1,
+        torch.randn(n, generator=generator).relu(),
+        torch.full((n,), 2.0),
+        torch.zeros(n),
+        torch.randn(n, generator=generator) * 1e-30,
+        torch.randn(n, generator=generator).clamp(-1, 1) * 3e38,
+        torch.full((n,), float("nan")),
+    ]
+    flats[1][7], flats[1][8], flats[0][5] = float("nan"), float("inf"), float("-inf")
+    flats = [f.to(dtype) for f in flats]
+    rows = reduce_module.device_statistics_batch(flats)
+    assert rows.shape == (len(flats), reduce_module.STAT_WIDTH) and rows.dtype == torch.float64
+    for flat, row in zip(flats, rows, strict=True):
+        single = tensor_statistics(flat)
+        assert row[:4].tolist() == single[:4].tolist()  # counts and max_abs exact
+        assert torch.allclose(row, single, rtol=1e-5, atol=0.0), (row, single)
+        assert_metrics_close(finish_statistics(row.tolist()), reference_metrics(flat))
+    # A one-row batch is the single-tensor statistics.
+    assert torch.equal(
+        reduce_module.device_statistics_batch(flats[:1])[0], tensor_statistics(flats[0])
+    )
+
+
+def test_device_batch_rejects_mixed_inputs():
+    with pytest.raises(ValueError, match="at least one tensor"):
+        reduce_module.device_statistics_batch([])
+    with pytest.raises(ValueError, match="one length, dtype and device"):
+        reduce_module.device_statistics_batch([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(ValueError, match="one length, dtype and device"):
+        reduce_module.device_statistics_batch([torch.zeros(3), torch.zeros(3).half()])
+    with pytest.raises(ValueError, match="real floating"):
+        reduce_module.device_statistics_batch([torch.zeros(3, dtype=torch.int64)])
+
+
 def test_large_tensor_subsample_sees_every_feature_of_a_768_wide_row():
     """Rows of 12 blocks: a periodic block stride of 3 would see a third of the features."""
     for channel in (1, 138):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -78,3 +79,51 @@ def test_calls_inside_vmap_are_skipped_and_training_calls_kept(tmp_path: Path) -
     assert coverage["tensors_skipped"]["functorch_transform"] > 0
     for name in ("0", "1", "2"):
         assert rms_finding(report, name)["observations"] == 4
+
+
+class Residual(nn.Module):
+    """Linear -> in-place ReLU -> residual add in place, and a LayerNorm head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(24, 24)
+        self.act = nn.ReLU(inplace=True)
+        self.norm = nn.LayerNorm(24)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        h += x  # after fc's hooks ran
+        return self.head(self.norm(self.act(h)))
+
+
+def _series_values(report: dict) -> dict[tuple[str, str, str], list[float]]:
+    return {
+        (f["module"], f["signal"], f["metric"]): [value for _, value in f["history"]]
+        for f in report["findings"]
+        if f["metric"] == "rms"
+    }
+
+
+def test_accelerator_batches_give_the_cpu_values(tmp_path: Path) -> None:
+    """The accelerator staging path (copies reduced by device_statistics_batch, as on
+    CUDA), run here on the CPU, gives the values of the CPU path, in sample order."""
+    data = [(torch.randn(40, 24) * (1 + i % 3), torch.randint(0, 3, (40,))) for i in range(9)]
+    reports = []
+    for name, device_types in (("cpu", frozenset()), ("device", frozenset({"cpu"}))):
+        torch.manual_seed(0)
+        model = Residual()
+        handle = inject_observer(model, output_dir=tmp_path / name, sampling=1, report_config=WIDE)
+        observer = handle._observer
+        assert observer is not None
+        observer.device_batch_types = device_types
+        for x, y in data:
+            nn.functional.cross_entropy(model(x), y).backward()
+        remove_observer(model)
+        reports.append(read_report(tmp_path / name))
+    cpu, device = (_series_values(r) for r in reports)
+    assert cpu.keys() == device.keys() and len(cpu) >= 10
+    for key, values in cpu.items():
+        assert len(values) == 9, key
+        assert device[key] == pytest.approx(values, rel=1e-5), key
+    assert reports[1]["coverage"]["errors_total"] == 0

@@ -42,6 +42,7 @@ __all__ = [
     "cpu_statistics",
     "cpu_statistics_batch",
     "cpu_statistics_unchecked",
+    "device_statistics_batch",
     "finish_statistics",
     "is_reducible",
     "skip_reason",
@@ -113,58 +114,114 @@ def tensor_statistics(x: Tensor) -> Tensor:
     x = x.detach()
     if x.is_complex():
         x = x.abs()
-    numel = x.numel()
-    on_cpu = x.device.type == "cpu"
-    low, high = torch.aminmax(x)
-    masked = True
-    if on_cpu:
-        # On the CPU reading two scalars costs nothing; take the cheap path when all
+    return _statistics_rows(x.reshape(1, -1))[0]
+
+
+def device_statistics_batch(flats: Sequence[Tensor]) -> Tensor:
+    """Reduce several 1-D floating tensors of one length and device to statistics rows.
+
+    The batched form of :func:`tensor_statistics` for accelerators, where each tensor
+    operation costs a kernel launch (several microseconds of host time) whatever its
+    size: the tensors are stacked into a ``(k, n)`` matrix and reduced along its rows,
+    about 35 operations for the whole batch instead of about 35 per tensor. The numerics
+    are those of :func:`tensor_statistics` (non-finite elements masked, values divided
+    by the row's largest finite magnitude, float32 accumulation); nothing is read back
+    to the host, so no synchronisation happens on CUDA.
+
+    Args:
+        flats: ``k >= 1`` 1-D real floating tensors on one device, all with the same
+            number ``n >= 1`` of elements. They are not modified.
+
+    Returns:
+        A float64 tensor of shape ``(k, STAT_WIDTH)`` on that device, row ``i`` the
+        statistics of ``flats[i]``.
+
+    Raises:
+        ValueError: ``flats`` is empty, or its tensors are not 1-D real floating tensors
+            of one length, dtype and device.
+    """
+    if not flats:
+        raise ValueError("device_statistics_batch: flats must hold at least one tensor, got none")
+    first = flats[0]
+    for flat in flats:
+        if (
+            flat.dim() != 1
+            or flat.numel() != first.numel()
+            or flat.numel() == 0
+            or flat.dtype != first.dtype
+            or flat.device != first.device
+            or not flat.is_floating_point()
+        ):
+            raise ValueError(
+                "device_statistics_batch: flats must be non-empty 1-D real floating tensors "
+                f"of one length, dtype and device, got shape {tuple(flat.shape)}, dtype "
+                f"{flat.dtype}, device {flat.device} next to shape {tuple(first.shape)}, "
+                f"dtype {first.dtype}, device {first.device}"
+            )
+    with torch.no_grad():
+        matrix = torch.stack([f.detach() for f in flats]) if len(flats) > 1 else first[None]
+        return _statistics_rows(matrix, masked=True)
+
+
+def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
+    """Statistics rows of a ``(k, n)`` real floating matrix, one per row, on its device.
+
+    ``masked`` selects the path that excludes non-finite elements; ``None`` decides by
+    reading the extremes, which only the CPU does for free (on CUDA it would synchronise,
+    so CUDA always masks).
+    """
+    rows, numel = x.shape
+    low, high = torch.aminmax(x, dim=1)
+    if masked is None:
+        # On the CPU reading the extremes costs nothing; take the cheap path when all
         # values are finite (a non-finite value makes the extremes non-finite).
-        masked = not (math.isfinite(float(low)) and math.isfinite(float(high)))
+        masked = x.device.type != "cpu" or not bool(
+            torch.isfinite(low).all() and torch.isfinite(high).all()
+        )
     if masked:
         finite_mask = torch.isfinite(x)
-        finite = finite_mask.sum()
+        finite = finite_mask.sum(dim=1)
         x = torch.where(finite_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-        low, high = torch.aminmax(x)
+        low, high = torch.aminmax(x, dim=1)
     else:
-        finite = torch.full((), numel, dtype=torch.int64, device=x.device)
+        finite = torch.full((rows,), numel, dtype=torch.int64, device=x.device)
     max_abs = torch.maximum(low.abs(), high.abs())
-    divisor = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    divisor = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs)).unsqueeze(1)
     if x.dtype == torch.float64:
-        scaled = (x / divisor).to(torch.float32).reshape(-1)
+        scaled = (x / divisor).to(torch.float32)
     else:
-        scaled = x.to(torch.float32, copy=True).reshape(-1)
+        scaled = x.to(torch.float32, copy=True)
         scaled.div_(divisor.to(torch.float32))
-    nonzero = x.bool().sum()
+    nonzero = x.bool().sum(dim=1)
     # torch.sum adds pairwise (accurate in float32 for any length); torch.dot and
     # vector_norm accumulate sequentially and lose digits beyond ~1e6 elements.
-    sum_scaled = scaled.sum()
-    sum_abs = scaled.abs().sum()
-    sum_sq = (scaled * scaled).sum()
+    sum_scaled = scaled.sum(dim=1)
+    sum_abs = scaled.abs().sum(dim=1)
+    sum_sq = (scaled * scaled).sum(dim=1)
     finite32 = finite.to(torch.float32)
     mean = sum_scaled / finite32.clamp_min(1.0)
-    scaled.sub_(mean)
+    scaled.sub_(mean.unsqueeze(1))
     # Masked positions were set to zero; remove their (0 - mean) contributions.
     padded = numel - finite32
     scaled.square_()
-    central2 = scaled.sum() - padded * mean * mean
+    central2 = scaled.sum(dim=1) - padded * mean * mean
     scaled.square_()
-    central4 = scaled.sum() - padded * mean.pow(4)
-    zeros = (numel - nonzero) - (numel - finite)
-    parts = (
-        # torch.full launches a fill kernel; torch.tensor(..., device=cuda) would copy
-        # from the host and synchronise.
-        torch.full((), float(numel), dtype=torch.float64, device=x.device),
-        finite.to(torch.float64),
-        zeros.to(torch.float64),
-        max_abs.to(torch.float64),
-        sum_scaled.to(torch.float64),
-        sum_abs.to(torch.float64),
-        sum_sq.to(torch.float64),
-        central2.clamp_min(0.0).to(torch.float64),
-        central4.clamp_min(0.0).to(torch.float64),
+    central4 = scaled.sum(dim=1) - padded * mean.pow(4)
+    counts = torch.stack((finite, (numel - nonzero) - (numel - finite)), dim=1)
+    sums = torch.stack(
+        (sum_scaled, sum_abs, sum_sq, central2.clamp_min(0.0), central4.clamp_min(0.0)), dim=1
     )
-    return torch.stack(parts)
+    return torch.cat(
+        (
+            # torch.full launches a fill kernel; torch.tensor(..., device=cuda) would
+            # copy from the host and synchronise.
+            torch.full((rows, 1), float(numel), dtype=torch.float64, device=x.device),
+            counts.to(torch.float64),
+            max_abs.to(torch.float64).unsqueeze(1),
+            sums.to(torch.float64),
+        ),
+        dim=1,
+    )
 
 
 #: Largest ``max_abs`` for which the CPU fast path is used, given ``n`` elements: the
