@@ -50,21 +50,40 @@ def run(model: Net, bad_forwards: set[int], forwards: int = 30) -> None:
     model.gate.divisor.fill_(1.0)
 
 
+def inject(model: nn.Module, directory: Path, accelerator: bool, **options: Any) -> None:
+    """``inject_observer``; with ``accelerator`` the CPU takes the path CUDA takes
+    (sentinel sums read at the next flush, small tensors reduced in device batches)."""
+    handle = inject_observer(model, output_dir=directory, **options)
+    if accelerator:
+        observer = handle._observer
+        assert observer is not None
+        observer.device_path_types = frozenset({"cpu"})
+
+
+ACCELERATOR = pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
+
+
+@ACCELERATOR
 def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
-    tmp_path: Path,
+    tmp_path: Path, accelerator: bool
 ) -> None:
     torch.manual_seed(0)
     model = Net()
     with torch.no_grad():
         model.inp.bias.zero_()
-    inject_observer(model, output_dir=tmp_path, sampling=10)
+    inject(model, tmp_path, accelerator, sampling=10)
     run(model, bad_forwards={13})
     remove_observer(model)
     report = read_report(tmp_path)
     coverage = report["coverage"]
     assert coverage["sentinel_nonfinite_forwards"] == 1
-    # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 13 (14..21).
-    assert coverage["samples_observed"] == 2 + 8
+    if accelerator:
+        # The device-side sum is read at the next flush (forward 32, after the run):
+        # forwards 0, 10, 20 by the schedule, none forced.
+        assert coverage["samples_observed"] == 3
+    else:
+        # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 13 (14..21).
+        assert coverage["samples_observed"] == 2 + 8
     first = report["summary"]["first_non_finite"]
     assert first == {
         "source": "root_sentinel",
@@ -77,12 +96,15 @@ def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
     }
 
 
-def test_full_sentinel_names_the_origin_module_of_a_one_off(tmp_path: Path) -> None:
+@ACCELERATOR
+def test_full_sentinel_names_the_origin_module_of_a_one_off(
+    tmp_path: Path, accelerator: bool
+) -> None:
     torch.manual_seed(0)
     model = Net()
     with torch.no_grad():
         model.inp.bias.zero_()
-    inject_observer(model, output_dir=tmp_path, sampling=10, full_sentinel=True)
+    inject(model, tmp_path, accelerator, sampling=10, full_sentinel=True)
     run(model, bad_forwards={13})
     remove_observer(model)
     first = read_report(tmp_path)["summary"]["first_non_finite"]
@@ -158,6 +180,7 @@ def train_poisoned(
     directory: Path,
     device: torch.device,
     guard: Callable[[], AbstractContextManager[None]],
+    accelerator: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """Train ``PoisonNet`` 60 steps with SGD, poisoned from ``POISONED_FORWARD`` on."""
@@ -166,7 +189,7 @@ def train_poisoned(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     inputs = torch.randn(60, 16, 32, device=device)
     targets = torch.randn(60, 16, 1, device=device)
-    inject_observer(model, output_dir=directory, **options)
+    inject(model, directory, accelerator, **options)
     with guard():
         for step in range(60):
             if step == POISONED_FORWARD:
@@ -210,11 +233,16 @@ def check_poisoned_report(report: dict[str, Any], full_sentinel: bool) -> None:
         assert "full_sentinel=True" in first["next_experiment"]
 
 
+@ACCELERATOR
 @pytest.mark.parametrize("full_sentinel", [False, True], ids=["root", "full"])
 def test_fault_between_samples_that_reaches_the_weights(
-    tmp_path: Path, full_sentinel: bool
+    tmp_path: Path, full_sentinel: bool, accelerator: bool
 ) -> None:
     report = train_poisoned(
-        tmp_path, torch.device("cpu"), contextlib.nullcontext, full_sentinel=full_sentinel
+        tmp_path,
+        torch.device("cpu"),
+        contextlib.nullcontext,
+        accelerator,
+        full_sentinel=full_sentinel,
     )
     check_poisoned_report(report, full_sentinel)

@@ -116,7 +116,7 @@ def test_accelerator_batches_give_the_cpu_values(tmp_path: Path) -> None:
         handle = inject_observer(model, output_dir=tmp_path / name, sampling=1, report_config=WIDE)
         observer = handle._observer
         assert observer is not None
-        observer.device_batch_types = device_types
+        observer.device_path_types = device_types
         for x, y in data:
             nn.functional.cross_entropy(model(x), y).backward()
         remove_observer(model)

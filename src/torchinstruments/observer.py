@@ -76,7 +76,8 @@ STAGE_MAX_ELEMENTS = 1 << 22
 _STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Prefix of pending-record signals carrying histogram counts.
 _HISTOGRAM = "histogram"
-#: Pending-record signal carrying a device-side sentinel count (CUDA).
+#: Pending-record signal carrying a device-side sentinel sum, non-finite where the
+#: checked tensor held a non-finite value (CUDA).
 _SENTINEL = "sentinel"
 #: Index of the root among the observed modules (``select_modules`` puts it first).
 ROOT_INDEX = 0
@@ -216,10 +217,11 @@ class Observer:
         self._staged: deque[tuple[tuple[int, int, str, str], int, int, Tensor]] = deque()
         self._staged_elements = 0
         self._device_staged_elements = 0
-        #: Device types whose small tensors are staged and reduced with
-        #: ``device_statistics_batch`` (device vectors, no host read); tests add "cpu" to
-        #: run that path without a GPU.
-        self.device_batch_types: frozenset[str] = frozenset({"cuda"})
+        #: Device types that take the accelerator path: small tensors are staged and
+        #: reduced with ``device_statistics_batch``, sentinel sums are read at the next
+        #: flush; nothing is read back inside a hook. Tests add "cpu" to run that path
+        #: without a GPU.
+        self.device_path_types: frozenset[str] = frozenset({"cuda"})
         #: CUDA streams the staged copies were made on (a reduction on another stream
         #: must wait for them).
         self._staged_streams: set[Any] = set()
@@ -524,7 +526,7 @@ class Observer:
         self.sentinel_checks += 1
         forward = self.forwards_seen - 1
         value = tensor.detach()
-        if value.is_cpu:
+        if value.is_cpu and "cpu" not in self.device_path_types:
             # A non-finite element makes the sum non-finite; one plain reduction is
             # cheaper than an isfinite mask. Confirm before counting (a sum can overflow).
             if not math.isfinite(value.sum(dtype=torch.float32).item()) and not bool(
@@ -532,11 +534,16 @@ class Observer:
             ):
                 self._sentinel_hit(forward, index, call, path, self.samples_observed)
             return
-        bad = (~torch.isfinite(value)).sum().to(torch.float64).reshape(1)
+        if value.is_complex():
+            value = value.abs()
+        # One launch: a non-finite element makes the float64 sum non-finite, and float64
+        # cannot overflow on a sum of finite float32 values. Float64 values can, so
+        # their zero products are summed instead (NaN exactly where one is non-finite).
+        if value.dtype == torch.float64:
+            value = value * 0.0
+        bad = value.sum(dtype=torch.float64).reshape(1)
         # The position slot carries the index of the next sample, read when processed.
-        self._pending.append(
-            ((index, call, _SENTINEL, path), forward, self.samples_observed, _padded_row(bad))
-        )
+        self._pending.append(((index, call, _SENTINEL, path), forward, self.samples_observed, bad))
 
     def _sentinel_hit(
         self, forward: int, index: int, call: int, path: str, next_sample: int
@@ -797,7 +804,7 @@ class Observer:
         numel = tensor.numel()
         device_type = tensor.device.type
         if (
-            device_type in self.device_batch_types
+            device_type in self.device_path_types
             and numel <= DEVICE_STAGE_MAX_NUMEL
             and tensor.dtype in _STAGED_DTYPES
         ):
@@ -834,7 +841,7 @@ class Observer:
         if not taken:
             return
         groups: dict[tuple[torch.device, int], list[int]] = {}
-        device_batch_types = self.device_batch_types
+        device_path_types = self.device_path_types
         for i, record in enumerate(taken):
             flat = record[3]
             groups.setdefault((flat.device, flat.numel()), []).append(i)
@@ -843,7 +850,7 @@ class Observer:
             rows: Sequence[Tensor | list[float] | None]
             try:
                 flats = [taken[i][3] for i in indices]
-                if device.type not in device_batch_types:
+                if device.type not in device_path_types:
                     rows = cpu_statistics_batch(flats)
                 else:
                     if device.type == "cuda":
@@ -953,7 +960,7 @@ class Observer:
                 self._add_histogram(key, sample, row)
                 continue
             if key[2] == _SENTINEL:
-                if row[0] > 0:
+                if not math.isfinite(row[0]):
                     self._sentinel_hit(sample, key[0], key[1], key[3], position)
                 continue
             values = finish_statistics(row)
