@@ -528,8 +528,9 @@ class Observer:
         value = tensor.detach()
         if value.is_cpu and "cpu" not in self.device_path_types:
             # A non-finite element makes the sum non-finite; one plain reduction is
-            # cheaper than an isfinite mask. Confirm before counting (a sum can overflow).
-            if not math.isfinite(value.sum(dtype=torch.float32).item()) and not bool(
+            # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
+            # with a dtype argument). Confirm before counting: a sum can overflow.
+            if not math.isfinite(value.sum().item()) and not bool(
                 torch.isfinite(value).all()
             ):
                 self._sentinel_hit(forward, index, call, path, self.samples_observed)
