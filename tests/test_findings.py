@@ -15,7 +15,7 @@ import random
 import torch
 
 from torchinstruments.config import TrackConfig
-from torchinstruments.find import CATEGORIES, Candidate, run_rules
+from torchinstruments.find import CATEGORIES, RULES, Candidate, run_rules
 from torchinstruments.reduce import cpu_statistics, finish_statistics
 from torchinstruments.series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 
@@ -186,6 +186,10 @@ def test_gradient_step_origin_is_latest_in_forward_order():
     assert origin.judged is origin.series.trackers[RMS_TO_ROOT]
     assert echo_names(origin) == ["z_first", "m_second"]
     assert origin.group_score == origin.echoes[0].score
+    # The text names the judged measure wherever it is not the raw gradient RMS.
+    text = RULES["gradient_scale_change"].interpretation(origin)
+    assert "its fast EMA of rms_to_root is 3.989x above" in text, text
+    assert "Largest step of rms_to_root (its RMS over the loss gradient's)" in text, text
     # The loss gradient itself is the reference: listed last, never notable.
     ranked = found["gradient_scale_change"]
     assert ranked[-1].series.module == ""

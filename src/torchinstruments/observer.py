@@ -530,9 +530,7 @@ class Observer:
             # A non-finite element makes the sum non-finite; one plain reduction is
             # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
             # with a dtype argument). Confirm before counting: a sum can overflow.
-            if not math.isfinite(value.sum().item()) and not bool(
-                torch.isfinite(value).all()
-            ):
+            if not math.isfinite(value.sum().item()) and not bool(torch.isfinite(value).all()):
                 self._sentinel_hit(forward, index, call, path, self.samples_observed)
             return
         if value.is_complex():

@@ -483,7 +483,7 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int) -> str:
     if top is None:
         return f"{notable} notable finding(s); none fit within the byte limit."
     return (
-        f"{notable} notable finding(s); strongest in {top['category']}: {top['module']} "
+        f"{notable} notable finding(s); strongest in {top['category']}: `{top['module']}` "
         f"(call {top['call_index']}, {top['signal']}.{top['metric']})."
     )
 
@@ -893,11 +893,13 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
             "modules_selected": list(observer.names),
         }
     )
-    budget = max_bytes - len(json.dumps(header, separators=(",", ":"))) - 64
+    # One encoder for every row: json.dumps with options builds a new one per call.
+    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+    budget = max_bytes - len(encode(header)) - 64
     kept: list[dict[str, Any]] = []
     for series, metric, tracker in pairs:
         row = _summary_row(series, metric, tracker, position(series))
-        size = len(json.dumps(row, separators=(",", ":"), ensure_ascii=False)) + 1
+        size = len(encode(row)) + 1
         if size > budget:
             break  # rows past the budget are counted, not built
         budget -= size

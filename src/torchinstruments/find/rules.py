@@ -169,6 +169,11 @@ def _net(series: TensorSeries) -> str:
     return ", net of the loss gradient" if series.signal == GRAD_OUTPUT else ""
 
 
+def _net_measure(c: Candidate) -> str:
+    """Names the judged measure where it is not the finding's own metric."""
+    return f" of {RMS_TO_ROOT}" if c.judged is not c.tracker else ""
+
+
 def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[str, object]:
     if change is None:
         return {}
@@ -281,15 +286,20 @@ class _ScaleRule(Rule):
             )
         verb = "rose" if c.direction > 0 else "fell"
         text = (
-            f"{_where(c)} {verb}{_net(c.series)}: its fast EMA is "
+            f"{_where(c)} {verb}{_net(c.series)}: its fast EMA{_net_measure(c)} is "
             f"{format_value(math.exp(abs(t.shift)))}x {'above' if c.direction > 0 else 'below'} "
             f"the warm-up baseline ({format_value(abs(t.shift_z))} baseline standard "
             f"deviations); raw values went from {_span(c)}."
         )
         change = t.strongest_change
         if change is not None:
+            measure = (
+                f"of {RMS_TO_ROOT} (its RMS over the loss gradient's)"
+                if t is not c.tracker
+                else f"of {c.metric}"
+            )
             text += (
-                f" Largest step: {format_value(t.level(change.level_before))} to "
+                f" Largest step {measure}: {format_value(t.level(change.level_before))} to "
                 f"{format_value(t.level(change.level_after))} from sample {change.start_sample}."
             )
         return text
