@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import torch
@@ -26,12 +26,13 @@ from torchinstruments.reduce import finish_statistics, tensor_statistics
 from .conftest import read_report
 from .test_hard_cases import (
     MLP,
-    CastNet,
     CompileNet,
     act,
     attach,
     batches,
+    check_cast_statistics,
     finish,
+    fit,
     grad,
     observations,
     rms64,
@@ -149,31 +150,7 @@ def test_tensor_statistics_on_the_device_match_a_float64_reference(case: str) ->
 def test_report_values_on_the_device_match_the_tensors(
     tmp_path: Path, dtype: torch.dtype, scale: float, loss_scale: float
 ) -> None:
-    torch.manual_seed(0)
-    model = CastNet(dtype, scale, loss_scale).to(DEVICE)
-    outputs: list[Tensor] = []
-    gradients: list[Tensor] = []
-
-    def keep(module: nn.Module, args: Any, output: Tensor) -> None:
-        outputs.append(output)
-        output.register_hook(lambda g: gradients.append(g) and None)
-
-    handle = model.cast.register_forward_hook(keep)
-    attach(model, tmp_path)
-    data = on_device(batches(3, features=6))  # a copy from pageable memory synchronises
-    with no_host_sync():
-        for x, _ in data:
-            model(x).backward()
-    report = finish(model, tmp_path)
-    handle.remove()
-    assert report["coverage"]["errors_total"] == 0
-    for point, index in (("first", 0), ("latest", 2)):
-        assert value(report, act("cast"), point=point) == pytest.approx(
-            rms64(outputs[index]), rel=1e-4
-        )
-        assert value(report, grad("cast"), point=point) == pytest.approx(
-            rms64(gradients[index]), rel=1e-4
-        )
+    check_cast_statistics(tmp_path, dtype, scale, loss_scale, DEVICE, no_host_sync)
 
 
 # ---------------------------------------------------------------- no host sync
@@ -297,17 +274,6 @@ def test_torch_compile_with_inductor(tmp_path: Path, order: str) -> None:
     compiled = cast(nn.Module, torch.compile(model, backend="inductor"))
     twin_compiled = cast(nn.Module, torch.compile(twin, backend="inductor"))
 
-    def fit(m: nn.Module, chunk: list[tuple[Tensor, Tensor]]) -> list[float]:
-        optimizer = torch.optim.SGD(m.parameters(), lr=0.05)
-        losses = []
-        for x, y in chunk:
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-        return losses
-
     if order == "compile_then_inject":
         fit(compiled, data[:1])
         fit(twin_compiled, data[:1])
@@ -342,21 +308,10 @@ def test_distributed_data_parallel_world_size_one(tmp_path: Path) -> None:
         twin_wrapped = nn.parallel.DistributedDataParallel(twin, device_ids=ids)
         data = on_device(batches(6))
 
-        def fit(m: nn.Module) -> list[float]:
-            optimizer = torch.optim.SGD(m.parameters(), lr=0.05)
-            losses = []
-            for x, y in data:
-                optimizer.zero_grad()
-                loss = nn.functional.mse_loss(m(x), y)
-                loss.backward()
-                optimizer.step()
-                losses.append(float(loss.detach()))
-            return losses
-
         attach(wrapped, tmp_path / "stats")
-        losses = fit(wrapped)
+        losses = fit(wrapped, data)
         report = finish(wrapped, tmp_path / "stats")
-        assert losses == fit(twin_wrapped)
+        assert losses == fit(twin_wrapped, data)
         seen = observations(report)
         for name in ("fc1", "act", "fc2"):
             assert seen[act(name)] == 6 and seen[grad(name)] == 6, (name, sorted(seen))

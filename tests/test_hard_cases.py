@@ -10,6 +10,7 @@ Behaviours that do not work yet are kept as ``xfail(strict=True)`` with the reas
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import gc
@@ -940,8 +941,21 @@ class CastNet(nn.Module):
 def test_statistics_are_finite_and_exact_in_every_dtype(
     tmp_path: Path, dtype: torch.dtype, scale: float, loss_scale: float
 ) -> None:
+    check_cast_statistics(tmp_path, dtype, scale, loss_scale)
+
+
+def check_cast_statistics(
+    directory: Path,
+    dtype: torch.dtype,
+    scale: float,
+    loss_scale: float,
+    device: torch.device | None = None,
+    guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+) -> None:
+    """Train ``CastNet`` 3 steps on ``device``, ``guard`` around the training; the first
+    and latest RMS of ``cast``'s activation and output gradient match float64 values."""
     torch.manual_seed(0)
-    model = CastNet(dtype, scale, loss_scale)
+    model = CastNet(dtype, scale, loss_scale).to(device)
     outputs: list[Tensor] = []
     gradients: list[Tensor] = []
 
@@ -950,10 +964,12 @@ def test_statistics_are_finite_and_exact_in_every_dtype(
         output.register_hook(lambda g: gradients.append(g) and None)
 
     handle = model.cast.register_forward_hook(keep)
-    attach(model, tmp_path)
-    for x, _ in batches(3, features=6):
-        model(x).backward()
-    report = finish(model, tmp_path)
+    attach(model, directory)
+    data = [(x.to(device), y.to(device)) for x, y in batches(3, features=6)]
+    with guard():
+        for x, _ in data:
+            model(x).backward()
+    report = finish(model, directory)
     handle.remove()
     assert report["coverage"]["errors_total"] == 0
     assert torch.isfinite(outputs[-1]).all(), "test premise: finite activations"
