@@ -222,9 +222,9 @@ class Observer:
         #: flush; nothing is read back inside a hook. Tests add "cpu" to run that path
         #: without a GPU.
         self.device_path_types: frozenset[str] = frozenset({"cuda"})
-        #: CUDA streams the staged copies were made on (a reduction on another stream
-        #: must wait for them).
-        self._staged_streams: set[Any] = set()
+        #: CUDA streams that made staged copies or pending device rows since the last
+        #: flush: work on another stream that reads them must wait for these.
+        self._producer_streams: set[Any] = set()
         self._in_flight: list[_InFlight] = []
         self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
         self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
@@ -541,6 +541,8 @@ class Observer:
         if value.dtype == torch.float64:
             value = value * 0.0
         bad = value.sum(dtype=torch.float64).reshape(1)
+        if value.is_cuda:
+            self._producer_streams.add(torch.cuda.current_stream(value.device))
         # The position slot carries the index of the next sample, read when processed.
         self._pending.append(((index, call, _SENTINEL, path), forward, self.samples_observed, bad))
 
@@ -812,12 +814,14 @@ class Observer:
             )
             self._staged.append((key, sample, position, copy.view(-1)))
             if device_type == "cuda":
-                self._staged_streams.add(torch.cuda.current_stream(tensor.device))
+                self._producer_streams.add(torch.cuda.current_stream(tensor.device))
             self._device_staged_elements += numel
             if self._device_staged_elements > STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
         if device_type != "cpu":
+            if device_type == "cuda":
+                self._producer_streams.add(torch.cuda.current_stream(tensor.device))
             self._pending.append((key, sample, position, tensor_statistics(tensor)))
             return
         if numel <= STAGE_MAX_NUMEL and tensor.dtype in _STAGED_DTYPES:
@@ -863,18 +867,27 @@ class Observer:
                     key, sample, position, _ = taken[i]
                     pending.append((key, sample, position, row))
 
-    def _order_streams(self, device: torch.device, flats: Sequence[Tensor]) -> None:
-        """Make the current CUDA stream wait (on the device, no host sync) for copies
-        staged on other streams, and keep their memory until it has used them."""
+    def _order_streams(self, device: torch.device, tensors: Sequence[Tensor]) -> None:
+        """Make the current CUDA stream wait (on the device, no host sync) for the other
+        streams that made ``tensors``, and keep their memory until it has used them
+        (the caching allocator would otherwise hand it back to the making stream)."""
         current = torch.cuda.current_stream(device)
-        others = [s for s in self._staged_streams if s.device == device and s != current]
+        others = [s for s in self._producer_streams if s.device == device and s != current]
         if not others:
             return
         for stream in others:
             current.wait_stream(stream)
-            self._staged_streams.discard(stream)
-        for flat in flats:
-            flat.record_stream(current)
+        for tensor in tensors:
+            tensor.record_stream(current)
+
+    def _order_pending(self, pending: Sequence[_Record]) -> None:
+        """:meth:`_order_streams` for the device rows about to be stacked and copied."""
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for *_, row in pending:
+            if isinstance(row, Tensor) and row.is_cuda:
+                by_device.setdefault(row.device, []).append(row)
+        for device, rows in by_device.items():
+            self._order_streams(device, rows)
 
     def _reduce_one(
         self, record: tuple[tuple[int, int, str, str], int, int, Tensor]
@@ -889,6 +902,8 @@ class Observer:
     def _append_record(
         self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
     ) -> None:
+        if isinstance(row, Tensor) and row.is_cuda:
+            self._producer_streams.add(torch.cuda.current_stream(row.device))
         self._pending.append((key, sample, -1, row))
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
@@ -929,6 +944,9 @@ class Observer:
             # come after rows of large ones (reduced at once) of later samples.
             pending.sort(key=itemgetter(1))  # by sample
             try:
+                if self._producer_streams:
+                    self._order_pending(pending)
+                    self._producer_streams.clear()  # all made so far is ordered now
                 self._in_flight.append(_launch_transfer(pending))
             except Exception as error:
                 self.record_error("flush", "", error)
