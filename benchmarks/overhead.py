@@ -1251,6 +1251,29 @@ def print_targets(results: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- main
+def parse_device(text: str) -> torch.device:
+    """The ``--device`` value as a torch.device: ``cpu``, or ``cuda[:N]`` with a GPU N.
+
+    Raises:
+        ValueError: naming ``--device``, what was expected and what was given.
+    """
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"--device: expected cpu or cuda[:N], got {text!r} ({error})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: torch.cuda.is_available() is False on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device: expected cuda:0 to cuda:{count - 1} on this machine, got {text!r}"
+            )
+    return device
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
@@ -1310,13 +1333,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     try:
-        args.device = torch.device(args.device)
-    except (RuntimeError, ValueError) as error:
-        parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r} ({error})")
-    if args.device.type not in ("cpu", "cuda"):
-        parser.error(f"--device: expected cpu or cuda[:N], got {str(args.device)!r}")
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+        args.device = parse_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
     on_cuda = args.device.type == "cuda"
     if args.workloads is None:
         args.workloads = ",".join(ALL_WORKLOAD_NAMES if on_cuda else WORKLOAD_NAMES)

@@ -105,10 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--config: unknown configuration {config!r}; choose from {CONFIGS}")
     if args.steps < 1 or args.profiler_steps < 1 or args.top < 1:
         parser.error("--steps, --profiler-steps and --top must be >= 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    overhead.DEVICE = device
+    try:
+        overhead.DEVICE = overhead.parse_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     workload = overhead.make_workloads(quick=False)[args.workload]
     with tempfile.TemporaryDirectory(prefix="ti-profile-") as tmp:

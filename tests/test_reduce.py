@@ -617,6 +617,18 @@ def test_device_batch_rows_match_single_tensor_rows(dtype):
     )
 
 
+def test_few_finite_values_among_many_non_finite_keep_exact_moments():
+    """The masked path must not lose the central moments of 64 finite values to the
+    (0 - mean) terms of a million masked positions."""
+    values = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for nans in (1_000, 1 << 20):
+        x = torch.cat([values, torch.full((nans,), float("nan"))])
+        expected = reference_metrics(values)
+        expected["nonfinite_fraction"] = nans / x.numel()
+        for row in (tensor_statistics(x), reduce_module.device_statistics_batch([x])[0]):
+            assert_metrics_close(finish_statistics(row.tolist()), expected)
+
+
 def test_device_batch_rejects_mixed_inputs():
     with pytest.raises(ValueError, match="at least one tensor"):
         reduce_module.device_statistics_batch([])

@@ -246,3 +246,158 @@ def test_fault_between_samples_that_reaches_the_weights(
         full_sentinel=full_sentinel,
     )
     check_poisoned_report(report, full_sentinel)
+
+
+class Inp(nn.Linear):
+    """A linear layer that can be made to output NaN."""
+
+    broken = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * float("nan") if self.broken else y
+
+
+class StaleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = Inp(4, 8)
+        self.gate = Gate()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gate(self.inp(x)))
+
+
+@ACCELERATOR
+@pytest.mark.parametrize("full_sentinel", [False, True], ids=["root", "full"])
+def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
+    tmp_path: Path, full_sentinel: bool, accelerator: bool
+) -> None:
+    """A one-off inf in ``gate`` at forward 3, then NaN from ``inp`` from forward 205 on:
+    the finding links the hit just before its first non-finite sample (forward 205),
+    not the run's first hit; the summary still says the run's first was at forward 3."""
+    torch.manual_seed(0)
+    model = StaleNet()
+    with torch.no_grad():
+        model.inp.bias.zero_()
+    inject(model, tmp_path, accelerator, sampling=100, full_sentinel=full_sentinel)
+    generator = torch.Generator().manual_seed(0)
+    for index in range(260):
+        model.gate.divisor.fill_(1.0)
+        if index == 3:
+            model.gate.divisor[0] = 0.0
+        model.inp.broken = index >= 205
+        model(torch.randn(4, 4, generator=generator)).sum().backward()
+    model.gate.divisor.fill_(1.0)
+    remove_observer(model)
+    report = read_report(tmp_path)
+    first = report["findings"][0]
+    assert (first["category"], first["module"], first["signal"]) == (
+        "non_finite",
+        "inp",
+        "activation",
+    )
+    # Samples: forward 0, the forced ones after the one-off, 100, 200, then sample 11.
+    assert first["evidence"]["first_nonfinite_sample"] == 11
+    earlier = first["evidence"]["earlier_between_samples"]
+    assert earlier["forward_index"] == 205
+    assert earlier["this_series"] is full_sentinel
+    assert "forward 3" not in first["interpretation"]
+    summary = report["summary"]["first_non_finite"]
+    assert summary["module"] == "inp" and summary["sample"] == 11
+    assert summary["earlier_between_samples"]["forward_index"] == 3
+
+
+class NanGrad(torch.autograd.Function):
+    """Identity forward; NaN backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class Mid(nn.Linear):
+    poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return NanGrad.apply(y) if self.poison else y
+
+
+class GradNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.mid = Mid(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(self.inp(x)))
+
+
+@pytest.mark.parametrize("full_sentinel", [False, True], ids=["root", "full"])
+def test_non_finite_that_starts_in_a_gradient_ranks_before_the_next_forward(
+    tmp_path: Path, full_sentinel: bool
+) -> None:
+    """NaN starts in the backward of sample 1 (forward 10) and reaches every weight
+    through the optimizer step: the gradient at sample 1 is the first finding and the
+    summary's first non-finite value, before the activations of sample 2."""
+    torch.manual_seed(0)
+    model = GradNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inject_observer(model, output_dir=tmp_path, sampling=10, full_sentinel=full_sentinel)
+    generator = torch.Generator().manual_seed(0)
+    for index in range(40):
+        model.mid.poison = index == 10
+        loss = model(torch.randn(4, 4, generator=generator)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    non_finite = [f for f in report["findings"] if f["category"] == "non_finite"]
+    first = non_finite[0]
+    assert (first["signal"], first["evidence"]["first_nonfinite_sample"]) == ("grad_output", 1)
+    assert "earlier_between_samples" not in first["evidence"]
+    summary = report["summary"]["first_non_finite"]
+    assert (summary["signal"], summary["sample"], summary["forward_index"]) == (
+        "grad_output",
+        1,
+        10,
+    )
+    assert "earlier_between_samples" not in summary  # the hit at forward 11 came later
+
+
+@ACCELERATOR
+def test_complex_outputs_take_the_sentinel_by_their_parts(
+    tmp_path: Path, accelerator: bool
+) -> None:
+    """Finite complex64 outputs near float32's maximum: |z| would overflow, their parts
+    do not. No false hit, no error."""
+
+    class Complex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.fc(x)).clamp(-0.99, 0.99)
+            return torch.complex(h, h) * 3.3e38
+
+    torch.manual_seed(0)
+    model = Complex()
+    inject(model, tmp_path, accelerator, sampling=100)
+    for _ in range(10):
+        out = model(torch.randn(2, 4))
+        assert torch.isfinite(out).all()
+        out.real.sum().backward()
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["errors_total"] == 0
+    assert coverage["sentinel_checks"] == 9
+    assert coverage["sentinel_nonfinite_forwards"] == 0

@@ -61,6 +61,8 @@ __all__ = ["Observer", "RankInfo"]
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
 MAX_SAMPLES_AWAITING_BACKWARD = 256
+#: Samples with a non-finite value whose training forward is kept for the report.
+MAX_NONFINITE_SAMPLES_KEPT = 256
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
 #: CPU tensors of at most this many elements are copied (as float32) when observed and
@@ -243,7 +245,8 @@ class Observer:
         self.implicit_samples = 0
         self.root_forwards = 0
         self.calls_outside_root = 0
-        self.first_nonfinite_forward: int | None = None
+        #: Training forward of the first samples with a non-finite value (either signal).
+        self.nonfinite_sample_forwards: dict[int, int | None] = {}
         self._sample_forwards: dict[int, int] = {}
         self.repeated_gradients = 0
         self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
@@ -526,6 +529,9 @@ class Observer:
         self.sentinel_checks += 1
         forward = self.forwards_seen - 1
         value = tensor.detach()
+        if value.is_complex():
+            # Real and imaginary parts side by side: |z| could overflow where they do not.
+            value = torch.view_as_real(value.resolve_conj())
         if value.is_cpu and "cpu" not in self.device_path_types:
             # A non-finite element makes the sum non-finite; one plain reduction is
             # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
@@ -533,8 +539,6 @@ class Observer:
             if not math.isfinite(value.sum().item()) and not bool(torch.isfinite(value).all()):
                 self._sentinel_hit(forward, index, call, path, self.samples_observed)
             return
-        if value.is_complex():
-            value = value.abs()
         # One launch: a non-finite element makes the float64 sum non-finite, and float64
         # cannot overflow on a sum of finite float32 values. Float64 values can, so
         # their zero products are summed instead (NaN exactly where one is non-finite).
@@ -945,8 +949,11 @@ class Observer:
             pending.sort(key=itemgetter(1))  # by sample
             try:
                 if self._producer_streams:
+                    ordered = set(self._producer_streams)
                     self._order_pending(pending)
-                    self._producer_streams.clear()  # all made so far is ordered now
+                    # What those streams made so far is ordered now; a stream another
+                    # thread added meanwhile stays for the next flush.
+                    self._producer_streams -= ordered
                 self._in_flight.append(_launch_transfer(pending))
             except Exception as error:
                 self.record_error("flush", "", error)
@@ -989,8 +996,8 @@ class Observer:
                 continue
             series.forward_position = position
             series.update(config, sample, values)
-            if self.first_nonfinite_forward is None and values["nonfinite_fraction"]:
-                self.first_nonfinite_forward = self._sample_forwards.get(sample)
+            if values["nonfinite_fraction"]:
+                self._note_nonfinite_sample(sample)
             if self._scalar_sinks:
                 scalars.append((series, sample, values))
         for sample in sorted(grad_groups):
@@ -1017,10 +1024,17 @@ class Observer:
                     # output does to the gradient (loss scale and loss size cancel).
                     values[RMS_TO_ROOT] = rms / reference
                 series.update(config, sample, values)
+                if values["nonfinite_fraction"]:
+                    self._note_nonfinite_sample(sample)
                 if self._scalar_sinks:
                     scalars.append((series, sample, values))
         if scalars:
             self._forward_scalars(scalars)
+
+    def _note_nonfinite_sample(self, sample: int) -> None:
+        forwards = self.nonfinite_sample_forwards
+        if sample not in forwards and len(forwards) < MAX_NONFINITE_SAMPLES_KEPT:
+            forwards[sample] = self._sample_forwards.get(sample)
 
     def _forward_scalars(
         self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]

@@ -178,6 +178,7 @@ def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
         masked = x.device.type != "cpu" or not bool(
             torch.isfinite(low).all() and torch.isfinite(high).all()
         )
+    finite_mask: Tensor | None = None
     if masked:
         finite_mask = torch.isfinite(x)
         finite = finite_mask.sum(dim=1)
@@ -201,12 +202,15 @@ def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
     finite32 = finite.to(torch.float32)
     mean = sum_scaled / finite32.clamp_min(1.0)
     scaled.sub_(mean.unsqueeze(1))
-    # Masked positions were set to zero; remove their (0 - mean) contributions.
-    padded = numel - finite32
+    if finite_mask is not None:
+        # Masked positions hold 0 - mean now: zero them, so that they add nothing to the
+        # central moments (subtracting their share afterwards cancels catastrophically
+        # when most of a row is non-finite).
+        scaled.mul_(finite_mask)
     scaled.square_()
-    central2 = scaled.sum(dim=1) - padded * mean * mean
+    central2 = scaled.sum(dim=1)
     scaled.square_()
-    central4 = scaled.sum(dim=1) - padded * mean.pow(4)
+    central4 = scaled.sum(dim=1)
     counts = torch.stack((finite, (numel - nonzero) - (numel - finite)), dim=1)
     sums = torch.stack(
         (sum_scaled, sum_abs, sum_sq, central2.clamp_min(0.0), central4.clamp_min(0.0)), dim=1

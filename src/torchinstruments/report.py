@@ -286,7 +286,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
     ranked = run_rules(
         observer.series.values(),
         loss_scaled=observer.loss_scale.count > 0,
-        nonfinite_between_samples=_first_sentinel_hit(observer),
+        nonfinite_between_samples=_sentinel_hits(observer),
     )
     per_category: dict[str, list[dict[str, Any]]] = {}
     notable_counts: dict[str, int] = {}
@@ -415,18 +415,21 @@ def longest_fitting_prefix(
     return best
 
 
-def _first_sentinel_hit(observer: Observer) -> NonFiniteBetweenSamples | None:
-    """The earliest non-finite value the sentinels saw between samples, if any."""
-    if not observer.sentinel_events:
-        return None
-    event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
-    return NonFiniteBetweenSamples(
-        source="full_sentinel" if observer.full_sentinel else "root_sentinel",
-        forward_index=int(str(event["forward_index"])),
-        module=str(event["module"]),
-        call_index=int(str(event["call_index"])),
-        tensor_path=str(event["tensor_path"]),
-        next_sample=int(str(event["next_sample"])),
+def _sentinel_hits(observer: Observer) -> tuple[NonFiniteBetweenSamples, ...]:
+    """The non-finite values the sentinels saw between samples (the kept ones), in the
+    order of their training forwards."""
+    source = "full_sentinel" if observer.full_sentinel else "root_sentinel"
+    events = sorted(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
+    return tuple(
+        NonFiniteBetweenSamples(
+            source=source,
+            forward_index=int(str(event["forward_index"])),
+            module=str(event["module"]),
+            call_index=int(str(event["call_index"])),
+            tensor_path=str(event["tensor_path"]),
+            next_sample=int(str(event["next_sample"])),
+        )
+        for event in events
     )
 
 
@@ -435,33 +438,31 @@ def _first_non_finite(
 ) -> dict[str, object] | None:
     """Where non-finite values first appeared: in a sampled forward (exact sample,
     module, tensor path) or, earlier, caught by the sentinel between samples."""
-    notable = [c for c in candidates if c.notable]
-    activations = [c for c in notable if c.series.signal != GRAD_OUTPUT]
-    chosen = activations[0] if activations else (notable[0] if notable else None)
+    # Ranked candidates are in time order: the first notable one is the earliest sample
+    # (an activation before a gradient of the same sample).
+    chosen = next((c for c in candidates if c.notable), None)
     sampled: dict[str, object] | None = None
+    first_sample: int | None = None
     if chosen is not None and chosen.tracker.first_nonzero is not None:
         s = chosen.series
+        first_sample = chosen.tracker.first_nonzero.sample
         sampled = {
             "source": "sampled_forward",
-            "sample": chosen.tracker.first_nonzero.sample,
+            "sample": first_sample,
             "module": display_module(s.module),
             "call_index": s.call_index,
             "signal": s.signal,
             "tensor_path": s.tensor_path,
             "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
         }
-        if observer.first_nonfinite_forward is not None:
-            sampled["forward_index"] = observer.first_nonfinite_forward
+        forward = observer.nonfinite_sample_forwards.get(first_sample)
+        if forward is not None:
+            sampled["forward_index"] = forward
     if not observer.sentinel_events:
         return sampled
-    event = observer.sentinel_events[0]
-    sampled_forward = sampled.get("forward_index") if sampled is not None else None
-    if (
-        sampled is not None
-        and isinstance(sampled_forward, int)
-        and sampled_forward <= int(str(event["forward_index"]))
-    ):
-        return sampled  # the sampled forward saw it first
+    event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
+    if first_sample is not None and int(str(event["next_sample"])) > first_sample:
+        return sampled  # the sampled forward saw it first (the hit came after it)
     sentinel = {
         "source": "full_sentinel" if observer.full_sentinel else "root_sentinel",
         "forward_index": event["forward_index"],

@@ -26,14 +26,14 @@ def run_rules(
     series: Iterable[TensorSeries],
     *,
     loss_scaled: bool = False,
-    nonfinite_between_samples: NonFiniteBetweenSamples | None = None,
+    nonfinite_between_samples: tuple[NonFiniteBetweenSamples, ...] = (),
 ) -> dict[str, list[Candidate]]:
     """Run every rule over the series; return ranked candidates per category.
 
     Output gradients take the forward call position of the activation of the same
     module call and tensor path (:func:`~torchinstruments.series.forward_positions`).
     ``loss_scaled`` says a ``torch.amp.GradScaler`` scaled some samples' losses;
-    ``nonfinite_between_samples`` is the sentinels' first hit between samples, if any.
+    ``nonfinite_between_samples`` are the sentinels' hits between samples.
     """
     items = list(series)
     context = RuleContext(

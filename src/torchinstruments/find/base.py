@@ -98,15 +98,22 @@ def _origin_order(candidate: Candidate) -> tuple[int, int, tuple[str, int, str, 
     return (1 if is_grad else 0, position, candidate.sort_key)
 
 
-def _ordering_onset(candidate: Candidate) -> int:
+#: The category whose onsets are exact sample indices (first non-finite sample).
+NON_FINITE = "non_finite"
+
+
+def _ordering_onset(candidate: Candidate) -> float:
     """Onset used to order changes in time. Within one sample the forward runs before the
     backward, and an activation change alters the gradients of every module, so an
     output-gradient change counts as ``ONSET_TOLERANCE_SAMPLES`` later: it does not
-    outrank an activation change detected at about the same samples."""
+    outrank an activation change detected at about the same samples. A first non-finite
+    value is exact, not a detection after some delay: a gradient's counts half a sample
+    later (after its own sample's forward, before the next sample's)."""
     if candidate.onset is None:
         return 0
     if candidate.series.signal == GRAD_OUTPUT:
-        return candidate.onset + ONSET_TOLERANCE_SAMPLES
+        exact = candidate.category == NON_FINITE
+        return candidate.onset + (0.5 if exact else ONSET_TOLERANCE_SAMPLES)
     return candidate.onset
 
 

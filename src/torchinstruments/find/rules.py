@@ -74,15 +74,15 @@ class RuleContext:
             gradient), used as the reference that gradient rules measure net of.
         loss_scaled: a ``torch.amp.GradScaler`` scaled the loss of some samples.
         first_activation_nonfinite: earliest sample with a non-finite activation, if any.
-        nonfinite_between_samples: the sentinels' first non-finite value between
-            samples, if any.
+        nonfinite_between_samples: the non-finite values the sentinels saw between
+            samples, in training-forward order.
     """
 
     positions: dict[tuple[str, int, str], int] = field(default_factory=dict)
     root_gradient: dict[str, SeriesTracker] = field(default_factory=dict)
     loss_scaled: bool = False
     first_activation_nonfinite: int | None = None
-    nonfinite_between_samples: NonFiniteBetweenSamples | None = None
+    nonfinite_between_samples: tuple[NonFiniteBetweenSamples, ...] = ()
 
 
 def _where(c: Candidate) -> str:
@@ -435,13 +435,13 @@ class NonFinite(Rule):
     for gradients) is the origin and the rest are its echoes.
 
     Between samples. When a sentinel saw a non-finite value in an unsampled forward
-    before a series' first non-finite sample, that series' evidence carries it under
-    ``earlier_between_samples``. An optimizer step in between can carry the values
-    into the parameters of every module, so forward order at the next sample need not
-    show where they started. The full sentinel names that module: its activation
-    series becomes the origin of its sample's group. With the root sentinel alone the
-    text says the origin is not located and the next experiment is a rerun with
-    ``full_sentinel=True``.
+    between a series' first non-finite sample and the sample before it, that series'
+    evidence carries the first such hit under ``earlier_between_samples``. An optimizer
+    step in between can carry the values into the parameters of every module, so
+    forward order at the next sample need not show where they started. The full
+    sentinel names that module: its activation series becomes the origin of its
+    sample's group. With the root sentinel alone the text says the origin is not
+    located and the next experiment is a rerun with ``full_sentinel=True``.
     """
 
     category = "non_finite"
@@ -477,8 +477,13 @@ class NonFinite(Rule):
             "latest_nonfinite_fraction": tracker.latest.value if tracker.latest else None,
             "loss_scale_overflow": overflow,
         }
-        earlier = context.nonfinite_between_samples
-        if earlier is not None and earlier.next_sample <= first.sample and not overflow:
+        # A hit in the gap just before this series' first non-finite sample (the first
+        # one in that gap); older hits were one-offs that the samples between did not see.
+        earlier = next(
+            (h for h in context.nonfinite_between_samples if h.next_sample == first.sample),
+            None,
+        )
+        if earlier is not None and not overflow:
             located = earlier.source == "full_sentinel" and (
                 series.signal == ACTIVATION
                 and (series.module, series.call_index, series.tensor_path)
@@ -528,7 +533,7 @@ class NonFinite(Rule):
         if earlier["this_series"]:
             return text + (
                 f" The full sentinel saw them here first, at training forward {forward} "
-                "between samples, before any other module."
+                "between samples, before any other module's output in that forward."
             )
         if earlier["source"] == "full_sentinel":
             return text + (
