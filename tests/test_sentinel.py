@@ -253,8 +253,8 @@ class Inp(nn.Linear):
 
     broken = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        y = super().forward(input)
         return y * float("nan") if self.broken else y
 
 
@@ -317,15 +317,15 @@ class NanGrad(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("nan")
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        return grad_outputs[0] * float("nan")
 
 
 class Mid(nn.Linear):
     poison = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        y = super().forward(input)
         return NanGrad.apply(y) if self.poison else y
 
 
