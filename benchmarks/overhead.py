@@ -1242,7 +1242,7 @@ def print_targets(results: dict[str, Any]) -> None:
         )
     if not rows:
         return
-    print("\n== Issue 4 targets (for reading; nothing is asserted) ==")
+    print("\n== Overhead targets of the project (for reading; nothing is asserted) ==")
     if results["meta"].get("device", "cpu") != "cpu":
         print(f"the targets are set for the CPU; this run trained on {results['meta']['device']}")
     if results["meta"].get("quick"):

@@ -16,7 +16,11 @@ CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
 SCRIPTS = sorted(CASES.glob("[0-9]*.py")) if CASES.is_dir() else []
 
 
-@pytest.mark.skipif(not SCRIPTS, reason=f"no case scripts found in {CASES}")
+@pytest.mark.skipif(
+    not SCRIPTS,
+    reason=f"no case scripts in {CASES} (the team's shared folder beside the checkout; "
+    "a clone elsewhere has none)",
+)
 @pytest.mark.parametrize("script", SCRIPTS, ids=[path.stem for path in SCRIPTS])
 def test_case_script_passes(script: Path) -> None:
     environment = dict(os.environ, PYTHONUNBUFFERED="1")

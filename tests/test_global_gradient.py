@@ -32,6 +32,11 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     assert abs(event["evidence"]["factor"] - 16.0) / 16.0 < 0.5
     assert 49 <= event["evidence"]["step_start_sample"] <= 51
     assert not [f for f in scale if f["notable"] and f["module"] != "<all>"]
+    # The documented finding keys, as for module findings.
+    module_finding = next(f for f in report["findings"] if f["module"] != "<all>")
+    assert set(module_finding) <= set(event) | {"call_index", "tensor_path"}
+    assert event["change_sample"] == event["evidence"]["step_alarm_sample"]
+    assert event["warmup_end_sample"] is not None and event["history"] == []
 
 
 def test_grad_scaler_scale_is_divided_out_and_reported_once(tmp_path: Path) -> None:

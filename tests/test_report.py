@@ -139,6 +139,20 @@ def test_quiet_run_says_no_finding_stands_out(tmp_path: Path) -> None:
     assert "infer" in index and "warmup_complete" in index
 
 
+def test_run_without_a_training_forward_says_so(tmp_path: Path) -> None:
+    """Training in eval mode is not a healthy run: the headline says nothing was seen."""
+    model = ResidualNet().eval()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for x, y in make_batches(5):
+        nn.functional.mse_loss(model(x), y).backward()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["summary"]["headline"].startswith(
+        "No training forward was observed (5 forwards skipped as evaluation"
+    )
+    assert report["findings"] == []
+
+
 def test_report_is_rewritten_during_training_and_survives_a_kill(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""

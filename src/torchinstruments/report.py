@@ -175,6 +175,7 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
                 "min": _point(scale.min),
                 "max": _point(scale.max),
                 "warmup_complete": scale.warmup_complete,
+                "warmup_end_sample": scale.warmup_end_sample,
                 "ranking": {
                     "basis": "abs_log_loss_scale_range",
                     "value": math.log(scale.max.value / scale.min.value),
@@ -221,6 +222,8 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
                 "min": _point(tracker.min),
                 "max": _point(tracker.max),
                 "warmup_complete": tracker.warmup_complete,
+                "warmup_end_sample": tracker.warmup_end_sample,
+                "change_sample": change.alarm_sample,
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
                     "factor": factor,
@@ -253,6 +256,9 @@ def _model_wide_header() -> dict[str, Any]:
         "signal": "grad_output",
         "tensor_path": None,
         "not_applicable": "call_index and tensor_path: a model-wide event has neither",
+        "warmup_end_sample": None,
+        "change_sample": None,
+        "history": [],
     }
 
 
@@ -352,7 +358,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                 "summary": {
                     "notable_findings": sum(notable_counts.values()),
                     "notable_findings_returned": notable_returned,
-                    "headline": _headline(findings, sum(notable_counts.values())),
+                    "headline": _headline(findings, sum(notable_counts.values()), observer),
                     "first_non_finite": first_non_finite,
                 },
                 "coverage": {
@@ -477,15 +483,21 @@ def _first_non_finite(
     return {**sampled, "earlier_between_samples": sentinel}
 
 
-def _headline(findings: Sequence[dict[str, Any]], notable: int) -> str:
+def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observer) -> str:
+    if observer.root_forwards == 0:
+        return (
+            f"No training forward was observed ({observer.eval_forwards_skipped} forwards "
+            "skipped as evaluation: eval mode, no_grad or inference_mode), so there is "
+            "nothing to report. Train in model.train() mode with gradients enabled."
+        )
     if notable == 0:
         return "No finding stands out: every ranked series stays within its noise floor."
     top = next(f for f in findings if f["notable"]) if any(f["notable"] for f in findings) else None
     if top is None:
         return f"{notable} notable finding(s); none fit within the byte limit."
     return (
-        f"{notable} notable finding(s); strongest in {top['category']}: `{top['module']}` "
-        f"(call {top['call_index']}, {top['signal']}.{top['metric']})."
+        f"{notable} notable finding(s); the earliest is {top['category']} at "
+        f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']})."
     )
 
 

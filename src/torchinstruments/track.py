@@ -25,6 +25,7 @@ __all__ = ["ChangePoint", "SeriesPoint", "SeriesTracker"]
 
 #: Values at or below this are treated as this, before taking logs (a dead unit's RMS is 0).
 LOG_FLOOR = 1e-30
+_LOG_OF_FLOOR = math.log(LOG_FLOOR)
 #: Change points kept per series (the largest steps survive when more are found).
 MAX_CHANGES = 8
 #: Latest CUSUM increments kept to place the start of a change (bounded run-up).
@@ -491,5 +492,8 @@ class SeriesTracker:
         return points
 
     def level(self, tracked: float) -> float:
-        """Map a tracked-units level (an EMA, the baseline) back to the metric's units."""
-        return math.exp(tracked) if self._log_scale else tracked
+        """Map a tracked-units level (an EMA, the baseline) back to the metric's units
+        (0 for a log-scale level at ``LOG_FLOOR``, where exact zeros were recorded)."""
+        if not self._log_scale:
+            return tracked
+        return 0.0 if tracked <= _LOG_OF_FLOOR else math.exp(tracked)

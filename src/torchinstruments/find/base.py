@@ -145,7 +145,9 @@ def rank_candidates(
     for group in groups:
         group.sort(key=_origin_order)
         origin = group[0]
-        origin.echoes = sorted(group[1:], key=lambda c: (-c.score, c.sort_key))
+        # Another metric of the origin's own series is the same tensor, not an echo.
+        echoes = [c for c in group[1:] if c.series is not origin.series]
+        origin.echoes = sorted(echoes, key=lambda c: (-c.score, c.sort_key))
         origin.group_score = max(c.score for c in group)
         origins.append(origin)
     for candidate in others:
