@@ -413,6 +413,36 @@ def test_no_alarm_during_new_segment_warmup():
     assert t.change_count == 1
 
 
+def test_large_jump_while_a_new_segment_learns_is_a_change_of_its_own():
+    """Log scale: a 10% rise alarms at sample 6; zeros from sample 7, inside the new
+    segment's learning window, are a second change at sample 7 (not averaged into the
+    level learnt after the first); a 2x wobble in the window is not (below 4x)."""
+    t = make(warmup=12, log_scale=True, noise_floor=0.02)
+    warm = [1.0, 1.01] * 6
+    feed(t, warm)  # samples 0..11
+    feed(t, [1.1, 1.1], first_sample=12)
+    first = t.latest_change
+    assert first is not None and first.alarm_sample == 13 and t.change_count == 1
+    t.update(14, 0.0)
+    second = t.latest_change
+    assert second is not first and t.change_count == 2
+    assert (second.start_sample, second.alarm_sample) == (14, 14)
+    assert second.level_before == pytest.approx(math.log(1.1), rel=EXACT)
+    assert second.level_after == math.log(LOG_FLOOR)
+    assert second.std_before == first.std_before
+    assert not first.confirmed  # its level was never learnt in full
+    assert first.level_after == pytest.approx(math.log(1.1), rel=EXACT)
+    # A 2x move while learning is averaged in, as before.
+    u = make(warmup=12, log_scale=True, noise_floor=0.02)
+    feed(u, warm)
+    feed(u, [1.1, 1.1, 2.2], first_sample=12)
+    assert u.change_count == 1
+    # Linear-scale series keep the blind window (no fixed yardstick for a jump).
+    v = make(warmup=4)
+    feed(v, [*WARM, 1.0, 2.0, 50.0])
+    assert v.change_count == 1
+
+
 def test_seeded_noisy_stream_alarms_at_known_step():
     rng = random.Random(1234)
     noise = 0.01

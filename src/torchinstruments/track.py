@@ -10,6 +10,12 @@ differences); and a bounded, downsampled history for pictures.
 Scale metrics (``rms``, ``mean_abs``, ``max_abs``, ``tail_ratio``) are tracked in natural
 log space, so that EMAs, CUSUM and volatility measure relative change; fractions and
 kurtosis are tracked as they are.
+
+After a CUSUM alarm a new segment learns its level over ``max(4, warmup_samples // 3)``
+values, during which CUSUM is not armed. On scale metrics a jump of at least 4x and more
+than ``h + k`` standard deviations of the segment before starts a change of its own even
+then, so that a fault arriving just after a (possibly false) alarm is not averaged into
+the new level.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ __all__ = ["ChangePoint", "SeriesPoint", "SeriesTracker"]
 #: Values at or below this are treated as this, before taking logs (a dead unit's RMS is 0).
 LOG_FLOOR = 1e-30
 _LOG_OF_FLOOR = math.log(LOG_FLOOR)
+#: Least factor of a jump that starts a change while a new segment is learning its level.
+LEARNING_JUMP_FACTOR = 4.0
+_LOG_LEARNING_JUMP = math.log(LEARNING_JUMP_FACTOR)
 #: Change points kept per series (the largest steps survive when more are found).
 MAX_CHANGES = 8
 #: Latest CUSUM increments kept to place the start of a change (bounded run-up).
@@ -322,6 +331,9 @@ class SeriesTracker:
         warmup = self._config.warmup_samples
         if self.change_count:
             warmup = max(4, warmup // 3)
+            if self._seg_count < warmup and self._jumps_while_learning(v):
+                self._start_change(sample, sample, v, self._pending_std_before())
+                return
         if self._seg_count < warmup:
             # Welford's update of the segment's mean and sum of squared deviations.
             self._seg_count += 1
@@ -366,27 +378,51 @@ class SeriesTracker:
         if peak > self._config.cusum_threshold:
             up = self._cusum_pos >= self._cusum_neg
             runup = self._runup_pos if up else self._runup_neg
-            change = ChangePoint(
-                start_sample=_change_start(
-                    runup, self._cusum_pos_start if up else self._cusum_neg_start
-                ),
-                alarm_sample=sample,
-                level_before=self._seg_mean,
-                std_before=self._seg_std,
-                level_after=v,
-            )
-            self.change_count += 1
-            self.latest_change = change
-            self._pending_change = change
-            self._keep_change(change)
-            # Re-arm: a new segment starts with this value.
-            self._seg_count = 1
-            self._seg_mean = v
-            self._seg_m2 = 0.0
-            self._seg_std = self._noise_floor
-            self._cusum_pos = self._cusum_neg = 0.0
-            self._runup_pos.clear()
-            self._runup_neg.clear()
+            start = _change_start(runup, self._cusum_pos_start if up else self._cusum_neg_start)
+            self._start_change(start, sample, v, self._seg_std)
+
+    def _start_change(self, start: int, alarm: int, v: float, std_before: float) -> None:
+        """Record a change point at ``alarm`` and start a new segment with value ``v``."""
+        change = ChangePoint(
+            start_sample=start,
+            alarm_sample=alarm,
+            level_before=self._seg_mean,
+            std_before=std_before,
+            level_after=v,
+        )
+        self.change_count += 1
+        self.latest_change = change
+        self._pending_change = change
+        self._keep_change(change)
+        # Re-arm: a new segment starts with this value.
+        self._seg_count = 1
+        self._seg_mean = v
+        self._seg_m2 = 0.0
+        self._seg_std = self._noise_floor
+        self._cusum_pos = self._cusum_neg = 0.0
+        self._runup_pos.clear()
+        self._runup_neg.clear()
+
+    def _pending_std_before(self) -> float:
+        pending = self._pending_change
+        return pending.std_before if pending is not None else self._noise_floor
+
+    def _jumps_while_learning(self, v: float) -> bool:
+        """While a new segment learns its level after a change, CUSUM is not armed; a
+        fault arriving then would be averaged into the new level. A value that jumps at
+        least ``LEARNING_JUMP_FACTOR`` (4x) away from the level learnt so far, and more
+        than a single-sample CUSUM alarm (``h + k`` standard deviations of the segment
+        before the change), starts a change of its own. Scale (log) series only: for
+        them the factor is a fixed yardstick whatever the noise of the new regime."""
+        if not self._log_scale or self._seg_count < 1:
+            return False
+        jump = abs(v - self._seg_mean)
+        if jump < _LOG_LEARNING_JUMP:
+            return False
+        config = self._config
+        return jump > (config.cusum_threshold + config.cusum_allowance) * max(
+            self._pending_std_before(), self._noise_floor
+        )
 
     def _keep_change(self, change: ChangePoint) -> None:
         # Bounded: past MAX_CHANGES, forget the smallest confirmed step (ties: the later).

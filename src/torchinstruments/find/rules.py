@@ -285,12 +285,22 @@ class _ScaleRule(Rule):
                 f"reference that other output gradients are measured against."
             )
         verb = "rose" if c.direction > 0 else "fell"
-        text = (
-            f"{_where(c)} {verb}{_net(c.series)}: its fast EMA{_net_measure(c)} is "
-            f"{format_value(math.exp(abs(t.shift)))}x {'above' if c.direction > 0 else 'below'} "
-            f"the warm-up baseline ({format_value(abs(t.shift_z))} baseline standard "
-            f"deviations); raw values went from {_span(c)}."
-        )
+        latest = c.tracker.latest
+        if c.direction < 0 and latest is not None and latest.value == 0.0:
+            # A ratio to exact zeros (kept as 1e-30 in log space) means nothing.
+            text = (
+                f"{_where(c)} fell to exactly 0 ({format_value(abs(t.shift_z))} baseline "
+                f"standard deviations below the warm-up baseline{_net_measure(c)}); raw "
+                f"values went from {_span(c)}."
+            )
+        else:
+            text = (
+                f"{_where(c)} {verb}{_net(c.series)}: its fast EMA{_net_measure(c)} is "
+                f"{format_value(math.exp(abs(t.shift)))}x "
+                f"{'above' if c.direction > 0 else 'below'} the warm-up baseline "
+                f"({format_value(abs(t.shift_z))} baseline standard deviations); raw values "
+                f"went from {_span(c)}."
+            )
         change = t.strongest_change
         if change is not None:
             measure = (
