@@ -425,7 +425,7 @@ def test_large_jump_while_a_new_segment_learns_is_a_change_of_its_own():
     assert first is not None and first.alarm_sample == 13 and t.change_count == 1
     t.update(14, 0.0)
     second = t.latest_change
-    assert second is not first and t.change_count == 2
+    assert second is not None and second is not first and t.change_count == 2
     assert (second.start_sample, second.alarm_sample) == (14, 14)
     assert second.level_before == pytest.approx(math.log(1.1), rel=EXACT)
     assert second.level_after == math.log(LOG_FLOOR)
