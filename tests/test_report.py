@@ -153,6 +153,25 @@ def test_run_without_a_training_forward_says_so(tmp_path: Path) -> None:
     assert report["findings"] == []
 
 
+def test_modules_that_were_never_called_are_named(tmp_path: Path) -> None:
+    """nn.MultiheadAttention uses its out_proj's weights through functional code: the
+    module is selected but never called, and the report says which ones."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for _ in range(3):
+        model(torch.randn(2, 5, 16)).sum().backward()
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    missing = ["layers.0.self_attn.out_proj", "layers.1.self_attn.out_proj"]
+    assert coverage["modules_not_observed"] == missing
+    assert coverage["modules_selected"] - coverage["modules_observed"] == len(missing)
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "Not observed (never called in a sampled training forward" in index
+    assert "`layers.1.self_attn.out_proj`." in index
+
+
 def test_report_is_rewritten_during_training_and_survives_a_kill(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""

@@ -266,6 +266,20 @@ def _module_count(observer: Observer) -> int:
     return len({s.module for s in observer.series.values()})
 
 
+#: Most names listed under ``coverage.modules_not_observed``.
+MAX_MODULES_NOT_OBSERVED = 16
+
+
+def _modules_not_observed(observer: Observer) -> list[str]:
+    """Selected modules without a series, in forward-selection order (at most
+    ``MAX_MODULES_NOT_OBSERVED``): never called in a sampled training forward (for
+    example a projection whose weights a parent uses through functional code, like
+    ``nn.MultiheadAttention``'s ``out_proj``), or only with non-floating outputs."""
+    seen = {s.module for s in observer.series.values()}
+    missing = [display_module(name) for name in observer.names if name not in seen]
+    return missing[:MAX_MODULES_NOT_OBSERVED]
+
+
 def _limits_hit(observer: Observer, omitted_bytes: int, omitted_top_k: int) -> list[str]:
     limits = []
     if omitted_bytes:
@@ -364,6 +378,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                 "coverage": {
                     "modules_selected": len(observer.names),
                     "modules_observed": _module_count(observer),
+                    "modules_not_observed": _modules_not_observed(observer),
                     "tensor_paths_observed": len(
                         {(s.module, s.call_index, s.tensor_path) for s in observer.series.values()}
                     ),
@@ -722,7 +737,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- Modules observed: {coverage['modules_observed']} of {coverage['modules_selected']} "
         f"selected; tensor paths: {coverage['tensor_paths_observed']}; series: "
-        f"{coverage['series']}.",
+        f"{coverage['series']}."
+        + (
+            " Not observed (never called in a sampled training forward, or no floating "
+            "output): "
+            + ", ".join(f"`{name}`" for name in coverage["modules_not_observed"])
+            + (
+                "..."
+                if coverage["modules_selected"] - coverage["modules_observed"]
+                > len(coverage["modules_not_observed"])
+                else ""
+            )
+            + "."
+            if coverage.get("modules_not_observed")
+            else ""
+        ),
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
         f"- Tensors skipped: {coverage['tensors_skipped'] or 'none'}.",
