@@ -36,6 +36,7 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     module_finding = next(f for f in report["findings"] if f["module"] != "<all>")
     assert set(module_finding) <= set(event) | {"call_index", "tensor_path"}
     assert event["change_sample"] == event["evidence"]["step_alarm_sample"]
+    assert event["change_forward"] == event["change_sample"]  # sampling=1
     assert event["warmup_end_sample"] is not None and event["history"] == []
 
 

@@ -210,7 +210,8 @@ def check_poisoned_report(report: dict[str, Any], full_sentinel: bool) -> None:
     assert first["category"] == "non_finite" and first["notable"]
     earlier = first["evidence"]["earlier_between_samples"]
     assert earlier["forward_index"] == POISONED_FORWARD
-    assert first["evidence"]["first_nonfinite_sample"] == 31  # forward 46
+    assert first["evidence"]["first_nonfinite_sample"] == 31
+    assert (first["change_sample"], first["change_forward"]) == (31, 46)
     if full_sentinel:
         assert (first["module"], first["signal"]) == ("poison", "activation")
         assert earlier == {

@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 import weakref
+from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,8 +62,8 @@ __all__ = ["Observer", "RankInfo"]
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
 MAX_SAMPLES_AWAITING_BACKWARD = 256
-#: Samples with a non-finite value whose training forward is kept for the report.
-MAX_NONFINITE_SAMPLES_KEPT = 256
+#: Samples whose training forward index is kept (8 bytes each: 8 MiB at most).
+MAX_SAMPLE_FORWARDS_KEPT = 1 << 20
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
 #: CPU tensors of at most this many elements are copied (as float32) when observed and
@@ -245,9 +246,9 @@ class Observer:
         self.implicit_samples = 0
         self.root_forwards = 0
         self.calls_outside_root = 0
-        #: Training forward of the first samples with a non-finite value (either signal).
-        self.nonfinite_sample_forwards: dict[int, int | None] = {}
-        self._sample_forwards: dict[int, int] = {}
+        #: Training forward index of each sample (8 bytes per sample, the first
+        #: ``MAX_SAMPLE_FORWARDS_KEPT``); see :meth:`forward_of`.
+        self.sample_forwards = array("q")
         self.repeated_gradients = 0
         self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
         self.series_dropped = 0
@@ -583,9 +584,8 @@ class Observer:
         if sampled:
             self._sample = self.samples_observed
             self.samples_observed += 1
-            self._sample_forwards[self._sample] = index
-            if len(self._sample_forwards) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
-                del self._sample_forwards[next(iter(self._sample_forwards))]
+            if self._sample < MAX_SAMPLE_FORWARDS_KEPT:
+                self.sample_forwards.append(index)
             awaiting = self._awaiting_backward
             awaiting[self._sample] = None
             if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
@@ -996,8 +996,6 @@ class Observer:
                 continue
             series.forward_position = position
             series.update(config, sample, values)
-            if values["nonfinite_fraction"]:
-                self._note_nonfinite_sample(sample)
             if self._scalar_sinks:
                 scalars.append((series, sample, values))
         for sample in sorted(grad_groups):
@@ -1024,17 +1022,18 @@ class Observer:
                     # output does to the gradient (loss scale and loss size cancel).
                     values[RMS_TO_ROOT] = rms / reference
                 series.update(config, sample, values)
-                if values["nonfinite_fraction"]:
-                    self._note_nonfinite_sample(sample)
                 if self._scalar_sinks:
                     scalars.append((series, sample, values))
         if scalars:
             self._forward_scalars(scalars)
 
-    def _note_nonfinite_sample(self, sample: int) -> None:
-        forwards = self.nonfinite_sample_forwards
-        if sample not in forwards and len(forwards) < MAX_NONFINITE_SAMPLES_KEPT:
-            forwards[sample] = self._sample_forwards.get(sample)
+    def forward_of(self, sample: int | None) -> int | None:
+        """The training forward index (0-based) at which ``sample`` was taken, or None
+        (no such sample, or past the first ``MAX_SAMPLE_FORWARDS_KEPT``)."""
+        forwards = self.sample_forwards
+        if sample is None or not 0 <= sample < len(forwards):
+            return None
+        return forwards[sample]
 
     def _forward_scalars(
         self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]

@@ -102,7 +102,9 @@ def _point(point: SeriesPoint | None) -> dict[str, float | int]:
     return point.as_dict()
 
 
-def _finding(c: Candidate, rank: int, max_echoes: int) -> dict[str, Any]:
+def _finding(
+    c: Candidate, rank: int, max_echoes: int, observer: Observer | None = None
+) -> dict[str, Any]:
     s, t = c.series, c.tracker
     rule = RULES[c.category]
     evidence = {k: v for k, v in c.evidence.items() if v is not None}
@@ -140,6 +142,7 @@ def _finding(c: Candidate, rank: int, max_echoes: int) -> dict[str, Any]:
         "warmup_complete": t.warmup_complete,
         "warmup_end_sample": t.warmup_end_sample,
         "change_sample": c.onset,
+        "change_forward": observer.forward_of(c.onset) if observer is not None else None,
         "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
         "evidence": evidence,
         "interpretation": rule.interpretation(c),
@@ -224,6 +227,7 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
                 "warmup_complete": tracker.warmup_complete,
                 "warmup_end_sample": tracker.warmup_end_sample,
                 "change_sample": change.alarm_sample,
+                "change_forward": observer.forward_of(change.alarm_sample),
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
                     "factor": factor,
@@ -258,6 +262,7 @@ def _model_wide_header() -> dict[str, Any]:
         "not_applicable": "call_index and tensor_path: a model-wide event has neither",
         "warmup_end_sample": None,
         "change_sample": None,
+        "change_forward": None,
         "history": [],
     }
 
@@ -320,7 +325,9 @@ def build_report(observer: Observer) -> dict[str, Any]:
                 offset += 1
                 items.append({**model_wide, "rank": offset})
         for position, candidate in enumerate(candidates[: config.top_k_per_category - offset]):
-            items.append(_finding(candidate, position + 1 + offset, config.max_echo_modules))
+            items.append(
+                _finding(candidate, position + 1 + offset, config.max_echo_modules, observer)
+            )
         per_category[category] = items
         candidate_counts[category] = len(candidates) + offset
         notable_counts[category] = sum(1 for c in candidates if c.notable) + sum(
@@ -476,7 +483,7 @@ def _first_non_finite(
             "tensor_path": s.tensor_path,
             "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
         }
-        forward = observer.nonfinite_sample_forwards.get(first_sample)
+        forward = observer.forward_of(first_sample)
         if forward is not None:
             sampled["forward_index"] = forward
     if not observer.sentinel_events:
@@ -652,9 +659,14 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
     ]
     ranking = f.get("ranking", {})
     warm = "complete" if f.get("warmup_complete") else "NOT complete (weak evidence)"
+    change = ""
+    if f.get("change_sample") is not None:
+        forward = f.get("change_forward")
+        at = f" (training forward {forward})" if forward is not None else ""
+        change = f" change detected at sample {f['change_sample']}{at};"
     lines.append(
-        f"- Ranked by `{ranking.get('basis')}` = {ranking.get('value')}; warm-up {warm}; "
-        f"{f.get('observations')} observations."
+        f"- Ranked by `{ranking.get('basis')}` = {ranking.get('value')};{change} warm-up "
+        f"{warm}; {f.get('observations')} observations."
     )
     echoes = f.get("evidence", {}).get("echoes")
     if echoes:
