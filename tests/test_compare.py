@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,11 +21,14 @@ from torchinstruments import (
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments.compare import (
     COMPARISON_SCHEMA,
+    _parse_recorded,
+    _Recorded,
     _Schedule,
     noise_floor,
     render_comparison_markdown,
     sustained_departure,
 )
+from torchinstruments.observer import Observer
 from torchinstruments.report import dumps_report
 from torchinstruments.sampling import DefaultSampling
 
@@ -217,6 +220,72 @@ def test_sustained_departure_needs_two_points_of_one_sign() -> None:
     assert noise_floor("rms", log_scale=True) == 0.1
 
 
+def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path) -> None:
+    """A one-off NaN at forward 41 (unsampled; the step skipped, as a GradScaler would)
+    forces samples in the candidate (4 of them extra); a later 8x input change from
+    forward 120 on must be placed by training forward, with the candidate's own sample
+    index, not the baseline's."""
+
+    def run(directory: Path, faulty: bool) -> Path:
+        torch.manual_seed(0)
+        model = ResidualNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        inject_observer(model, output_dir=directory)
+        for step, (x, y) in enumerate(make_batches(200)):
+            if faulty and step == 41:
+                x = torch.full_like(x, float("nan"))
+            if faulty and step >= 120:
+                x = x * 8.0
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if torch.isfinite(loss):
+                optimizer.step()
+        remove_observer(model)
+        return directory
+
+    baseline, candidate = run(tmp_path / "a", False), run(tmp_path / "b", True)
+    comparison = read(compare_runs(baseline, candidate, tmp_path / "out"))
+    summary = read(candidate / "series.json")["sample_forwards"]
+    assert summary["complete"] is True
+    recorded = _Recorded([tuple(run) for run in summary["runs"]])  # type: ignore[misc]
+    assert comparison["alignment"]["axis"] == "forward"
+    first = comparison["summary"]["first_divergence"]
+    assert (first["kind"], first["module"], first["metric"]) == ("value", "inp", "rms")
+    # At the first training forward both runs kept in their bounded histories from 120 on
+    # (here 144; 120 to 136 were thinned out of one of them), and named in each run's own
+    # sample indices: the forced samples shifted the candidate's by 4.
+    assert 120 <= first["forward"] <= 160
+    assert first["candidate_sample"] == recorded.sample(first["forward"])
+    assert first["candidate_sample"] == first["sample"] + 4
+    assert first["last_agreeing"]["forward"] < 120
+
+
+def test_recorded_sample_forwards_round_trip_and_reject_bad_input() -> None:
+    forwards = [0, 1, 2, 4, 6, 7, 8, 9, 12, 16, 100]
+    state = SimpleNamespace(sample_forward_runs=[], sample_forward_runs_complete=True)
+    for sample, forward in enumerate(forwards):  # the observer's own encoding
+        Observer._extend_forward_runs(state, sample, forward)  # type: ignore[arg-type]
+    runs = state.sample_forward_runs
+    assert runs == [[0, 0, 1, 3], [3, 4, 2, 2], [5, 7, 1, 3], [8, 12, 4, 2], [10, 100, 0, 1]]
+    recorded = _parse_recorded({"runs": runs, "complete": True})
+    assert recorded is not None
+    assert [recorded.forward(k) for k in range(len(forwards))] == forwards
+    assert [recorded.sample(f) for f in forwards] == list(range(len(forwards)))
+    assert recorded.sample(3) is None and recorded.sample(101) is None
+    assert recorded.forward(len(forwards)) is None and recorded.forward(-1) is None
+    for bad in (
+        {"runs": runs, "complete": False},
+        {"runs": [[1, 0, 1, 2]], "complete": True},  # does not start at sample 0
+        {"runs": [[0, 5, 1, 2], [2, 5, 1, 1]], "complete": True},  # forwards not increasing
+        {"runs": [[0, 0, 0, 2]], "complete": True},  # a zero step
+        {"runs": [[0, 0, 1]], "complete": True},
+        {"runs": "x", "complete": True},
+        None,
+    ):
+        assert _parse_recorded(bad) is None, bad
+
+
 @pytest.mark.parametrize("policy", [DefaultSampling(), DefaultSampling(samples_per_stage=3)])
 def test_schedule_maps_samples_to_forwards(policy: DefaultSampling) -> None:
     schedule = _Schedule(policy.describe())
@@ -249,7 +318,10 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
     assert first["kind"] == "non_finite" and first["side"] == "candidate"
     assert (first["module"], first["signal"]) == ("inp", "activation")
     assert (first["sample"], first["forward"]) == (28, 40)
-    # The sentinel forced extra samples after the NaN: sample indices stop matching.
-    assert comparison["strength"] == "weak"
-    assert "extra_samples" in [m["kind"] for m in comparison["mismatches"]]
+    # The sentinel forced extra samples after the NaN: sample indices stop matching, but
+    # both runs recorded each sample's training forward, so the runs are aligned by those.
+    extra = [m for m in comparison["mismatches"] if m["kind"] == "extra_samples"]
+    assert len(extra) == 1 and not extra[0]["weakens"]
+    assert "compared at the training forwards both sampled" in extra[0]["detail"]
+    assert comparison["strength"] == "full"
     assert comparison["categories"]["non_finite"]["notable"] > 0

@@ -16,6 +16,7 @@ differ most, and the first points of divergence, earliest first. See
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -183,6 +184,62 @@ def _text(value: float | None) -> str:
 
 
 # ---------------------------------------------------------------------- schedules
+class _Recorded:
+    """The sample -> training forward mapping a run recorded (``series.json``'s
+    ``sample_forwards``): runs ``[first sample, first forward, step, samples]``."""
+
+    def __init__(self, runs: list[tuple[int, int, int, int]]) -> None:
+        self.runs = runs
+        self.first_samples = [run[0] for run in runs]
+        self.first_forwards = [run[1] for run in runs]
+        self.samples = runs[-1][0] + runs[-1][3] if runs else 0
+
+    def forward(self, sample: int) -> int | None:
+        if not 0 <= sample < self.samples:
+            return None
+        first_sample, first_forward, step, _ = self.runs[
+            bisect.bisect_right(self.first_samples, sample) - 1
+        ]
+        return first_forward + (sample - first_sample) * step
+
+    def sample(self, forward: int) -> int | None:
+        index = bisect.bisect_right(self.first_forwards, forward) - 1
+        if index < 0:
+            return None
+        first_sample, first_forward, step, count = self.runs[index]
+        offset = forward - first_forward
+        if offset == 0:
+            return first_sample
+        if step <= 0 or offset % step or offset // step >= count:
+            return None
+        return first_sample + offset // step
+
+
+def _parse_recorded(raw: object) -> _Recorded | None:
+    """``sample_forwards`` of ``series.json`` if present, complete and well formed."""
+    if not isinstance(raw, dict) or raw.get("complete") is not True:
+        return None
+    runs = raw.get("runs")
+    if not isinstance(runs, list):
+        return None
+    parsed: list[tuple[int, int, int, int]] = []
+    expected = 0
+    for run in runs:
+        if (
+            not isinstance(run, list)
+            or len(run) != 4
+            or not all(_is_int(v) and v >= 0 for v in run)
+            or run[0] != expected
+            or run[3] < 1
+            or (run[3] > 1 and run[2] < 1)
+            or (parsed and run[1] <= parsed[-1][1] + parsed[-1][2] * (parsed[-1][3] - 1))
+        ):
+            return None
+        parsed.append((run[0], run[1], run[2], run[3]))
+        expected = run[0] + run[3]
+    return _Recorded(parsed)
+
+
 class _Schedule:
     """Sample index <-> training forward index for the deterministic sampling policies.
 
@@ -190,12 +247,16 @@ class _Schedule:
     known; for anything else nothing is.
     """
 
-    def __init__(self, description: object) -> None:
+    def __init__(self, description: object, recorded: _Recorded | None = None) -> None:
         self.policy = "unknown"
         self.interval = 0
         self.per_stage = 0
         self.stages: list[tuple[int, int]] = []
         self.dense = 0
+        #: What the run recorded; it wins over the schedule's model where it has the
+        #: sample (forced samples after a sentinel hit shift the model's mapping).
+        self.recorded = recorded
+        self.describe_source = description
         if not isinstance(description, dict):
             return
         policy = description.get("policy")
@@ -232,10 +293,12 @@ class _Schedule:
 
     @property
     def known(self) -> bool:
-        return self.policy != "unknown"
+        return self.policy != "unknown" or self.recorded is not None
 
     def forward(self, sample: int) -> int | None:
         """The training forward index of ``sample``, or None if unknown."""
+        if self.recorded is not None:
+            return self.recorded.forward(sample)
         if self.policy == "every_n":
             return sample * self.interval
         if self.policy == "default":
@@ -250,6 +313,8 @@ class _Schedule:
         """The sample taken at training forward ``forward``, or None (none, or unknown)."""
         if forward < 0:
             return None
+        if self.recorded is not None:
+            return self.recorded.sample(forward)
         if self.policy == "every_n":
             return forward // self.interval if forward % self.interval == 0 else None
         if self.policy == "default":
@@ -319,6 +384,7 @@ class _Run:
     modules_selected: frozenset[str]
     omitted: int
     series: dict[SeriesKey, _Series]
+    recorded: _Recorded | None = None
 
     def int_field(self, name: str) -> int | None:
         value = self.run.get(name)
@@ -447,6 +513,7 @@ def _read_run(directory: str | os.PathLike[str], role: str) -> _Run:
         modules_selected=frozenset(display_module(m) for m in selected),
         omitted=omitted if _is_int(omitted) else 0,
         series=series,
+        recorded=_parse_recorded(raw.get("sample_forwards")),
     )
     del raw  # before the other run is read: one parsed file in memory at a time
     return run
@@ -514,9 +581,26 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
     mismatches: list[dict[str, Any]] = []
     described_b = _sampling_description(baseline.config)
     described_c = _sampling_description(candidate.config)
-    schedule_b, schedule_c = _Schedule(described_b), _Schedule(described_c)
+    schedule_b = _Schedule(described_b, baseline.recorded)
+    schedule_c = _Schedule(described_c, candidate.recorded)
+    exact = baseline.recorded is not None and candidate.recorded is not None
+    extra: dict[str, tuple[int, int | None, int]] = {}  # role -> (forwards, expected, seen)
+    for role, run, schedule in (
+        ("baseline", baseline, schedule_b),
+        ("candidate", candidate, schedule_c),
+    ):
+        forwards = run.int_field("forwards_seen")
+        model = _Schedule(schedule.describe_source)
+        expected = model.expected_samples(forwards) if forwards is not None else None
+        seen = run.int_field("samples_seen")
+        if forwards is not None and expected is not None and seen not in (None, expected):
+            extra[role] = (forwards, expected, seen if seen is not None else 0)
     time_budget = "time_budget" in (schedule_b.policy, schedule_c.policy)
-    if described_b == described_c and not time_budget:
+    if described_b == described_c and not time_budget and exact and extra:
+        # Same schedule, but forced samples shifted one run's sample indices: align by
+        # the training forwards both runs recorded.
+        mode = "forward"
+    elif described_b == described_c and not time_budget:
         mode = "sample"
         if not schedule_b.known:
             mismatches.append(
@@ -535,7 +619,7 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
             "both runs sampled (and that both kept in their bounded histories), so fewer "
             "points are compared and divergence samples are coarser."
         )
-        if time_budget:
+        if time_budget and not exact:
             detail = (
                 "Time-budget sampling is not deterministic: only the forwards of its dense "
                 "start are known, so values are compared only there."
@@ -562,24 +646,23 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
                 candidate=_short(described_c),
             )
         )
-    for role, run, schedule in (
-        ("baseline", baseline, schedule_b),
-        ("candidate", candidate, schedule_c),
-    ):
-        forwards = run.int_field("forwards_seen")
-        expected = schedule.expected_samples(forwards) if forwards is not None else None
-        if expected is not None and run.int_field("samples_seen") not in (None, expected):
-            mismatches.append(
-                _mismatch(
-                    "extra_samples",
-                    True,
-                    f"The {role} took {run.int_field('samples_seen')} samples in {forwards} "
-                    f"training forwards where its schedule takes {expected}: the non-finite "
-                    f"sentinel (8 forced samples after a hit) or direct forward calls added "
-                    f"samples, so after the first extra one a sample index is not the "
-                    f"scheduled training forward.",
-                )
+    for role, (forwards, expected, seen) in extra.items():
+        cause = (
+            f"The {role} took {seen} samples in {forwards} training forwards where its "
+            f"schedule takes {expected}: the non-finite sentinel (8 forced samples after a "
+            f"hit) or direct forward calls added samples"
+        )
+        if mode == "forward" and exact:
+            detail = (
+                f"{cause}. Both runs recorded each sample's training forward, so the "
+                "values are compared at the training forwards both sampled."
             )
+        else:
+            detail = (
+                f"{cause}, so after the first extra one a sample index is not the "
+                "scheduled training forward."
+            )
+        mismatches.append(_mismatch("extra_samples", not (mode == "forward" and exact), detail))
     if mode == "sample":
         end = min(baseline.samples_seen, candidate.samples_seen) - 1
     else:

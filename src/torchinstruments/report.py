@@ -921,7 +921,9 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     the end, the warm-up baseline and its standard deviation, volatility, min and max, and
     how many samples had a non-zero value (non-finite counts for ``nonfinite_fraction``).
     Series are kept in forward call order until ``max_bytes`` of compact JSON; the rest
-    are counted under ``omitted``. No raw tensors.
+    are counted under ``omitted``. No raw tensors. ``sample_forwards`` maps every sample
+    to its training forward, as runs ``[first sample, first forward, step, samples]``
+    (``complete`` False once more than ``MAX_SAMPLE_FORWARD_RUNS`` runs were needed).
     """
     positions = forward_positions(observer.series.values())
 
@@ -945,6 +947,10 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
             "run": _run_section(observer),
             "config": _config_section(observer),
             "modules_selected": list(observer.names),
+            "sample_forwards": {
+                "runs": [list(run) for run in observer.sample_forward_runs],
+                "complete": observer.sample_forward_runs_complete,
+            },
         }
     )
     # One encoder for every row: json.dumps with options builds a new one per call.
