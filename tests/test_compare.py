@@ -261,6 +261,39 @@ def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path
     assert first["last_agreeing"]["forward"] < 120
 
 
+class _EveryK:
+    """A custom policy that describes itself the same whatever its interval."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def should_sample(self, forward_index: int) -> bool:
+        return forward_index % self.interval == 0
+
+    def describe(self) -> dict[str, object]:
+        return {"policy": "custom (test)"}
+
+
+def test_same_described_policy_with_different_sample_forwards_aligns_by_forward(
+    tmp_path: Path,
+) -> None:
+    def run(directory: Path, interval: int) -> Path:
+        torch.manual_seed(0)
+        model = ResidualNet()
+        inject_observer(model, output_dir=directory, sampling=_EveryK(interval))
+        train(model, make_batches(60))
+        remove_observer(model)
+        return directory
+
+    comparison = read(
+        compare_runs(run(tmp_path / "a", 2), run(tmp_path / "b", 3), tmp_path / "out")
+    )
+    assert comparison["alignment"]["axis"] == "forward"
+    assert comparison["alignment"]["series_common"] > 0
+    kinds = {m["kind"]: m["weakens"] for m in comparison["mismatches"]}
+    assert kinds == {"sample_forwards_differ": False}
+
+
 def test_recorded_sample_forwards_round_trip_and_reject_bad_input() -> None:
     forwards = [0, 1, 2, 4, 6, 7, 8, 9, 12, 16, 100]
     state = SimpleNamespace(sample_forward_runs=[], sample_forward_runs_complete=True)

@@ -443,6 +443,32 @@ def test_large_jump_while_a_new_segment_learns_is_a_change_of_its_own():
     assert v.change_count == 1
 
 
+@pytest.mark.parametrize(
+    "tail",
+    [[5.0, 1.0] * 500, [5.0, 1.0, 1.0] * 333, [0.0, 1.0] * 500],
+    ids=["oscillation-5x", "spike-every-3rd", "zero-and-back"],
+)
+def test_oscillation_after_a_change_keeps_change_points_few_and_bounded(tail):
+    """An output that keeps jumping 5x up and down (or to 0 and back) after a change
+    must not start a change point at every sample: a return to the level before the
+    change is not a jump, jumps restart learning once per segment, and the list of
+    change points stays bounded even when none is confirmed."""
+    t = make(warmup=12, log_scale=True, noise_floor=0.02)
+    feed(t, [1.0, 1.01] * 25)
+    feed(t, tail, first_sample=50)
+    assert 1 <= t.change_count <= 3, t.change_count
+    assert len(t.changes) <= 8
+    assert t.strongest_change is not None and t.strongest_change.alarm_sample == 50
+
+
+def test_change_points_stay_bounded_when_none_is_confirmed():
+    t = make(warmup=4)
+    for index in range(40):  # steps every other sample: each segment learns too briefly
+        t._start_change(index, index, float(index), 0.1)
+    assert t.change_count == 40
+    assert len(t.changes) == 8 and t.changes[-1].alarm_sample == 39
+
+
 def test_seeded_noisy_stream_alarms_at_known_step():
     rng = random.Random(1234)
     noise = 0.01

@@ -240,6 +240,22 @@ def _parse_recorded(raw: object) -> _Recorded | None:
     return _Recorded(parsed)
 
 
+def _mappings_differ(first: _Recorded, second: _Recorded) -> bool:
+    """Whether two recorded sample -> forward mappings disagree on a common sample (both
+    are piecewise linear: comparing at each run's first, second and last sample is
+    exact)."""
+    common = min(first.samples, second.samples)
+    points: set[int] = set()
+    for recorded in (first, second):
+        for start, _, _, count in recorded.runs:
+            points.update((start, start + 1, start + count - 1))
+    return any(
+        first.forward(sample) != second.forward(sample)
+        for sample in sorted(points)
+        if 0 <= sample < common
+    )
+
+
 class _Schedule:
     """Sample index <-> training forward index for the deterministic sampling policies.
 
@@ -596,9 +612,14 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
         if forwards is not None and expected is not None and seen not in (None, expected):
             extra[role] = (forwards, expected, seen if seen is not None else 0)
     time_budget = "time_budget" in (schedule_b.policy, schedule_c.policy)
-    if described_b == described_c and not time_budget and exact and extra:
-        # Same schedule, but forced samples shifted one run's sample indices: align by
-        # the training forwards both runs recorded.
+    shifted = (
+        baseline.recorded is not None
+        and candidate.recorded is not None
+        and _mappings_differ(baseline.recorded, candidate.recorded)
+    )
+    if described_b == described_c and not time_budget and shifted:
+        # Same schedule, but forced samples (or a policy that is not deterministic)
+        # shifted one run's sample indices: align by the training forwards both recorded.
         mode = "forward"
     elif described_b == described_c and not time_budget:
         mode = "sample"
@@ -646,13 +667,24 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
                 candidate=_short(described_c),
             )
         )
+    if mode == "forward" and shifted and described_b == described_c and not extra:
+        mismatches.append(
+            _mismatch(
+                "sample_forwards_differ",
+                False,
+                "Both runs describe the same sampling policy but took their samples at "
+                "different training forwards (a policy that is not deterministic, or "
+                "samples added by direct forward calls): they are compared at the "
+                "training forwards both sampled, as each run recorded them.",
+            )
+        )
     for role, (forwards, expected, seen) in extra.items():
         cause = (
             f"The {role} took {seen} samples in {forwards} training forwards where its "
             f"schedule takes {expected}: the non-finite sentinel (8 forced samples after a "
             f"hit) or direct forward calls added samples"
         )
-        if mode == "forward" and exact:
+        if mode == "forward" and shifted:
             detail = (
                 f"{cause}. Both runs recorded each sample's training forward, so the "
                 "values are compared at the training forwards both sampled."
@@ -662,7 +694,7 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
                 f"{cause}, so after the first extra one a sample index is not the "
                 "scheduled training forward."
             )
-        mismatches.append(_mismatch("extra_samples", not (mode == "forward" and exact), detail))
+        mismatches.append(_mismatch("extra_samples", not (mode == "forward" and shifted), detail))
     if mode == "sample":
         end = min(baseline.samples_seen, candidate.samples_seen) - 1
     else:

@@ -157,6 +157,7 @@ class SeriesTracker:
         "_flip_ema",
         "_history",
         "_history_stride",
+        "_jump_restarted",
         "_last_diff",
         "_latest_sample",
         "_latest_value",
@@ -232,6 +233,7 @@ class SeriesTracker:
         self._runup_neg: list[tuple[int, float]] = []
         self.cusum_peak = 0.0
         self._pending_change: ChangePoint | None = None
+        self._jump_restarted = False
         self._changes: list[ChangePoint] = []
         self.latest_change: ChangePoint | None = None
         self.change_count = 0
@@ -331,8 +333,15 @@ class SeriesTracker:
         warmup = self._config.warmup_samples
         if self.change_count:
             warmup = max(4, warmup // 3)
-            if self._seg_count < warmup and self._jumps_while_learning(v):
+            if (
+                self._seg_count < warmup
+                and not self._jump_restarted
+                and self._jumps_while_learning(v)
+            ):
                 self._start_change(sample, sample, v, self._pending_std_before())
+                # Once per learning segment: an oscillation must not start a change at
+                # every sample (the next segment then learns its level in full).
+                self._jump_restarted = True
                 return
         if self._seg_count < warmup:
             # Welford's update of the segment's mean and sum of squared deviations.
@@ -349,6 +358,7 @@ class SeriesTracker:
                 if self._seg_count == warmup:
                     pending.confirmed = True
                     self._pending_change = None
+                    self._jump_restarted = False
             return
         # The reference is frozen once the segment has seen warm-up: a slow fault must
         # not be absorbed into it (as in Page's CUSUM with a known in-control mean).
@@ -393,6 +403,7 @@ class SeriesTracker:
         self.change_count += 1
         self.latest_change = change
         self._pending_change = change
+        self._jump_restarted = False
         self._keep_change(change)
         # Re-arm: a new segment starts with this value.
         self._seg_count = 1
@@ -410,29 +421,31 @@ class SeriesTracker:
     def _jumps_while_learning(self, v: float) -> bool:
         """While a new segment learns its level after a change, CUSUM is not armed; a
         fault arriving then would be averaged into the new level. A value that jumps at
-        least ``LEARNING_JUMP_FACTOR`` (4x) away from the level learnt so far, and more
-        than a single-sample CUSUM alarm (``h + k`` standard deviations of the segment
-        before the change), starts a change of its own. Scale (log) series only: for
+        least ``LEARNING_JUMP_FACTOR`` (4x) away from both the level learnt so far and the
+        level before the change, and more than a single-sample CUSUM alarm (``h + k``
+        standard deviations of the segment before the change), starts a change of its
+        own, once per learning segment. Scale (log) series only: for
         them the factor is a fixed yardstick whatever the noise of the new regime."""
-        if not self._log_scale or self._seg_count < 1:
+        pending = self._pending_change
+        if not self._log_scale or self._seg_count < 1 or pending is None:
             return False
         jump = abs(v - self._seg_mean)
-        if jump < _LOG_LEARNING_JUMP:
-            return False
+        if jump < _LOG_LEARNING_JUMP or abs(v - pending.level_before) < _LOG_LEARNING_JUMP:
+            return False  # a small move, or back to the level before the change
         config = self._config
         return jump > (config.cusum_threshold + config.cusum_allowance) * max(
             self._pending_std_before(), self._noise_floor
         )
 
     def _keep_change(self, change: ChangePoint) -> None:
-        # Bounded: past MAX_CHANGES, forget the smallest confirmed step (ties: the later).
+        # Bounded: past MAX_CHANGES, forget the smallest confirmed step (ties: the later),
+        # or, with none confirmed, the smallest step but the newest.
         changes = self._changes
         changes.append(change)
         if len(changes) > MAX_CHANGES:
-            confirmed = [c for c in changes if c.confirmed]
-            if confirmed:
-                smallest = min(confirmed, key=lambda c: (abs(c.step), -c.alarm_sample))
-                changes.remove(smallest)
+            pool = [c for c in changes if c.confirmed] or changes[:-1]
+            smallest = min(pool, key=lambda c: (abs(c.step), -c.alarm_sample))
+            changes.remove(smallest)
 
     @property
     def changes(self) -> tuple[ChangePoint, ...]:
