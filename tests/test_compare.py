@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,15 +22,13 @@ from torchinstruments.__main__ import main as cli_main
 from torchinstruments.compare import (
     COMPARISON_SCHEMA,
     _parse_recorded,
-    _Recorded,
     _Schedule,
     noise_floor,
     render_comparison_markdown,
     sustained_departure,
 )
-from torchinstruments.observer import Observer
 from torchinstruments.report import dumps_report
-from torchinstruments.sampling import DefaultSampling
+from torchinstruments.sampling import DefaultSampling, SampleForwards
 
 from .conftest import ResidualNet, make_batches, train
 from .test_example import load_example
@@ -248,7 +246,7 @@ def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path
     comparison = read(compare_runs(baseline, candidate, tmp_path / "out"))
     summary = read(candidate / "series.json")["sample_forwards"]
     assert summary["complete"] is True
-    recorded = _Recorded([tuple(run) for run in summary["runs"]])  # type: ignore[misc]
+    recorded = SampleForwards(summary["runs"])
     assert comparison["alignment"]["axis"] == "forward"
     first = comparison["summary"]["first_divergence"]
     assert (first["kind"], first["module"], first["metric"]) == ("value", "inp", "rms")
@@ -296,10 +294,14 @@ def test_same_described_policy_with_different_sample_forwards_aligns_by_forward(
 
 def test_recorded_sample_forwards_round_trip_and_reject_bad_input() -> None:
     forwards = [0, 1, 2, 4, 6, 7, 8, 9, 12, 16, 100]
-    state = SimpleNamespace(sample_forward_runs=[], sample_forward_runs_complete=True)
-    for sample, forward in enumerate(forwards):  # the observer's own encoding
-        Observer._extend_forward_runs(state, sample, forward)  # type: ignore[arg-type]
-    runs = state.sample_forward_runs
+    mapping = SampleForwards()
+    for forward in forwards:  # as the observer records its samples
+        mapping.append(forward)
+    runs = mapping.runs
+    bounded = SampleForwards(max_runs=2)
+    for forward in forwards:
+        bounded.append(forward)
+    assert not bounded.complete and bounded.runs == runs[:2] and bounded.samples == 5
     assert runs == [[0, 0, 1, 3], [3, 4, 2, 2], [5, 7, 1, 3], [8, 12, 4, 2], [10, 100, 0, 1]]
     recorded = _parse_recorded({"runs": runs, "complete": True})
     assert recorded is not None

@@ -16,7 +16,6 @@ differ most, and the first points of divergence, earliest first. See
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import math
@@ -34,6 +33,7 @@ from ._validate import require_float, require_int
 from .errors import ConfigError, ReportReadError
 from .find import display_module
 from .report import SERIES_SCHEMA, dumps_report, longest_fitting_prefix
+from .sampling import SampleForwards
 from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
 from .sinks import atomic_write
 
@@ -184,45 +184,14 @@ def _text(value: float | None) -> str:
 
 
 # ---------------------------------------------------------------------- schedules
-class _Recorded:
-    """The sample -> training forward mapping a run recorded (``series.json``'s
-    ``sample_forwards``): runs ``[first sample, first forward, step, samples]``."""
-
-    def __init__(self, runs: list[tuple[int, int, int, int]]) -> None:
-        self.runs = runs
-        self.first_samples = [run[0] for run in runs]
-        self.first_forwards = [run[1] for run in runs]
-        self.samples = runs[-1][0] + runs[-1][3] if runs else 0
-
-    def forward(self, sample: int) -> int | None:
-        if not 0 <= sample < self.samples:
-            return None
-        first_sample, first_forward, step, _ = self.runs[
-            bisect.bisect_right(self.first_samples, sample) - 1
-        ]
-        return first_forward + (sample - first_sample) * step
-
-    def sample(self, forward: int) -> int | None:
-        index = bisect.bisect_right(self.first_forwards, forward) - 1
-        if index < 0:
-            return None
-        first_sample, first_forward, step, count = self.runs[index]
-        offset = forward - first_forward
-        if offset == 0:
-            return first_sample
-        if step <= 0 or offset % step or offset // step >= count:
-            return None
-        return first_sample + offset // step
-
-
-def _parse_recorded(raw: object) -> _Recorded | None:
+def _parse_recorded(raw: object) -> SampleForwards | None:
     """``sample_forwards`` of ``series.json`` if present, complete and well formed."""
     if not isinstance(raw, dict) or raw.get("complete") is not True:
         return None
     runs = raw.get("runs")
     if not isinstance(runs, list):
         return None
-    parsed: list[tuple[int, int, int, int]] = []
+    parsed: list[list[int]] = []
     expected = 0
     for run in runs:
         if (
@@ -235,12 +204,12 @@ def _parse_recorded(raw: object) -> _Recorded | None:
             or (parsed and run[1] <= parsed[-1][1] + parsed[-1][2] * (parsed[-1][3] - 1))
         ):
             return None
-        parsed.append((run[0], run[1], run[2], run[3]))
+        parsed.append(list(run))
         expected = run[0] + run[3]
-    return _Recorded(parsed)
+    return SampleForwards(parsed)
 
 
-def _mappings_differ(first: _Recorded, second: _Recorded) -> bool:
+def _mappings_differ(first: SampleForwards, second: SampleForwards) -> bool:
     """Whether two recorded sample -> forward mappings disagree on a common sample (both
     are piecewise linear: comparing at each run's first, second and last sample is
     exact)."""
@@ -263,7 +232,7 @@ class _Schedule:
     known; for anything else nothing is.
     """
 
-    def __init__(self, description: object, recorded: _Recorded | None = None) -> None:
+    def __init__(self, description: object, recorded: SampleForwards | None = None) -> None:
         self.policy = "unknown"
         self.interval = 0
         self.per_stage = 0
@@ -272,7 +241,6 @@ class _Schedule:
         #: What the run recorded; it wins over the schedule's model where it has the
         #: sample (forced samples after a sentinel hit shift the model's mapping).
         self.recorded = recorded
-        self.describe_source = description
         if not isinstance(description, dict):
             return
         policy = description.get("policy")
@@ -400,7 +368,7 @@ class _Run:
     modules_selected: frozenset[str]
     omitted: int
     series: dict[SeriesKey, _Series]
-    recorded: _Recorded | None = None
+    recorded: SampleForwards | None = None
 
     def int_field(self, name: str) -> int | None:
         value = self.run.get(name)
@@ -600,17 +568,18 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
     schedule_b = _Schedule(described_b, baseline.recorded)
     schedule_c = _Schedule(described_c, candidate.recorded)
     exact = baseline.recorded is not None and candidate.recorded is not None
-    extra: dict[str, tuple[int, int | None, int]] = {}  # role -> (forwards, expected, seen)
-    for role, run, schedule in (
-        ("baseline", baseline, schedule_b),
-        ("candidate", candidate, schedule_c),
+    extra: dict[str, tuple[int, int, int]] = {}  # role -> (forwards, expected, seen)
+    for role, run, described in (
+        ("baseline", baseline, described_b),
+        ("candidate", candidate, described_c),
     ):
+        # The schedule's model, not the record: how many samples it alone would take.
         forwards = run.int_field("forwards_seen")
-        model = _Schedule(schedule.describe_source)
+        model = _Schedule(described)
         expected = model.expected_samples(forwards) if forwards is not None else None
         seen = run.int_field("samples_seen")
-        if forwards is not None and expected is not None and seen not in (None, expected):
-            extra[role] = (forwards, expected, seen if seen is not None else 0)
+        if forwards is not None and expected is not None and seen is not None and seen != expected:
+            extra[role] = (forwards, expected, seen)
     time_budget = "time_budget" in (schedule_b.policy, schedule_c.policy)
     shifted = (
         baseline.recorded is not None

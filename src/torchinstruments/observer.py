@@ -18,7 +18,6 @@ import sys
 import time
 import warnings
 import weakref
-from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from .reduce import (
     skip_reason,
     tensor_statistics,
 )
-from .sampling import SamplingPolicy
+from .sampling import SampleForwards, SamplingPolicy
 from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from .sinks import scalar_tag
 from .track import SeriesTracker
@@ -62,10 +61,6 @@ __all__ = ["Observer", "RankInfo"]
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
 MAX_SAMPLES_AWAITING_BACKWARD = 256
-#: Samples whose training forward index is kept (8 bytes each: 8 MiB at most).
-MAX_SAMPLE_FORWARDS_KEPT = 1 << 20
-#: Runs of the sample -> forward mapping written to ``series.json`` (for ``compare``).
-MAX_SAMPLE_FORWARD_RUNS = 1024
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
 #: CPU tensors of at most this many elements are copied (as float32) when observed and
@@ -248,15 +243,8 @@ class Observer:
         self.implicit_samples = 0
         self.root_forwards = 0
         self.calls_outside_root = 0
-        #: Training forward index of each sample (8 bytes per sample, the first
-        #: ``MAX_SAMPLE_FORWARDS_KEPT``); see :meth:`forward_of`.
-        self.sample_forwards = array("q")
-        #: The same mapping as runs of arithmetic progressions, ``[first sample, first
-        #: forward, forward step, samples]`` (a few runs for a deterministic schedule,
-        #: more after forced samples); at most ``MAX_SAMPLE_FORWARD_RUNS``, then
-        #: ``sample_forward_runs_complete`` turns False.
-        self.sample_forward_runs: list[list[int]] = []
-        self.sample_forward_runs_complete = True
+        #: The training forward of each sample (runs of arithmetic progressions).
+        self.sample_forwards = SampleForwards()
         self.repeated_gradients = 0
         self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
         self.series_dropped = 0
@@ -592,9 +580,7 @@ class Observer:
         if sampled:
             self._sample = self.samples_observed
             self.samples_observed += 1
-            if self._sample < MAX_SAMPLE_FORWARDS_KEPT:
-                self.sample_forwards.append(index)
-            self._extend_forward_runs(self._sample, index)
+            self.sample_forwards.append(index)
             awaiting = self._awaiting_backward
             awaiting[self._sample] = None
             if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
@@ -1035,30 +1021,6 @@ class Observer:
                     scalars.append((series, sample, values))
         if scalars:
             self._forward_scalars(scalars)
-
-    def _extend_forward_runs(self, sample: int, forward: int) -> None:
-        runs = self.sample_forward_runs
-        if runs:
-            last = runs[-1]
-            _, first_forward, step, count = last
-            if count == 1:
-                last[2], last[3] = forward - first_forward, 2
-                return
-            if forward == first_forward + step * count:
-                last[3] = count + 1
-                return
-        if len(runs) >= MAX_SAMPLE_FORWARD_RUNS:
-            self.sample_forward_runs_complete = False
-            return
-        runs.append([sample, forward, 0, 1])
-
-    def forward_of(self, sample: int | None) -> int | None:
-        """The training forward index (0-based) at which ``sample`` was taken, or None
-        (no such sample, or past the first ``MAX_SAMPLE_FORWARDS_KEPT``)."""
-        forwards = self.sample_forwards
-        if sample is None or not 0 <= sample < len(forwards):
-            return None
-        return forwards[sample]
 
     def _forward_scalars(
         self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]

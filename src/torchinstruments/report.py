@@ -102,9 +102,7 @@ def _point(point: SeriesPoint | None) -> dict[str, float | int]:
     return point.as_dict()
 
 
-def _finding(
-    c: Candidate, rank: int, max_echoes: int, observer: Observer | None = None
-) -> dict[str, Any]:
+def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> dict[str, Any]:
     s, t = c.series, c.tracker
     rule = RULES[c.category]
     evidence = {k: v for k, v in c.evidence.items() if v is not None}
@@ -142,7 +140,7 @@ def _finding(
         "warmup_complete": t.warmup_complete,
         "warmup_end_sample": t.warmup_end_sample,
         "change_sample": c.onset,
-        "change_forward": observer.forward_of(c.onset) if observer is not None else None,
+        "change_forward": observer.sample_forwards.forward(c.onset),
         "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
         "evidence": evidence,
         "interpretation": rule.interpretation(c),
@@ -227,7 +225,7 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
                 "warmup_complete": tracker.warmup_complete,
                 "warmup_end_sample": tracker.warmup_end_sample,
                 "change_sample": change.alarm_sample,
-                "change_forward": observer.forward_of(change.alarm_sample),
+                "change_forward": observer.sample_forwards.forward(change.alarm_sample),
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
                     "factor": factor,
@@ -483,7 +481,7 @@ def _first_non_finite(
             "tensor_path": s.tensor_path,
             "recovered": bool(chosen.tracker.latest and chosen.tracker.latest.value == 0),
         }
-        forward = observer.forward_of(first_sample)
+        forward = observer.sample_forwards.forward(first_sample)
         if forward is not None:
             sampled["forward_index"] = forward
     if not observer.sentinel_events:
@@ -647,6 +645,18 @@ def sparkline(points: Sequence[Sequence[float]], *, log_scale: bool) -> str:
     return "".join(_SPARK_LEVELS[round((v - low) / (high - low) * top)] for v in values)
 
 
+def _not_observed_text(coverage: dict[str, Any]) -> str:
+    names = coverage.get("modules_not_observed") or []
+    if not names:
+        return ""
+    more = coverage["modules_selected"] - coverage["modules_observed"] > len(names)
+    listed = ", ".join(f"`{name}`" for name in names) + ("..." if more else "")
+    return (
+        " Not observed (never called in a sampled training forward, or no floating "
+        f"output): {listed}."
+    )
+
+
 def _markdown_finding(f: dict[str, Any]) -> list[str]:
     title = f["category"].replace("_", " ").capitalize()
     call = "" if f.get("call_index") is None else f", call {f['call_index']}"
@@ -749,21 +759,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- Modules observed: {coverage['modules_observed']} of {coverage['modules_selected']} "
         f"selected; tensor paths: {coverage['tensor_paths_observed']}; series: "
-        f"{coverage['series']}."
-        + (
-            " Not observed (never called in a sampled training forward, or no floating "
-            "output): "
-            + ", ".join(f"`{name}`" for name in coverage["modules_not_observed"])
-            + (
-                "..."
-                if coverage["modules_selected"] - coverage["modules_observed"]
-                > len(coverage["modules_not_observed"])
-                else ""
-            )
-            + "."
-            if coverage.get("modules_not_observed")
-            else ""
-        ),
+        f"{coverage['series']}.{_not_observed_text(coverage)}",
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
         f"- Tensors skipped: {coverage['tensors_skipped'] or 'none'}.",
@@ -923,7 +919,8 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     Series are kept in forward call order until ``max_bytes`` of compact JSON; the rest
     are counted under ``omitted``. No raw tensors. ``sample_forwards`` maps every sample
     to its training forward, as runs ``[first sample, first forward, step, samples]``
-    (``complete`` False once more than ``MAX_SAMPLE_FORWARD_RUNS`` runs were needed).
+    (:class:`~torchinstruments.sampling.SampleForwards`; ``complete`` False once more
+    runs were needed than it keeps).
     """
     positions = forward_positions(observer.series.values())
 
@@ -948,8 +945,8 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
             "config": _config_section(observer),
             "modules_selected": list(observer.names),
             "sample_forwards": {
-                "runs": [list(run) for run in observer.sample_forward_runs],
-                "complete": observer.sample_forward_runs_complete,
+                "runs": observer.sample_forwards.runs,
+                "complete": observer.sample_forwards.complete,
             },
         }
     )

@@ -10,6 +10,7 @@ candidate run that make the same calls sample the same forwards.
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Protocol, runtime_checkable
 
@@ -19,6 +20,7 @@ from .errors import ConfigError
 __all__ = [
     "DefaultSampling",
     "EveryNSampling",
+    "SampleForwards",
     "SamplingPolicy",
     "TimeBudgetSampling",
     "resolve_sampling",
@@ -277,3 +279,90 @@ def resolve_sampling(sampling: object) -> SamplingPolicy:
         f"should_sample(forward_index) and describe(), got {type(sampling).__name__} "
         f"{sampling!r}"
     )
+
+
+class SampleForwards:
+    """Which training forward (0-based) each sample was taken at, as runs of arithmetic
+    progressions ``[first sample, first forward, forward step, samples]``.
+
+    A deterministic schedule needs one run per stage; each burst of forced samples (after
+    a sentinel hit) or direct-call sample adds one or two. The observer appends every
+    sample; ``series.json`` stores the runs and ``compare`` reads them back.
+
+    Args:
+        runs: runs to start from, each ``(first sample, first forward, step, samples)``
+            with ``samples >= 1``, following on from the previous run.
+        complete: False when samples were taken past the last run.
+        max_runs: most runs kept (default ``MAX_RUNS``, 1,024); past it later samples
+            are not recorded and ``complete`` turns False.
+    """
+
+    #: Default bound on the number of runs (32 bytes each plus list overhead).
+    MAX_RUNS = 1024
+
+    __slots__ = ("_first_forwards", "_first_samples", "complete", "max_runs", "runs")
+
+    def __init__(
+        self,
+        runs: list[list[int]] | None = None,
+        *,
+        complete: bool = True,
+        max_runs: int = MAX_RUNS,
+    ) -> None:
+        self.runs: list[list[int]] = [list(run) for run in runs or []]
+        self.complete = complete
+        self.max_runs = max_runs
+        self._first_samples = [run[0] for run in self.runs]
+        self._first_forwards = [run[1] for run in self.runs]
+
+    @property
+    def samples(self) -> int:
+        """Samples covered: ``0 .. samples - 1`` have a known training forward."""
+        if not self.runs:
+            return 0
+        last = self.runs[-1]
+        return last[0] + last[3]
+
+    def append(self, forward: int) -> None:
+        """Record that the next sample (index ``samples``) was taken at ``forward``."""
+        if not self.complete:
+            return  # a sample was dropped: a later one must not extend a run past it
+        runs = self.runs
+        if runs:
+            last = runs[-1]
+            _, first_forward, step, count = last
+            if count == 1:
+                last[2], last[3] = forward - first_forward, 2
+                return
+            if forward == first_forward + step * count:
+                last[3] = count + 1
+                return
+        if len(runs) >= self.max_runs:
+            self.complete = False
+            return
+        sample = self.samples
+        runs.append([sample, forward, 0, 1])
+        self._first_samples.append(sample)
+        self._first_forwards.append(forward)
+
+    def forward(self, sample: int | None) -> int | None:
+        """The training forward of ``sample``, or None (no such sample, or not kept)."""
+        if sample is None or not 0 <= sample < self.samples:
+            return None
+        first_sample, first_forward, step, _ = self.runs[
+            bisect.bisect_right(self._first_samples, sample) - 1
+        ]
+        return first_forward + (sample - first_sample) * step
+
+    def sample(self, forward: int) -> int | None:
+        """The sample taken at training forward ``forward``, or None."""
+        index = bisect.bisect_right(self._first_forwards, forward) - 1
+        if index < 0:
+            return None
+        first_sample, first_forward, step, count = self.runs[index]
+        offset = forward - first_forward
+        if offset == 0:
+            return first_sample
+        if step <= 0 or offset % step or offset // step >= count:
+            return None
+        return first_sample + offset // step

@@ -12,10 +12,11 @@ log space, so that EMAs, CUSUM and volatility measure relative change; fractions
 kurtosis are tracked as they are.
 
 After a CUSUM alarm a new segment learns its level over ``max(4, warmup_samples // 3)``
-values, during which CUSUM is not armed. On scale metrics a jump of at least 4x and more
-than ``h + k`` standard deviations of the segment before starts a change of its own even
-then, so that a fault arriving just after a (possibly false) alarm is not averaged into
-the new level.
+values, during which CUSUM is not armed. On scale metrics a jump of at least 4x from both
+the level learnt so far and the level before, and more than ``h + k`` standard deviations
+of the segment before, starts a change of its own even then (once per learning segment),
+so that a fault arriving just after a (possibly false) alarm is not averaged into the
+new level.
 """
 
 from __future__ import annotations
@@ -333,12 +334,14 @@ class SeriesTracker:
         warmup = self._config.warmup_samples
         if self.change_count:
             warmup = max(4, warmup // 3)
+            pending = self._pending_change
             if (
-                self._seg_count < warmup
+                pending is not None
+                and self._seg_count < warmup
                 and not self._jump_restarted
-                and self._jumps_while_learning(v)
+                and self._jumps_while_learning(v, pending)
             ):
-                self._start_change(sample, sample, v, self._pending_std_before())
+                self._start_change(sample, sample, v, pending.std_before)
                 # Once per learning segment: an oscillation must not start a change at
                 # every sample (the next segment then learns its level in full).
                 self._jump_restarted = True
@@ -414,27 +417,22 @@ class SeriesTracker:
         self._runup_pos.clear()
         self._runup_neg.clear()
 
-    def _pending_std_before(self) -> float:
-        pending = self._pending_change
-        return pending.std_before if pending is not None else self._noise_floor
-
-    def _jumps_while_learning(self, v: float) -> bool:
+    def _jumps_while_learning(self, v: float, pending: ChangePoint) -> bool:
         """While a new segment learns its level after a change, CUSUM is not armed; a
         fault arriving then would be averaged into the new level. A value that jumps at
         least ``LEARNING_JUMP_FACTOR`` (4x) away from both the level learnt so far and the
         level before the change, and more than a single-sample CUSUM alarm (``h + k``
         standard deviations of the segment before the change), starts a change of its
-        own, once per learning segment. Scale (log) series only: for
-        them the factor is a fixed yardstick whatever the noise of the new regime."""
-        pending = self._pending_change
-        if not self._log_scale or self._seg_count < 1 or pending is None:
+        own, once per learning segment. Scale (log) series only: for them the factor is
+        a fixed yardstick whatever the noise of the new regime."""
+        if not self._log_scale:
             return False
         jump = abs(v - self._seg_mean)
         if jump < _LOG_LEARNING_JUMP or abs(v - pending.level_before) < _LOG_LEARNING_JUMP:
             return False  # a small move, or back to the level before the change
         config = self._config
         return jump > (config.cusum_threshold + config.cusum_allowance) * max(
-            self._pending_std_before(), self._noise_floor
+            pending.std_before, self._noise_floor
         )
 
     def _keep_change(self, change: ChangePoint) -> None:

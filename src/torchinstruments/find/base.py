@@ -98,22 +98,17 @@ def _origin_order(candidate: Candidate) -> tuple[int, int, tuple[str, int, str, 
     return (1 if is_grad else 0, position, candidate.sort_key)
 
 
-#: The category whose onsets are exact sample indices (first non-finite sample).
-NON_FINITE = "non_finite"
-
-
-def _ordering_onset(candidate: Candidate) -> float:
+def _ordering_onset(candidate: Candidate, onset_tolerance: int) -> float:
     """Onset used to order changes in time. Within one sample the forward runs before the
     backward, and an activation change alters the gradients of every module, so an
     output-gradient change counts as ``ONSET_TOLERANCE_SAMPLES`` later: it does not
-    outrank an activation change detected at about the same samples. A first non-finite
-    value is exact, not a detection after some delay: a gradient's counts half a sample
-    later (after its own sample's forward, before the next sample's)."""
+    outrank an activation change detected at about the same samples. Where onsets are
+    exact (``onset_tolerance`` 0: the first non-finite sample), a gradient's counts half
+    a sample later (after its own sample's forward, before the next sample's)."""
     if candidate.onset is None:
         return 0
     if candidate.series.signal == GRAD_OUTPUT:
-        exact = candidate.category == NON_FINITE
-        return candidate.onset + (0.5 if exact else ONSET_TOLERANCE_SAMPLES)
+        return candidate.onset + (ONSET_TOLERANCE_SAMPLES if onset_tolerance else 0.5)
     return candidate.onset
 
 
@@ -160,7 +155,7 @@ def rank_candidates(
         key=lambda c: (
             not c.notable,
             c.onset is None,
-            _ordering_onset(c),
+            _ordering_onset(c, onset_tolerance),
             -c.group_score,
             _origin_order(c),
         ),
