@@ -58,6 +58,8 @@ def compiled_frames() -> int:
         return 0
     try:
         counters = utils.counters
+        if not counters:
+            return 0  # Dynamo counted nothing yet (eager training): the cheap answer
         # Frames Dynamo tried to convert, plus graphs it built: fullgraph=True compiles
         # through a path that does not count frames.
         return int(counters["frames"]["total"]) + int(counters["stats"]["unique_graphs"])

@@ -330,13 +330,36 @@ class Observer:
         """Open a root forward: decide once whether it is sampled."""
         stack = self._state_stack
         stack.append(self.state)
+        decision: bool | None = None
+        if (
+            self._parked
+            and len(stack) == 1
+            and module.training
+            and not self._forced_samples
+            and not in_backward()
+            and torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and not _is_tracing()
+            and compiled_frames() == self._frames_at_park
+        ):
+            # The steady state: a top-level training forward while the submodule hooks
+            # are parked. Unsampled, it only counts the forward (no further calls).
+            try:
+                decision = bool(self.policy.should_sample(self.forwards_seen))
+                if not decision:
+                    self._count_unsampled_training_forward()
+                    return
+            except Exception as error:  # never break training
+                self.state = self.SKIP
+                self.record_error("enter_root", "", error)
+                return
         if not self.attached:
             self.state = self.SKIP
             return
         if len(stack) > 1 and not self.capture_direct_forwards:
             self._drop_unclosed_forwards(module)
         try:
-            parkable = self._open_root(module)
+            parkable = self._open_root(module, decision)
             if parkable is None:
                 return  # the root calling itself: the same forward
             if self._parked:
@@ -368,9 +391,11 @@ class Observer:
         stack[0] = self.IDLE
         self._unsampled_training = False
 
-    def _open_root(self, module: nn.Module) -> bool | None:
+    def _open_root(self, module: nn.Module, decision: bool | None) -> bool | None:
         """Set the state for a root forward: True if its submodule hooks may be parked,
-        False if it needs them, None if it continues the open forward (recursion)."""
+        False if it needs them, None if it continues the open forward (recursion).
+        ``decision`` is the sampling policy's answer if it was already asked for this
+        forward (it is asked once per training forward)."""
         if in_backward():
             if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
                 # A reentrant checkpoint of the root: its first pass ran without
@@ -404,15 +429,15 @@ class Observer:
             self._no_grad_training_forwards = min(self._no_grad_training_forwards + 1, 64)
             return True
         self._no_grad_training_forwards = 0
-        self._open_training_forward()
+        self._open_training_forward(decision)
         return self.state == self.SKIP
 
-    def _open_training_forward(self) -> None:
+    def _open_training_forward(self, decision: bool | None = None) -> None:
         self.root_forwards += 1
         self._implicit_opener = None
         self._sample_in_backward = False
         self._recompute_anchor = -1
-        self._open_sample()
+        self._open_sample(decision)
         if self._sample_open:
             self.state = self.SAMPLED
         else:
@@ -420,6 +445,24 @@ class Observer:
             self._sentinel_calls = {}
             self.state = self.SENTINEL if self.full_sentinel else self.SKIP
         self._maybe_flush()
+
+    def _count_unsampled_training_forward(self) -> None:
+        """:meth:`_open_training_forward` for an unsampled forward while hooks are parked
+        (so the full sentinel is off and nothing forces a sample): the state it leaves
+        is the same, with fewer steps, since this runs on nearly every forward."""
+        self.forwards_seen += 1
+        self.root_forwards += 1
+        self._no_grad_training_forwards = 0
+        self._implicit_opener = None
+        self._sample_in_backward = False
+        self._recompute_anchor = -1
+        self._sample_open = False
+        self._unsampled_training = True
+        self.state = self.SKIP
+        if self._pending or self._staged:
+            self._maybe_flush()
+        elif time.monotonic() - self._last_write >= self._rewrite_interval_s:
+            self.write_report(block=False)
 
     def exit_root(self) -> None:
         """Close the innermost root forward."""
@@ -440,7 +483,23 @@ class Observer:
         if state == self.SAMPLED or state == self.SENTINEL:
             self.on_forward(index, args, output)
         elif self._unsampled_training and not self.full_sentinel and self.attached:
-            self._root_sentinel(output)
+            if (
+                type(output) is Tensor
+                and output.is_cpu
+                and output.is_floating_point()
+                and "cpu" not in self.device_path_types
+            ):
+                # The common case, kept short: it runs in every unsampled forward. A
+                # non-finite element makes the sum non-finite; one plain reduction is
+                # cheaper than an isfinite mask (see _sentinel_check).
+                self.sentinel_checks += 1
+                try:
+                    if not math.isfinite(output.detach().sum().item()):
+                        self._confirm_cpu_sentinel(ROOT_INDEX, 0, "output", output)
+                except Exception as error:  # never break training
+                    self.record_error("sentinel", "", error)
+            else:
+                self._root_sentinel(output)
         self.exit_root()
 
     def _root_sentinel(self, output: object) -> None:
@@ -451,11 +510,7 @@ class Observer:
         A hit counts, is recorded, and makes the next forwards sampled.
         """
         try:
-            if type(output) is Tensor and output.is_floating_point():
-                # The common case, kept short: it runs in every unsampled forward.
-                self._sentinel_check(ROOT_INDEX, 0, "output", output)
-            else:
-                self._sentinel_output(ROOT_INDEX, 0, output)
+            self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
             self.record_error("sentinel", "", error)
 
@@ -533,8 +588,8 @@ class Observer:
             # A non-finite element makes the sum non-finite; one plain reduction is
             # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
             # with a dtype argument). Confirm before counting: a sum can overflow.
-            if not math.isfinite(value.sum().item()) and not bool(torch.isfinite(value).all()):
-                self._sentinel_hit(forward, index, call, path, self.samples_observed)
+            if not math.isfinite(value.sum().item()):
+                self._confirm_cpu_sentinel(index, call, path, value)
             return
         # One launch: a non-finite element makes the float64 sum non-finite, and float64
         # cannot overflow on a sum of finite float32 values. Float64 values can, so
@@ -546,6 +601,12 @@ class Observer:
             self._producer_streams.add(torch.cuda.current_stream(value.device))
         # The position slot carries the index of the next sample, read when processed.
         self._pending.append(((index, call, _SENTINEL, path), forward, self.samples_observed, bad))
+
+    def _confirm_cpu_sentinel(self, index: int, call: int, path: str, tensor: Tensor) -> None:
+        """A CPU sentinel's sum was not finite: count a hit unless the sum only
+        overflowed (every element finite)."""
+        if not bool(torch.isfinite(tensor.detach()).all()):
+            self._sentinel_hit(self.forwards_seen - 1, index, call, path, self.samples_observed)
 
     def _sentinel_hit(
         self, forward: int, index: int, call: int, path: str, next_sample: int
@@ -568,11 +629,12 @@ class Observer:
                 }
             )
 
-    def _open_sample(self) -> None:
+    def _open_sample(self, decision: bool | None = None) -> None:
         index = self.forwards_seen
         self.forwards_seen += 1
-        decision: object = self.policy.should_sample(index)  # user policies may return ints
-        sampled = bool(decision)
+        if decision is None:  # user policies may return ints
+            decision = bool(self.policy.should_sample(index))
+        sampled = decision
         if self._forced_samples > 0:
             self._forced_samples -= 1
             sampled = True
