@@ -23,8 +23,8 @@ minimum and maximum of its block ratios over ``--repeats`` blocks. Configuration
 * ``default``: ``inject_observer(model, output_dir=tmp)``. The whole-run ratio covers the
   first ``--run-steps`` (1,000) steps after injection, dense start included (one run, so
   no spread). The steady-state ratio is measured once the default schedule has reached
-  its largest interval (forward 2,032 with the default 16 samples per stage and interval
-  at most 128); the forwards between the end of the whole run and that point are advanced
+  its largest interval (forward 4,080 with the default 16 samples per stage and interval
+  at most 256); the forwards between the end of the whole run and that point are advanced
   with untimed forward-only training forwards of a one-row batch on the observed copy
   (no backward, so no parameter changes). Steady-state blocks are whole multiples of the
   steady interval, so every block holds the same number of samples.
@@ -267,7 +267,7 @@ def _steady_schedule() -> tuple[int, int]:
             return int(last["from_forward"]), int(last["interval_forwards"])
     except Exception:
         pass
-    return 2032, 128
+    return 4080, 256
 
 
 def _histograms_supported() -> bool:
@@ -441,6 +441,7 @@ def bench_overhead(workload: Workload, args: argparse.Namespace, tmp: Path) -> l
     directory = tmp / f"{workload.name}-default"
     _progress(f"{workload.name}: default settings, whole {args.run_steps}-step run")
     inject_observer(pair.observed, output_dir=directory)
+    gc.collect()
     plain_s, observed_s = pair.run(args.run_steps)
     whole_samples = sum(policy.should_sample(i) for i in range(args.run_steps))
     rows.append(
@@ -459,6 +460,7 @@ def bench_overhead(workload: Workload, args: argparse.Namespace, tmp: Path) -> l
     block = _block_steps(plain_step_s, args.steps, steady_interval, target_s)
     _progress(f"{workload.name}: default settings, steady state, {args.repeats} x {block} steps")
     pair.run(steady_interval)  # untimed: one steady interval to settle
+    gc.collect()
     blocks = _blocks(pair, block, args.repeats)
     remove_observer(pair.observed)
     note = f"from forward {steady_start} on, one sample every {steady_interval} forwards"
@@ -485,6 +487,7 @@ def bench_overhead(workload: Workload, args: argparse.Namespace, tmp: Path) -> l
         pair.observed, output_dir=tmp / f"{workload.name}-never", sampling=_NeverSample()
     )
     pair.run(2)
+    gc.collect()
     blocks = _blocks(pair, block0, args.repeats)
     remove_observer(pair.observed)
     rows.append(
@@ -503,6 +506,7 @@ def bench_overhead(workload: Workload, args: argparse.Namespace, tmp: Path) -> l
     _progress(f"{workload.name}: sampling=1, {args.repeats} x {block1} steps")
     inject_observer(pair.observed, output_dir=tmp / f"{workload.name}-every", sampling=1)
     pair.run(2)  # untimed: series creation
+    gc.collect()
     blocks = _blocks(pair, block1, args.repeats)
     remove_observer(pair.observed)
     rows.append(_row(workload.name, "sampling=1", blocks, block1, block1, pair.identical))
@@ -530,6 +534,7 @@ def bench_overhead(workload: Workload, args: argparse.Namespace, tmp: Path) -> l
         else:
             _progress(f"{workload.name}: sampling=1 + histograms, {args.repeats} x {block1} steps")
             pair.run(2)
+            gc.collect()
             blocks = _blocks(pair, block1, args.repeats)
             remove_observer(pair.observed)
             rows.append(

@@ -81,18 +81,20 @@ def test_default_interval_one_samples_every_forward():
 
 def test_default_schedule_with_defaults():
     policy = DefaultSampling()
-    assert (policy.samples_per_stage, policy.max_interval_forwards) == (16, 128)
-    indices = sampled(policy, 4000)
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (16, 256)
+    indices = sampled(policy, 6000)
     # The first 16 forwards, then every 2nd: the 24th sample (warm-up) is forward 30.
     assert indices[:16] == list(range(16))
     assert indices[16:22] == [16, 18, 20, 22, 24, 26]
     assert indices[23] == 30
-    # Stages start at 0, 16, 48, 112, 240, 496, 1008 and 2032; 16 samples each until the cap.
-    stage_starts = [0, 16, 48, 112, 240, 496, 1008, 2032]
+    # Stages start at 0, 16, 48, 112, 240, 496, 1008, 2032 and 4080; 16 samples each until
+    # the cap.
+    stage_starts = [0, 16, 48, 112, 240, 496, 1008, 2032, 4080]
     for start, next_start in itertools.pairwise(stage_starts):
         assert len([i for i in indices if start <= i < next_start]) == 16
     assert [i for i in indices if i >= 2032][:4] == [2032, 2160, 2288, 2416]
-    assert len(indices) == 7 * 16 + len(range(2032, 4000, 128))
+    assert [i for i in indices if i >= 4080][:4] == [4080, 4336, 4592, 4848]
+    assert len(indices) == 8 * 16 + len(range(4080, 6000, 256))
     assert len([i for i in indices if i < 300]) == 68
     assert len([i for i in indices if i < 1000]) == 96
 
@@ -100,7 +102,8 @@ def test_default_schedule_with_defaults():
 def test_default_interval_at():
     policy = DefaultSampling()
     expected = {0: 1, 15: 1, 16: 2, 47: 2, 48: 4, 111: 4, 112: 8, 239: 8, 240: 16}
-    expected |= {495: 16, 496: 32, 1007: 32, 1008: 64, 2031: 64, 2032: 128, 10**9: 128}
+    expected |= {495: 16, 496: 32, 1007: 32, 1008: 64, 2031: 64, 2032: 128, 4079: 128}
+    expected |= {4080: 256, 10**9: 256}
     for index, interval in expected.items():
         assert policy.interval_at(index) == interval, index
 
@@ -110,7 +113,7 @@ def test_default_describe_and_repr():
     assert policy.describe() == {
         "policy": "default",
         "samples_per_stage": 16,
-        "max_interval_forwards": 128,
+        "max_interval_forwards": 256,
         "stages": [
             {"from_forward": 0, "interval_forwards": 1},
             {"from_forward": 16, "interval_forwards": 2},
@@ -120,9 +123,10 @@ def test_default_describe_and_repr():
             {"from_forward": 496, "interval_forwards": 32},
             {"from_forward": 1008, "interval_forwards": 64},
             {"from_forward": 2032, "interval_forwards": 128},
+            {"from_forward": 4080, "interval_forwards": 256},
         ],
     }
-    assert repr(policy) == "DefaultSampling(samples_per_stage=16, max_interval_forwards=128)"
+    assert repr(policy) == "DefaultSampling(samples_per_stage=16, max_interval_forwards=256)"
     assert isinstance(policy, SamplingPolicy)
 
 

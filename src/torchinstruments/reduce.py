@@ -437,23 +437,27 @@ def _batch_rows(flats: Sequence[Tensor], numel: int) -> list[list[float]]:
     magnitude = matrix.abs()
     max_abs = magnitude.amax(dim=1)
     sum_abs = magnitude.sum(dim=1)
-    nonzero = magnitude.sign().sum(dim=1)
-    sum_sq = magnitude.square_().sum(dim=1)
+    nonzero = magnitude.sign_().sum(dim=1)
     total = matrix.sum(dim=1)
-    centred = matrix - (total / numel).unsqueeze(1)
+    mean = total / numel
+    centred = matrix - mean.unsqueeze(1)
     centred.square_()
     central2 = centred.sum(dim=1)
     centred.square_()
     central4 = centred.sum(dim=1)
     table = torch.stack(
-        (max_abs, total, sum_abs, sum_sq, central2, central4, nonzero), dim=1
+        (max_abs, total, sum_abs, central2, central4, nonzero, mean), dim=1
     ).tolist()
     limit = _fast_path_limit(numel)
     rows: list[list[float]] = []
-    for i, (max_abs, s1, s_abs, s2, c2, c4, nonzeros) in enumerate(table):
+    for i, (max_abs, s1, s_abs, c2, c4, nonzeros, m) in enumerate(table):
         if not (math.isfinite(max_abs) and _FAST_PATH_FLOOR <= max_abs <= limit):
             rows.append(tensor_statistics(matrix[i]).tolist())
             continue
+        # The sum of squares without a pass of its own: for any centre m,
+        # sum(x^2) = sum((x - m)^2) + m * (2 * sum(x) - n * m), exactly; with m the
+        # float32 mean both terms are non-negative, so nothing cancels.
+        s2 = c2 + m * (2.0 * s1 - numel * m)
         rows.append(_finite_row(numel, numel - nonzeros, max_abs, s1, s_abs, s2, c2, c4))
     return rows
 
