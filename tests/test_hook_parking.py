@@ -132,6 +132,48 @@ def test_a_forward_that_raises_leaves_the_hooks_working(tmp_path: Path, fresh_dy
     assert model.probe.hooks_seen == [1, 0, 1]
 
 
+class RaisesOnForward:
+    """Samples forwards 0, 3, 6, ...; raises when asked about ``fail_on``."""
+
+    def __init__(self, fail_on: int) -> None:
+        self.fail_on = fail_on
+        self.asked: list[int] = []
+
+    def should_sample(self, forward_index: int) -> bool:
+        self.asked.append(forward_index)
+        if forward_index == self.fail_on:
+            raise RuntimeError("policy failed on purpose")
+        return forward_index % 3 == 0
+
+    def describe(self) -> dict[str, object]:
+        return {"policy": "raises_on_forward"}
+
+
+@pytest.mark.parametrize("fail_on", [1, 3])
+def test_a_policy_that_raises_with_hooks_parked_counts_an_unsampled_forward(
+    tmp_path: Path, fresh_dynamo, fail_on: int
+) -> None:
+    """Forward 1 is decided on the parked fast path, forward 3 (sampled) too: either way
+    the error is counted, the forward counts as unsampled and training is unchanged."""
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    policy = RaisesOnForward(fail_on)
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=policy)
+    losses = train(model, 7)
+    remove_observer(model)
+    assert losses == train(twin, 7)
+    assert policy.asked == list(range(7))  # asked once per training forward
+    sampled = [i for i in range(7) if i % 3 == 0 and i != fail_on]
+    # The failed forward keeps whatever state its hooks were in (parked or not).
+    seen = [count for i, count in enumerate(model.probe.hooks_seen) if i != fail_on]
+    assert seen == [1 if i in sampled else 0 for i in range(7) if i != fail_on]
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (7, len(sampled))
+    assert coverage["errors_total"] == 1
+    assert coverage["sentinel_checks"] == 7 - len(sampled) - 1  # not the failed forward
+
+
 def test_hooks_stay_parked_across_unsampled_forwards_until_a_sample(
     tmp_path: Path, fresh_dynamo
 ) -> None:

@@ -349,7 +349,9 @@ class Observer:
                 if not decision:
                     self._count_unsampled_training_forward()
                     return
-            except Exception as error:  # never break training
+            except Exception as error:  # never break training (as _open_sample would)
+                self.forwards_seen += 1
+                self.root_forwards += 1
                 self.state = self.SKIP
                 self.record_error("enter_root", "", error)
                 return
@@ -510,7 +512,10 @@ class Observer:
         A hit counts, is recorded, and makes the next forwards sampled.
         """
         try:
-            self._sentinel_output(ROOT_INDEX, 0, output)
+            if type(output) is Tensor and output.is_floating_point():
+                self._sentinel_check(ROOT_INDEX, 0, "output", output)
+            else:
+                self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
             self.record_error("sentinel", "", error)
 
