@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._dynamo.utils
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from torchinstruments import EveryNSampling, ReportConfig, inject_observer, remove_observer
 
@@ -172,6 +173,60 @@ def test_a_policy_that_raises_with_hooks_parked_counts_an_unsampled_forward(
     assert (coverage["forwards_seen"], coverage["samples_observed"]) == (7, len(sampled))
     assert coverage["errors_total"] == 1
     assert coverage["sentinel_checks"] == 7 - len(sampled) - 1  # not the failed forward
+
+
+def test_a_policy_error_resets_the_forward_state_like_a_counted_forward(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """After a train-mode no_grad forward, a policy error on the parked fast path must
+    still reset the no-grad count: otherwise the next checkpointed root, recomputed in
+    backward, is taken for a reentrant first pass and counted twice."""
+    torch.manual_seed(0)
+    model = Net()
+    policy = RaisesOnForward(fail_on=1)
+    inject_observer(model, output_dir=tmp_path, sampling=policy)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()  # forward 0: sampled
+    with torch.no_grad():
+        model(x)  # parks the hooks
+    # Forward 1, checkpointed: the policy raises; the root is recomputed in backward.
+    checkpoint(model, x, use_reentrant=False).sum().backward()
+    model(x).sum().backward()  # forward 2
+    remove_observer(model)
+    assert policy.asked == [0, 1, 2]
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["eval_forwards_skipped"]) == (3, 1)
+    assert coverage["errors_total"] == 1
+
+
+def test_full_sentinel_checks_every_training_forward_after_an_eval_forward(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """A no_grad or eval forward parks the hooks even with the full sentinel; the next
+    training forwards must still take the full sentinel (hooks restored, every module
+    checked), not the parked unsampled fast path."""
+    torch.manual_seed(0)
+    model = Net()
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100), full_sentinel=True)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()  # forward 0: sampled
+    with torch.no_grad():
+        model(x)  # validation in train mode: parks the hooks
+    model.eval()
+    model(x)
+    model.train()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    model(bad).sum().backward()  # forward 1: unsampled, non-finite throughout
+    for _ in range(3):
+        model(x).sum().backward()
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["sentinel_nonfinite_forwards"] == 1
+    # Forward 1 is checked at its 3 modules and its root; then 3 forced samples.
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (5, 4)
+    assert coverage["sentinel_checks"] == 4
+    assert model.probe.hooks_seen == [1, 0, 0, 1, 1, 1, 1]
 
 
 def test_hooks_stay_parked_across_unsampled_forwards_until_a_sample(

@@ -218,7 +218,7 @@ def inject_observer(
         output_dir: directory for ``report.json`` and ``index.md``. Default ``"stats"``.
             Two live observers may not share one directory.
         sampling: ``None`` for :class:`~torchinstruments.DefaultSampling` (dense first,
-            then one forward in 128), an int N to sample every N-th training forward
+            then one forward in 256), an int N to sample every N-th training forward
             (``1`` = every forward), or a :class:`~torchinstruments.SamplingPolicy`.
         report_config: report limits; default :class:`~torchinstruments.ReportConfig`.
         track_config: tracker settings; default :class:`~torchinstruments.TrackConfig`.

@@ -334,6 +334,7 @@ class Observer:
         if (
             self._parked
             and len(stack) == 1
+            and not self.full_sentinel
             and module.training
             and not self._forced_samples
             and not in_backward()
@@ -351,7 +352,8 @@ class Observer:
                     return
             except Exception as error:  # never break training (as _open_sample would)
                 self.forwards_seen += 1
-                self.root_forwards += 1
+                self._no_grad_training_forwards = 0
+                self._reset_forward_state()
                 self.state = self.SKIP
                 self.record_error("enter_root", "", error)
                 return
@@ -434,11 +436,15 @@ class Observer:
         self._open_training_forward(decision)
         return self.state == self.SKIP
 
-    def _open_training_forward(self, decision: bool | None = None) -> None:
+    def _reset_forward_state(self) -> None:
+        """Count a training root forward and reset what a root forward starts from."""
         self.root_forwards += 1
         self._implicit_opener = None
         self._sample_in_backward = False
         self._recompute_anchor = -1
+
+    def _open_training_forward(self, decision: bool | None = None) -> None:
+        self._reset_forward_state()
         self._open_sample(decision)
         if self._sample_open:
             self.state = self.SAMPLED
@@ -449,15 +455,12 @@ class Observer:
         self._maybe_flush()
 
     def _count_unsampled_training_forward(self) -> None:
-        """:meth:`_open_training_forward` for an unsampled forward while hooks are parked
-        (so the full sentinel is off and nothing forces a sample): the state it leaves
-        is the same, with fewer steps, since this runs on nearly every forward."""
+        """:meth:`_open_training_forward` for an unsampled forward while hooks are parked,
+        the full sentinel is off and nothing forces a sample: the state it leaves is the
+        same, with fewer steps, since this runs on nearly every forward."""
         self.forwards_seen += 1
-        self.root_forwards += 1
         self._no_grad_training_forwards = 0
-        self._implicit_opener = None
-        self._sample_in_backward = False
-        self._recompute_anchor = -1
+        self._reset_forward_state()
         self._sample_open = False
         self._unsampled_training = True
         self.state = self.SKIP

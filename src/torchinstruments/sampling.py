@@ -81,7 +81,7 @@ class DefaultSampling:
     ``max_interval_forwards``, which then holds for the rest of the run. With the defaults
     (16 samples per stage, interval at most 256) a run samples its first 16 forwards, then
     every 2nd, so the 24-sample warm-up completes at forward 30; 64 samples fall in the
-    first 240 forwards, 68 in a 300-step run, 96 in the first 1,000, 112 in the first
+    first 240 forwards, 68 in a 300-step run, 96 in the first 1,000, 128 in the first
     4,080, and after forward 4,080 one forward in 256 is sampled. The defaults were
     chosen with ``benchmarks/overhead.py`` and the localisation benchmark: the whole of a
     1,000-step run costs about 1.02x to 1.05x on the CNN and transformer workloads (about
