@@ -488,23 +488,7 @@ class Observer:
         if state == self.SAMPLED or state == self.SENTINEL:
             self.on_forward(index, args, output)
         elif self._unsampled_training and not self.full_sentinel and self.attached:
-            if (
-                type(output) is Tensor
-                and output.is_cpu
-                and output.is_floating_point()
-                and "cpu" not in self.device_path_types
-            ):
-                # The common case, kept short: it runs in every unsampled forward. A
-                # non-finite element makes the sum non-finite; one plain reduction is
-                # cheaper than an isfinite mask (see _sentinel_check).
-                self.sentinel_checks += 1
-                try:
-                    if not math.isfinite(output.detach().sum().item()):
-                        self._confirm_cpu_sentinel(ROOT_INDEX, 0, "output", output)
-                except Exception as error:  # never break training
-                    self.record_error("sentinel", "", error)
-            else:
-                self._root_sentinel(output)
+            self._root_sentinel(output)
         self.exit_root()
 
     def _root_sentinel(self, output: object) -> None:
@@ -516,6 +500,7 @@ class Observer:
         """
         try:
             if type(output) is Tensor and output.is_floating_point():
+                # The common case, kept short: it runs in every unsampled forward.
                 self._sentinel_check(ROOT_INDEX, 0, "output", output)
             else:
                 self._sentinel_output(ROOT_INDEX, 0, output)

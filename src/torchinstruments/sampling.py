@@ -85,7 +85,7 @@ class DefaultSampling:
     4,080, and after forward 4,080 one forward in 256 is sampled. The defaults were
     chosen with ``benchmarks/overhead.py`` and the localisation benchmark: the whole of a
     1,000-step run costs about 1.02x to 1.05x on the CNN and transformer workloads (about
-    1.15x on CPU MLPs whose step is under 2 ms, where a sample costs about as much as a
+    1.17x on CPU MLPs whose step is under 2 ms, where a sample costs about as much as a
     step), and a fault halfway through a 200-step run still has a dozen samples after it.
     The last doubling (128 to 256) halves the steady-state cost of samples on such small
     models, where one late sample costs 1 to 2 ms (its code and trackers are no longer in
