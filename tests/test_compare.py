@@ -76,26 +76,26 @@ def test_dropped_norm_is_the_first_divergence(runs: dict[str, Path], tmp_path: P
     assert comparison["strength"] == "full" and comparison["mismatches"] == []
     first = comparison["summary"]["first_divergence"]
     # The modification skips blocks.2.norm from training forward 150: the first sample
-    # after it (sample 53, forward 152 of the default schedule) is the first where the
+    # after it (sample 34, forward 152 of the default schedule) is the first where the
     # candidate no longer calls the norm, exactly; blocks.2.fc1's activation, which now
     # receives the un-normalised stream, departs at the next compared history point.
     assert first["module"] == "blocks.2.norm"
     assert first["kind"] == "stopped" and first["side"] == "candidate"
     assert first["signal"] == "activation"
-    assert (first["sample"], first["forward"]) == (53, 152)
-    assert first["last_observed"]["sample"] == 52
+    assert (first["sample"], first["forward"]) == (34, 152)
+    assert first["last_observed"]["sample"] == 33
     assert "blocks.2.norm" in first["next_experiment"]
     events = comparison["first_divergences"]
     assert events[0] == first
     assert all(e["module"].startswith("blocks.2.") for e in events)
     fc1 = next(e for e in events if e["module"] == "blocks.2.fc1" and e["kind"] == "value")
     assert fc1["signal"] == "activation" and fc1["metric"] == "rms"
-    assert fc1["sample"] >= 53 and fc1["last_agreeing"]["sample"] < 53
+    assert fc1["sample"] >= 34 and fc1["last_agreeing"]["sample"] < 34
     assert fc1["candidate"] > 2 * fc1["baseline"]
     leader = comparison["categories"]["activation_scale"]["entries"][0]
     assert leader["module"].startswith("blocks.2.") and leader["notable"]
     assert comparison["categories"]["gradient_scale"]["notable"] == 0
-    assert comparison["summary"]["headline"].startswith("First divergence at sample 53")
+    assert comparison["summary"]["headline"].startswith("First divergence at sample 34")
     markdown = (tmp_path / "comparison.md").read_text(encoding="utf-8")
     assert markdown.startswith("# torchinstruments comparison")
     assert "`blocks.2.norm`" in markdown and "Next experiment:" in markdown
@@ -219,8 +219,9 @@ def test_sustained_departure_needs_two_points_of_one_sign() -> None:
 
 
 def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path) -> None:
-    """A one-off NaN at forward 41 (unsampled; the step skipped, as a GradScaler would)
-    forces samples in the candidate (4 of them extra); a later 8x input change from
+    """A one-off NaN at forward 39 (unsampled, and a forward the root sentinel checks;
+    the step skipped, as a GradScaler would) forces samples in the candidate (6 of them
+    extra: 40 to 47, where the schedule takes 40 and 44); a later 8x input change from
     forward 120 on must be placed by training forward, with the candidate's own sample
     index, not the baseline's."""
 
@@ -230,7 +231,7 @@ def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         inject_observer(model, output_dir=directory)
         for step, (x, y) in enumerate(make_batches(200)):
-            if faulty and step == 41:
+            if faulty and step == 39:
                 x = torch.full_like(x, float("nan"))
             if faulty and step >= 120:
                 x = x * 8.0
@@ -252,10 +253,10 @@ def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path
     assert (first["kind"], first["module"], first["metric"]) == ("value", "inp", "rms")
     # At the first training forward both runs kept in their bounded histories from 120 on
     # (here 144; 120 to 136 were thinned out of one of them), and named in each run's own
-    # sample indices: the forced samples shifted the candidate's by 4.
+    # sample indices: the forced samples shifted the candidate's by 6.
     assert 120 <= first["forward"] <= 160
     assert first["candidate_sample"] == recorded.sample(first["forward"])
-    assert first["candidate_sample"] == first["sample"] + 4
+    assert first["candidate_sample"] == first["sample"] + 6
     assert first["last_agreeing"]["forward"] < 120
 
 
@@ -339,7 +340,7 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
         torch.manual_seed(0)
         model = ResidualNet()
         batches = make_batches(80)
-        if poison:  # a NaN input at training forward 40 (sample 28 of the default schedule)
+        if poison:  # a NaN input at training forward 40 (sample 20 of the default schedule)
             batches[40] = (torch.full_like(batches[40][0], float("nan")), batches[40][1])
         inject_observer(model, output_dir=directory)
         train(model, batches)
@@ -352,7 +353,7 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
     first = comparison["summary"]["first_divergence"]
     assert first["kind"] == "non_finite" and first["side"] == "candidate"
     assert (first["module"], first["signal"]) == ("inp", "activation")
-    assert (first["sample"], first["forward"]) == (28, 40)
+    assert (first["sample"], first["forward"]) == (20, 40)
     # The sentinel forced extra samples after the NaN: sample indices stop matching, but
     # both runs recorded each sample's training forward, so the runs are aligned by those.
     extra = [m for m in comparison["mismatches"] if m["kind"] == "extra_samples"]

@@ -626,7 +626,9 @@ def test_several_backward_passes_over_one_graph(tmp_path: Path) -> None:
     coverage = report["coverage"]
     assert coverage["samples_observed"] == 4
     assert coverage["backward_samples_observed"] == 4
-    assert coverage["repeated_backward_gradients"] == 4 * len(MLP_NAMES)
+    # One per measured output gradient and sample: the root's is fc2's (the same tensor,
+    # measured once and shared), so 3 of the 4 modules have a hook that fires again.
+    assert coverage["repeated_backward_gradients"] == 4 * (len(MLP_NAMES) - 1)
     assert all(count == 4 for count in observations(report).values())
     check_against_reference(report, reference)
 

@@ -160,7 +160,9 @@ def test_a_policy_that_raises_with_hooks_parked_counts_an_unsampled_forward(
     model, twin = Net(), Net()
     twin.load_state_dict(model.state_dict())
     policy = RaisesOnForward(fail_on)
-    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=policy)
+    handle = inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=policy)
+    assert handle._observer is not None
+    handle._observer.ROOT_SENTINEL_INTERVAL = 1  # the root sentinel on every forward
     losses = train(model, 7)
     remove_observer(model)
     assert losses == train(twin, 7)

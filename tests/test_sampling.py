@@ -81,29 +81,30 @@ def test_default_interval_one_samples_every_forward():
 
 def test_default_schedule_with_defaults():
     policy = DefaultSampling()
-    assert (policy.samples_per_stage, policy.max_interval_forwards) == (16, 256)
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (8, 256)
     indices = sampled(policy, 6000)
-    # The first 16 forwards, then every 2nd: the 24th sample (warm-up) is forward 30.
-    assert indices[:16] == list(range(16))
-    assert indices[16:22] == [16, 18, 20, 22, 24, 26]
-    assert indices[23] == 30
-    # Stages start at 0, 16, 48, 112, 240, 496, 1008, 2032 and 4080; 16 samples each until
+    # The first 8 forwards, then every 2nd, then every 4th: the 24th sample (the end of
+    # warm-up) is forward 52.
+    assert indices[:8] == list(range(8))
+    assert indices[8:18] == [8, 10, 12, 14, 16, 18, 20, 22, 24, 28]
+    assert indices[23] == 52
+    # Stages start at 0, 8, 24, 56, 120, 248, 504, 1016 and 2040; 8 samples each until
     # the cap.
-    stage_starts = [0, 16, 48, 112, 240, 496, 1008, 2032, 4080]
+    stage_starts = [0, 8, 24, 56, 120, 248, 504, 1016, 2040]
     for start, next_start in itertools.pairwise(stage_starts):
-        assert len([i for i in indices if start <= i < next_start]) == 16
-    assert [i for i in indices if i >= 2032][:4] == [2032, 2160, 2288, 2416]
-    assert [i for i in indices if i >= 4080][:4] == [4080, 4336, 4592, 4848]
-    assert len(indices) == 8 * 16 + len(range(4080, 6000, 256))
-    assert len([i for i in indices if i < 300]) == 68
-    assert len([i for i in indices if i < 1000]) == 96
+        assert len([i for i in indices if start <= i < next_start]) == 8
+    assert [i for i in indices if i >= 1016][:4] == [1016, 1144, 1272, 1400]
+    assert [i for i in indices if i >= 2040][:4] == [2040, 2296, 2552, 2808]
+    assert len(indices) == 8 * 8 + len(range(2040, 6000, 256))
+    assert len([i for i in indices if i < 300]) == 42
+    assert len([i for i in indices if i < 1000]) == 56
 
 
 def test_default_interval_at():
     policy = DefaultSampling()
-    expected = {0: 1, 15: 1, 16: 2, 47: 2, 48: 4, 111: 4, 112: 8, 239: 8, 240: 16}
-    expected |= {495: 16, 496: 32, 1007: 32, 1008: 64, 2031: 64, 2032: 128, 4079: 128}
-    expected |= {4080: 256, 10**9: 256}
+    expected = {0: 1, 7: 1, 8: 2, 23: 2, 24: 4, 55: 4, 56: 8, 119: 8, 120: 16}
+    expected |= {247: 16, 248: 32, 503: 32, 504: 64, 1015: 64, 1016: 128, 2039: 128}
+    expected |= {2040: 256, 10**9: 256}
     for index, interval in expected.items():
         assert policy.interval_at(index) == interval, index
 
@@ -112,21 +113,21 @@ def test_default_describe_and_repr():
     policy = DefaultSampling()
     assert policy.describe() == {
         "policy": "default",
-        "samples_per_stage": 16,
+        "samples_per_stage": 8,
         "max_interval_forwards": 256,
         "stages": [
             {"from_forward": 0, "interval_forwards": 1},
-            {"from_forward": 16, "interval_forwards": 2},
-            {"from_forward": 48, "interval_forwards": 4},
-            {"from_forward": 112, "interval_forwards": 8},
-            {"from_forward": 240, "interval_forwards": 16},
-            {"from_forward": 496, "interval_forwards": 32},
-            {"from_forward": 1008, "interval_forwards": 64},
-            {"from_forward": 2032, "interval_forwards": 128},
-            {"from_forward": 4080, "interval_forwards": 256},
+            {"from_forward": 8, "interval_forwards": 2},
+            {"from_forward": 24, "interval_forwards": 4},
+            {"from_forward": 56, "interval_forwards": 8},
+            {"from_forward": 120, "interval_forwards": 16},
+            {"from_forward": 248, "interval_forwards": 32},
+            {"from_forward": 504, "interval_forwards": 64},
+            {"from_forward": 1016, "interval_forwards": 128},
+            {"from_forward": 2040, "interval_forwards": 256},
         ],
     }
-    assert repr(policy) == "DefaultSampling(samples_per_stage=16, max_interval_forwards=256)"
+    assert repr(policy) == "DefaultSampling(samples_per_stage=8, max_interval_forwards=256)"
     assert isinstance(policy, SamplingPolicy)
 
 

@@ -72,7 +72,7 @@ def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
     with torch.no_grad():
         model.inp.bias.zero_()
     inject(model, tmp_path, accelerator, sampling=10)
-    run(model, bad_forwards={13})
+    run(model, bad_forwards={15})  # checked: the root sentinel takes forwards 7, 15, 23
     remove_observer(model)
     report = read_report(tmp_path)
     coverage = report["coverage"]
@@ -81,13 +81,15 @@ def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
         # The device-side sum is read at the next flush (forward 32, after the run):
         # forwards 0, 10, 20 by the schedule, none forced.
         assert coverage["samples_observed"] == 3
+        assert coverage["sentinel_checks"] == 3  # forwards 7, 15 and 23
     else:
-        # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 13 (14..21).
+        # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 15 (16..23).
         assert coverage["samples_observed"] == 2 + 8
+        assert coverage["sentinel_checks"] == 2  # forwards 7 and 15 (23 is forced)
     first = report["summary"]["first_non_finite"]
     assert first == {
         "source": "root_sentinel",
-        "forward_index": 13,
+        "forward_index": 15,
         "module": "<root>",
         "call_index": 0,
         "signal": "activation",
@@ -121,13 +123,13 @@ def test_recurring_fault_is_localised_in_the_forced_samples(tmp_path: Path) -> N
     with torch.no_grad():
         model.inp.bias.zero_()
     inject_observer(model, output_dir=tmp_path, sampling=10)
-    run(model, bad_forwards={13, 15})
+    run(model, bad_forwards={15, 17})
     remove_observer(model)
     report = read_report(tmp_path)
     first = report["summary"]["first_non_finite"]
     assert first["source"] == "sampled_forward"
     assert first["module"] == "gate"
-    assert first["earlier_between_samples"]["forward_index"] == 13
+    assert first["earlier_between_samples"]["forward_index"] == 15
     non_finite = [f for f in report["findings"] if f["category"] == "non_finite"]
     assert non_finite[0]["module"] == "gate"
 
@@ -171,9 +173,10 @@ class PoisonNet(nn.Module):
 
 
 #: Training forward at which ``Poison`` turns NaN: unsampled by the default schedule
-#: (the second stage samples even forwards), so the values reach every module's
-#: parameters through the optimizer step before the next sample.
-POISONED_FORWARD = 45
+#: (its third stage samples every 4th forward, 24 to 52) and checked by the root
+#: sentinel (every 8th forward: 7, 15, ..., 47), so the values reach every module's
+#: parameters through the optimizer step before the next sample (forward 48).
+POISONED_FORWARD = 47
 
 
 def train_poisoned(
@@ -210,8 +213,8 @@ def check_poisoned_report(report: dict[str, Any], full_sentinel: bool) -> None:
     assert first["category"] == "non_finite" and first["notable"]
     earlier = first["evidence"]["earlier_between_samples"]
     assert earlier["forward_index"] == POISONED_FORWARD
-    assert first["evidence"]["first_nonfinite_sample"] == 31
-    assert (first["change_sample"], first["change_forward"]) == (31, 46)
+    assert first["evidence"]["first_nonfinite_sample"] == 22
+    assert (first["change_sample"], first["change_forward"]) == (22, 48)
     if full_sentinel:
         assert (first["module"], first["signal"]) == ("poison", "activation")
         assert earlier == {
@@ -275,9 +278,10 @@ class StaleNet(nn.Module):
 def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
     tmp_path: Path, full_sentinel: bool, accelerator: bool
 ) -> None:
-    """A one-off inf in ``gate`` at forward 3, then NaN from ``inp`` from forward 205 on:
-    the finding links the hit just before its first non-finite sample (forward 205),
-    not the run's first hit; the summary still says the run's first was at forward 3."""
+    """A one-off inf in ``gate`` at forward 7, then NaN from ``inp`` from forward 207 on
+    (both forwards the root sentinel checks): the finding links the hit just before its
+    first non-finite sample (forward 207), not the run's first hit; the summary still
+    says the run's first was at forward 7."""
     torch.manual_seed(0)
     model = StaleNet()
     with torch.no_grad():
@@ -286,9 +290,9 @@ def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
     generator = torch.Generator().manual_seed(0)
     for index in range(260):
         model.gate.divisor.fill_(1.0)
-        if index == 3:
+        if index == 7:
             model.gate.divisor[0] = 0.0
-        model.inp.broken = index >= 205
+        model.inp.broken = index >= 207
         model(torch.randn(4, 4, generator=generator)).sum().backward()
     model.gate.divisor.fill_(1.0)
     remove_observer(model)
@@ -302,12 +306,12 @@ def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
     # Samples: forward 0, the forced ones after the one-off, 100, 200, then sample 11.
     assert first["evidence"]["first_nonfinite_sample"] == 11
     earlier = first["evidence"]["earlier_between_samples"]
-    assert earlier["forward_index"] == 205
+    assert earlier["forward_index"] == 207
     assert earlier["this_series"] is full_sentinel
-    assert "forward 3" not in first["interpretation"]
+    assert "forward 7" not in first["interpretation"]
     summary = report["summary"]["first_non_finite"]
     assert summary["module"] == "inp" and summary["sample"] == 11
-    assert summary["earlier_between_samples"]["forward_index"] == 3
+    assert summary["earlier_between_samples"]["forward_index"] == 7
 
 
 class NanGrad(torch.autograd.Function):
@@ -393,12 +397,12 @@ def test_complex_outputs_take_the_sentinel_by_their_parts(
     torch.manual_seed(0)
     model = Complex()
     inject(model, tmp_path, accelerator, sampling=100)
-    for _ in range(10):
+    for _ in range(24):
         out = model(torch.randn(2, 4))
         assert torch.isfinite(out).all()
         out.real.sum().backward()
     remove_observer(model)
     coverage = read_report(tmp_path)["coverage"]
     assert coverage["errors_total"] == 0
-    assert coverage["sentinel_checks"] == 9
+    assert coverage["sentinel_checks"] == 3  # forwards 7, 15 and 23
     assert coverage["sentinel_nonfinite_forwards"] == 0

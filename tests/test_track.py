@@ -556,3 +556,39 @@ def test_config_property():
     config = TrackConfig(warmup_samples=7)
     t = SeriesTracker(config, log_scale=False, noise_floor=0.1)
     assert t.config is config
+
+
+def _state(tracker: SeriesTracker) -> dict[str, str]:
+    """Every slot but the constant-run flag, as text (so -0.0 and 0.0 differ)."""
+    return {
+        name: repr(getattr(tracker, name))
+        for name in SeriesTracker.__slots__
+        if name not in ("_constant", "_config")
+    }
+
+
+@pytest.mark.parametrize(
+    ("log_scale", "values"),
+    [
+        (False, [0.0] * 40),
+        (True, [0.0] * 40),
+        (True, [3.5] * 300),  # past the history limit: downsampled as in full updates
+        (False, [3.5] * 30 + [3.6] + [3.5] * 30),
+        (True, [3.5] * 3 + [7.0] * 20),  # the run ends inside warm-up, then a step
+        (False, [0.0, -0.0, 0.0, -0.0] * 5 + [1.0, 1.0, -0.0]),
+        (True, [-0.0, 0.0] * 10 + [2.0, 2.0]),
+        (False, [1e-40] * 12),
+    ],
+    ids=["zeros", "log-zeros", "long", "blip", "step", "signed-zeros", "log-signed", "tiny"],
+)
+def test_a_constant_run_takes_the_short_update_with_the_same_state(
+    log_scale: bool, values: list[float]
+) -> None:
+    short = make(log_scale=log_scale, history=32)
+    full = make(log_scale=log_scale, history=32)
+    full._constant = False  # every update takes the full path
+    for sample, value in enumerate(values):
+        short.update(sample, value)
+        full.update(sample, value)
+        assert _state(short) == _state(full), f"after sample {sample}"
+    assert short._constant == (len(set(values)) == 1)

@@ -63,6 +63,8 @@ __all__ = ["Observer", "RankInfo"]
 MAX_SAMPLES_AWAITING_BACKWARD = 256
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
+#: Measured rows awaiting processing that other keys share (oldest dropped beyond).
+MAX_ALIASED_ROWS = 4_096
 #: CPU tensors of at most this many elements are copied (as float32) when observed and
 #: reduced later in batches (see Observer._measure); larger ones are reduced at once.
 STAGE_MAX_NUMEL = 1 << 15
@@ -83,6 +85,9 @@ _SENTINEL = "sentinel"
 ROOT_INDEX = 0
 #: torch.jit.is_tracing without its Python wrapper (called once per root forward).
 _is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
+#: Grad-mode and inference-mode checks, bound once (called once per root forward).
+_grad_enabled = torch.is_grad_enabled
+_inference_mode_enabled = torch.is_inference_mode_enabled
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
 _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
 #: Pending-record signal carrying the GradScaler loss scale of a sample.
@@ -111,12 +116,14 @@ class _ErrorEntry:
     first_sample: int | None = None
 
 
+#: (module index, call index, signal, tensor path) of one observed tensor.
+_Key = tuple[int, int, str, str]
 #: What a pending record says about its statistics row: (series key, sample, position).
-_Meta = tuple[tuple[int, int, str, str], int, int]
+_Meta = tuple[_Key, int, int]
 #: A statistics record waiting for the host: its meta and its row (a device vector, or
 #: host floats for CPU tensors). Hooks add one with a single ``list.append`` of a tuple,
 #: which is atomic, so worker threads of one forward never interleave half records.
-_Record = tuple[tuple[int, int, str, str], int, int, Tensor | list[float]]
+_Record = tuple[_Key, int, int, Tensor | list[float]]
 
 
 class Observer:
@@ -133,6 +140,15 @@ class Observer:
 
     #: Forwards sampled after a sentinel saw a non-finite value, to localise a recurrence.
     FORCED_SAMPLES_AFTER_NONFINITE = 8
+    #: Without the full sentinel, the root output of every 8th training forward (0-based
+    #: indices 7, 15, 23, ...) is checked when that forward is not sampled. Samples of
+    #: the default schedule fall on multiples of their interval, so the checks fill the
+    #: gaps between them. One reduction of a fresh tensor costs 10 to 14 us inside a
+    #: training step on the CPU (dispatch and allocation, in caches that the step's own
+    #: kernels have just evicted; measured with ``benchmarks/overhead.py``): on every
+    #: forward it was 1.6% of a 0.75 ms MLP step, over half of a 1.03x budget. A
+    #: persistent fault is still caught within 8 forwards of its onset.
+    ROOT_SENTINEL_INTERVAL = 8
     #: Most sentinel events kept for the report (all are counted).
     MAX_SENTINEL_EVENTS = 16
 
@@ -191,6 +207,12 @@ class Observer:
         self._sample = -1
         self._calls: dict[int, int] = {}
         self._position = 0
+        # Tensors observed in the open sample, by id: (tensor, version, activation key,
+        # output-gradient key or None). A module that returns what a submodule returned
+        # (a container, the root) is measured once (see _observe_call).
+        self._sample_outputs: dict[int, tuple[Tensor, int, _Key, _Key | None]] = {}
+        # Per measured (key, sample): the keys and forward positions that share its row.
+        self._aliases: dict[tuple[_Key, int], list[tuple[_Key, int]]] = {}
         self._implicit_opener: int | None = None
         self._implicit_backward_seen = False
         self._no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = {}
@@ -334,12 +356,12 @@ class Observer:
         if (
             self._parked
             and len(stack) == 1
-            and not self.full_sentinel
             and module.training
             and not self._forced_samples
+            and not self.full_sentinel
+            and _grad_enabled()
+            and not _inference_mode_enabled()
             and not in_backward()
-            and torch.is_grad_enabled()
-            and not torch.is_inference_mode_enabled()
             and not _is_tracing()
             and compiled_frames() == self._frames_at_park
         ):
@@ -487,12 +509,20 @@ class Observer:
         state = self.state
         if state == self.SAMPLED or state == self.SENTINEL:
             self.on_forward(index, args, output)
-        elif self._unsampled_training and not self.full_sentinel and self.attached:
+            if self._sample_outputs and len(self._state_stack) == 1:
+                self._sample_outputs = {}  # keep no module output past its forward
+        elif (
+            self._unsampled_training
+            and self.forwards_seen % self.ROOT_SENTINEL_INTERVAL == 0
+            and not self.full_sentinel
+            and self.attached
+        ):
             self._root_sentinel(output)
         self.exit_root()
 
     def _root_sentinel(self, output: object) -> None:
-        """Check the root output of an unsampled training forward for non-finite values.
+        """Check the root output of an unsampled training forward for non-finite values
+        (every :attr:`ROOT_SENTINEL_INTERVAL`-th forward).
 
         One reduction per output tensor. On the CPU the answer is read at once; on CUDA
         the count stays on the device and is read at the next flush (no host sync).
@@ -643,6 +673,7 @@ class Observer:
             self._calls = {}
             self._position = 0
             self._no_grad_calls = {}
+            self._sample_outputs = {}
 
     # ------------------------------------------------------------------ capture
     def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
@@ -717,6 +748,7 @@ class Observer:
         self._position = position + 1
         sample = self._sample
         grad_enabled = torch.is_grad_enabled()
+        outputs = self._sample_outputs
         taken = 0
         for path, leaf in iter_output_tensors(output):
             reason = skip_reason(leaf)
@@ -728,15 +760,37 @@ class Observer:
                 self.paths_dropped += 1
                 continue
             assert isinstance(leaf, Tensor)
-            self._measure((index, call, ACTIVATION, path), sample, position, leaf)
+            key = (index, call, ACTIVATION, path)
+            version = _version(leaf)
+            first = outputs.get(id(leaf)) if version is not None else None
+            if first is not None and (first[0] is not leaf or first[1] != version):
+                first = None
+            if first is None:
+                self._measure(key, sample, position, leaf)
+            else:
+                # What an earlier call of this sample returned, unchanged since (a
+                # container or the root passing on a submodule's output): the same
+                # values and the same gradient, so its rows are shared, not measured.
+                self._add_alias(first[2], sample, key, position)
             if self.histogram_specs:
                 self._histogram(index, call, ACTIVATION, path, sample, leaf)
+            grad_key: _Key | None = None
             if leaf.requires_grad and grad_enabled:
                 node = leaf.grad_fn
                 if node is not None:
+                    grad_key = (index, call, GRAD_OUTPUT, path)
+                    if (
+                        first is not None
+                        and first[3] is not None
+                        and not self._hist_plan.get((index, GRAD_OUTPUT))
+                    ):
+                        self._add_alias(first[3], sample, grad_key, -1)
+                        continue
                     node.register_prehook(
                         NodeGradHook(self, (index, call, path), sample, leaf.output_nr)
                     )
+                    if first is None and version is not None:
+                        outputs[id(leaf)] = (leaf, version, key, grad_key)
                     continue
                 # A module that returns a parameter: a hook on a leaf outlives the
                 # graph, so it removes itself after its first gradient (and at detach).
@@ -745,6 +799,8 @@ class Observer:
                 self._leaf_hooks.append(hook.handle)
                 if len(self._leaf_hooks) > MAX_SAMPLES_AWAITING_BACKWARD:
                     self._leaf_hooks.pop(0).remove()
+            if first is None and version is not None:
+                outputs[id(leaf)] = (leaf, version, key, None)
         if not grad_enabled:
             # Under no_grad inside a training forward (reentrant checkpointing): the
             # gradient flows through a recomputation during backward.
@@ -960,6 +1016,19 @@ class Observer:
             self._producer_streams.add(torch.cuda.current_stream(row.device))
         self._pending.append((key, sample, -1, row))
 
+    def _add_alias(self, measured: _Key, sample: int, key: _Key, position: int) -> None:
+        """Give ``key`` (at forward ``position``) the row that ``measured`` gets in
+        ``sample``, when it is processed (see :meth:`_process`)."""
+        aliases = self._aliases
+        entry = aliases.get((measured, sample))
+        if entry is None:
+            aliases[(measured, sample)] = [(key, position)]
+            if len(aliases) > MAX_ALIASED_ROWS:
+                # A row that never comes (a sample whose backward never ran).
+                del aliases[next(iter(aliases))]
+        else:
+            entry.append((key, position))
+
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook; keep the first few distinct ones."""
         self.error_count += 1
@@ -1023,6 +1092,7 @@ class Observer:
         loss_scales = self._loss_scales
         scalars: list[tuple[TensorSeries, int, dict[str, float | None]]] = []
         config = self.track_config
+        aliases = self._aliases
         for (key, sample, position), row in zip(meta, rows, strict=True):
             if key[2] == _LOSS_SCALE:
                 if row[0] > 0 and math.isfinite(row[0]):
@@ -1038,16 +1108,22 @@ class Observer:
                     self._sentinel_hit(sample, key[0], key[1], key[3], position)
                 continue
             values = finish_statistics(row)
+            shared = aliases.pop((key, sample), None) if aliases else None
             if key[2] == GRAD_OUTPUT:
-                grad_groups.setdefault(sample, []).append((key, values))
+                group = grad_groups.setdefault(sample, [])
+                group.append((key, values))
+                if shared:
+                    # Copies: each is divided by the loss scale and the root RMS later.
+                    group.extend((alias, dict(values)) for alias, _ in shared)
                 continue
-            series = self._series_for(key)
-            if series is None:
-                continue
-            series.forward_position = position
-            series.update(config, sample, values)
-            if self._scalar_sinks:
-                scalars.append((series, sample, values))
+            for series_key, series_position in ((key, position), *(shared or ())):
+                series = self._series_for(series_key)
+                if series is None:
+                    continue
+                series.forward_position = series_position
+                series.update(config, sample, values)
+                if self._scalar_sinks:
+                    scalars.append((series, sample, values))
         for sample in sorted(grad_groups):
             group = grad_groups[sample]
             loss_scale = loss_scales.get(sample)
@@ -1224,6 +1300,15 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _version(tensor: Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place change), or None for
+    tensors without one (made in inference mode)."""
+    try:
+        return tensor._version
+    except Exception:
+        return None
 
 
 def _padded_row(values: Tensor) -> Tensor:

@@ -151,6 +151,7 @@ class SeriesTracker:
         "_alpha_slow",
         "_changes",
         "_config",
+        "_constant",
         "_cusum_neg",
         "_cusum_neg_start",
         "_cusum_pos",
@@ -249,6 +250,8 @@ class SeriesTracker:
         self._flip_ema = 2.0 / 3.0
         self._history: list[tuple[int, float]] = []
         self._history_stride = 1
+        #: Every value so far was equal (see :meth:`_repeat`).
+        self._constant = True
 
     # ------------------------------------------------------------------ update
     def transform(self, value: float) -> float:
@@ -261,6 +264,11 @@ class SeriesTracker:
         """Add the value observed at ``sample`` (0-based sample index)."""
         # The hot path of the host side (one call per series and metric per sample):
         # a SeriesPoint is built only where one is kept.
+        if self._constant and self.count:
+            if value == self._latest_value:
+                self._repeat(sample, value)
+                return
+            self._constant = False
         v = self.transform(value)
         count = self.count + 1
         self.count = count
@@ -318,6 +326,31 @@ class SeriesTracker:
             self.baseline_std = self._seg_std
             if count == warmup:
                 self.warmup_end_sample = sample
+        if (count - 1) % self._history_stride == 0:
+            self._append_history(sample, value)
+
+    def _repeat(self, sample: int, value: float) -> None:
+        """:meth:`update` for a series whose every value so far equals ``value``, with
+        the same resulting state in fewer steps (a zero ``nonfinite_fraction`` is such a
+        series in nearly every run, a zero ``zero_fraction`` in most): the EMAs,
+        momentum, volatility, drawdown and segment mean already equal the value or zero,
+        CUSUM stays at zero and the segment's deviation at its floor, so only counters,
+        the decay of the flip rate and the history move."""
+        count = self.count + 1
+        self.count = count
+        self._latest_sample = sample
+        self._latest_value = value
+        if value != 0.0:
+            self.nonzero_count += 1
+        if self.diffs > 0:
+            self._flip_ema -= self._alpha_slow * self._flip_ema
+        self.diffs += 1
+        if not self._log_scale:
+            self._prev = value  # the same number, down to the sign of a zero
+        if self._seg_count < self._config.warmup_samples:
+            self._seg_count += 1
+        if count == self._warmup:
+            self.warmup_end_sample = sample
         if (count - 1) % self._history_stride == 0:
             self._append_history(sample, value)
 
