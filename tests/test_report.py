@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -221,3 +222,25 @@ def test_report_is_written_at_interpreter_exit(tmp_path: Path) -> None:
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert read_report(tmp_path)["coverage"]["samples_observed"] == 3
+
+
+@pytest.mark.parametrize("max_bytes", [2_000_000, 6_000], ids=["all-rows", "bounded"])
+def test_series_json_is_the_compact_encoding_of_the_summary(tmp_path: Path, max_bytes: int) -> None:
+    """series.json is assembled from the rows encoded while bounding it: byte for byte
+    what json.dumps of the summary writes, within the bound, rows past it counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    config = ReportConfig(series_summary_max_bytes=max_bytes)
+    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=config)
+    for _ in range(5):
+        model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    raw = (tmp_path / "series.json").read_bytes()
+    summary = json.loads(raw)
+    expected = json.dumps(summary, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    assert raw == expected.encode()
+    assert len(raw) <= max_bytes
+    if max_bytes == 6_000:
+        assert summary["omitted"] > 0 and summary["series"]
+    else:
+        assert summary["omitted"] == 0

@@ -951,14 +951,35 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
         }
     )
     # One encoder for every row: json.dumps with options builds a new one per call.
-    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-    budget = max_bytes - len(encode(header)) - 64
+    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+    header_text = encode(header)
+    budget = max_bytes - len(header_text) - 64
     kept: list[dict[str, Any]] = []
+    texts: list[str] = []
     for series, metric, tracker in pairs:
         row = _summary_row(series, metric, tracker, position(series))
-        size = len(encode(row)) + 1
+        text = encode(row)
+        size = len(text) + 1
         if size > budget:
             break  # rows past the budget are counted, not built
         budget -= size
         kept.append(row)
-    return {**header, "series": kept, "omitted": len(pairs) - len(kept)}
+        texts.append(text)
+    omitted = len(pairs) - len(kept)
+    summary = SeriesSummary({**header, "series": kept, "omitted": omitted})
+    # The rows are encoded already (to keep within max_bytes): the file is assembled from
+    # them, as json.dumps of the dict with the same separators would write it.
+    summary.json_text = (
+        f'{header_text[:-1]},"series":[{",".join(texts)}],"omitted":{omitted}}}'
+        if len(header_text) > 2
+        else f'{{"series":[{",".join(texts)}],"omitted":{omitted}}}'
+    )
+    return summary
+
+
+class SeriesSummary(dict[str, Any]):
+    """The ``series.json`` object, with its compact JSON text (``json_text``) when built
+    by :func:`build_series_summary`: writers use it rather than encoding every row again
+    (the rows are encoded once to keep the file within its byte bound)."""
+
+    json_text: str | None = None

@@ -201,7 +201,9 @@ class DirectorySink(_SinkBase):
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``series.json`` atomically (compact JSON, UTF-8)."""
-        data = json.dumps(summary, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        data = getattr(summary, "json_text", None)
+        if not isinstance(data, str):
+            data = json.dumps(summary, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
         atomic_write(self.series_path, data.encode())
 
     def write_details(self, details: dict[str, Any]) -> None:
