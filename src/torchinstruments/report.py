@@ -969,11 +969,7 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     summary = SeriesSummary({**header, "series": kept, "omitted": omitted})
     # The rows are encoded already (to keep within max_bytes): the file is assembled from
     # them, as json.dumps of the dict with the same separators would write it.
-    summary.json_text = (
-        f'{header_text[:-1]},"series":[{",".join(texts)}],"omitted":{omitted}}}'
-        if len(header_text) > 2
-        else f'{{"series":[{",".join(texts)}],"omitted":{omitted}}}'
-    )
+    summary.json_text = f'{header_text[:-1]},"series":[{",".join(texts)}],"omitted":{omitted}}}'
     return summary
 
 
