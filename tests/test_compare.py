@@ -219,9 +219,9 @@ def test_sustained_departure_needs_two_points_of_one_sign() -> None:
 
 
 def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path) -> None:
-    """A one-off NaN at forward 39 (unsampled, and a forward the root sentinel checks;
+    """A one-off NaN at forward 35 (unsampled, and a forward the root sentinel checks;
     the step skipped, as a GradScaler would) forces samples in the candidate (6 of them
-    extra: 40 to 47, where the schedule takes 40 and 44); a later 8x input change from
+    extra: 36 to 43, where the schedule takes 36 and 40); a later 8x input change from
     forward 120 on must be placed by training forward, with the candidate's own sample
     index, not the baseline's."""
 
@@ -231,7 +231,7 @@ def test_forced_samples_are_aligned_by_recorded_training_forwards(tmp_path: Path
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         inject_observer(model, output_dir=directory)
         for step, (x, y) in enumerate(make_batches(200)):
-            if faulty and step == 39:
+            if faulty and step == 35:
                 x = torch.full_like(x, float("nan"))
             if faulty and step >= 120:
                 x = x * 8.0

@@ -244,3 +244,22 @@ def test_series_json_is_the_compact_encoding_of_the_summary(tmp_path: Path, max_
         assert summary["omitted"] > 0 and summary["series"]
     else:
         assert summary["omitted"] == 0
+
+
+def test_series_json_counts_bytes_not_characters(tmp_path: Path) -> None:
+    """Module names outside ASCII take several UTF-8 bytes per character: the bound
+    on series.json is in bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    for i in range(12):
+        model.add_module(f"层{i}_" + "编码器模块" * 20, nn.Linear(4, 4))
+    config = ReportConfig(series_summary_max_bytes=20_000)
+    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=config)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+    remove_observer(model)
+    raw = (tmp_path / "series.json").read_bytes()
+    summary = json.loads(raw)
+    assert len(raw) <= 20_000
+    assert summary["series"] and summary["omitted"] > 0
+    assert len(raw) > 20_000 - 2_500  # filled up to about one row short of the bound

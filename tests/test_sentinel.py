@@ -72,7 +72,7 @@ def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
     with torch.no_grad():
         model.inp.bias.zero_()
     inject(model, tmp_path, accelerator, sampling=10)
-    run(model, bad_forwards={15})  # checked: the root sentinel takes forwards 7, 15, 23
+    run(model, bad_forwards={17})  # checked: the root sentinel takes forwards 7, 8, 17, 26
     remove_observer(model)
     report = read_report(tmp_path)
     coverage = report["coverage"]
@@ -81,15 +81,15 @@ def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
         # The device-side sum is read at the next flush (forward 32, after the run):
         # forwards 0, 10, 20 by the schedule, none forced.
         assert coverage["samples_observed"] == 3
-        assert coverage["sentinel_checks"] == 3  # forwards 7, 15 and 23
+        assert coverage["sentinel_checks"] == 4  # forwards 7, 8, 17 and 26
     else:
-        # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 15 (16..23).
+        # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 17 (18..25).
         assert coverage["samples_observed"] == 2 + 8
-        assert coverage["sentinel_checks"] == 2  # forwards 7 and 15 (23 is forced)
+        assert coverage["sentinel_checks"] == 4  # forwards 7, 8, 17 and 26
     first = report["summary"]["first_non_finite"]
     assert first == {
         "source": "root_sentinel",
-        "forward_index": 15,
+        "forward_index": 17,
         "module": "<root>",
         "call_index": 0,
         "signal": "activation",
@@ -123,13 +123,13 @@ def test_recurring_fault_is_localised_in_the_forced_samples(tmp_path: Path) -> N
     with torch.no_grad():
         model.inp.bias.zero_()
     inject_observer(model, output_dir=tmp_path, sampling=10)
-    run(model, bad_forwards={15, 17})
+    run(model, bad_forwards={17, 19})
     remove_observer(model)
     report = read_report(tmp_path)
     first = report["summary"]["first_non_finite"]
     assert first["source"] == "sampled_forward"
     assert first["module"] == "gate"
-    assert first["earlier_between_samples"]["forward_index"] == 15
+    assert first["earlier_between_samples"]["forward_index"] == 17
     non_finite = [f for f in report["findings"] if f["category"] == "non_finite"]
     assert non_finite[0]["module"] == "gate"
 
@@ -174,9 +174,9 @@ class PoisonNet(nn.Module):
 
 #: Training forward at which ``Poison`` turns NaN: unsampled by the default schedule
 #: (its third stage samples every 4th forward, 24 to 52) and checked by the root
-#: sentinel (every 8th forward: 7, 15, ..., 47), so the values reach every module's
-#: parameters through the optimizer step before the next sample (forward 48).
-POISONED_FORWARD = 47
+#: sentinel (forwards 7, 8, 17, 26, 35, ...), so the values reach every module's
+#: parameters through the optimizer step before the next sample (forward 36).
+POISONED_FORWARD = 35
 
 
 def train_poisoned(
@@ -213,8 +213,8 @@ def check_poisoned_report(report: dict[str, Any], full_sentinel: bool) -> None:
     assert first["category"] == "non_finite" and first["notable"]
     earlier = first["evidence"]["earlier_between_samples"]
     assert earlier["forward_index"] == POISONED_FORWARD
-    assert first["evidence"]["first_nonfinite_sample"] == 22
-    assert (first["change_sample"], first["change_forward"]) == (22, 48)
+    assert first["evidence"]["first_nonfinite_sample"] == 19
+    assert (first["change_sample"], first["change_forward"]) == (19, 36)
     if full_sentinel:
         assert (first["module"], first["signal"]) == ("poison", "activation")
         assert earlier == {
@@ -278,9 +278,9 @@ class StaleNet(nn.Module):
 def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
     tmp_path: Path, full_sentinel: bool, accelerator: bool
 ) -> None:
-    """A one-off inf in ``gate`` at forward 7, then NaN from ``inp`` from forward 207 on
+    """A one-off inf in ``gate`` at forward 7, then NaN from ``inp`` from forward 209 on
     (both forwards the root sentinel checks): the finding links the hit just before its
-    first non-finite sample (forward 207), not the run's first hit; the summary still
+    first non-finite sample (forward 209), not the run's first hit; the summary still
     says the run's first was at forward 7."""
     torch.manual_seed(0)
     model = StaleNet()
@@ -292,7 +292,7 @@ def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
         model.gate.divisor.fill_(1.0)
         if index == 7:
             model.gate.divisor[0] = 0.0
-        model.inp.broken = index >= 207
+        model.inp.broken = index >= 209
         model(torch.randn(4, 4, generator=generator)).sum().backward()
     model.gate.divisor.fill_(1.0)
     remove_observer(model)
@@ -306,7 +306,7 @@ def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
     # Samples: forward 0, the forced ones after the one-off, 100, 200, then sample 11.
     assert first["evidence"]["first_nonfinite_sample"] == 11
     earlier = first["evidence"]["earlier_between_samples"]
-    assert earlier["forward_index"] == 207
+    assert earlier["forward_index"] == 209
     assert earlier["this_series"] is full_sentinel
     assert "forward 7" not in first["interpretation"]
     summary = report["summary"]["first_non_finite"]
@@ -404,5 +404,36 @@ def test_complex_outputs_take_the_sentinel_by_their_parts(
     remove_observer(model)
     coverage = read_report(tmp_path)["coverage"]
     assert coverage["errors_total"] == 0
-    assert coverage["sentinel_checks"] == 3  # forwards 7, 15 and 23
+    assert coverage["sentinel_checks"] == 3  # forwards 7, 8 and 17
     assert coverage["sentinel_nonfinite_forwards"] == 0
+
+
+@pytest.mark.parametrize("phase", [0, 1, 2, 3])
+def test_a_fault_recurring_every_4th_forward_meets_the_root_sentinel(
+    tmp_path: Path, phase: int
+) -> None:
+    """NaN inputs on every 4th forward from forward 200 (steps with a non-finite loss
+    skipped, as a GradScaler would), never on a sampled forward of the default
+    schedule at some phases: the sentinel's moving offset still meets one within 64
+    forwards, at every phase."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inject_observer(model, output_dir=tmp_path)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(300):
+        x = torch.randn(4, 4, generator=generator)
+        if step >= 200 and step % 4 == phase:
+            x[0, 0] = float("nan")
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        if torch.isfinite(loss):
+            optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["coverage"]["sentinel_nonfinite_forwards"] > 0
+    first = report["summary"]["first_non_finite"]
+    hit = first.get("earlier_between_samples", first)
+    assert 200 <= hit["forward_index"] < 264
+    assert hit["forward_index"] % 4 == phase

@@ -3,12 +3,15 @@ submodule's measured rows: same values, measured once, unless changed in place."
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from torchinstruments import inject_observer, remove_observer
 from torchinstruments.observer import Observer
@@ -107,3 +110,51 @@ def test_no_module_output_is_kept_after_its_forward(tmp_path: Path) -> None:
     model(torch.randn(2, 4)).sum().backward()
     assert observer._sample_outputs == {}
     remove_observer(model)
+
+
+class Expand(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 64)
+        self.down = nn.Linear(64, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Checkpointed(nn.Module):
+    """Blocks under activation checkpointing: their inner outputs are not kept."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Expand() for _ in range(4))
+        self.reentrant = reentrant
+        self.alive: list[int] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        refs = []
+        for block in self.blocks:
+            assert isinstance(block, Expand)
+            handle = block.up.register_forward_hook(
+                lambda module, args, out: refs.append(weakref.ref(out))
+            )
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+            handle.remove()
+        gc.collect()
+        self.alive.append(sum(ref() is not None for ref in refs))
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_sampled_forward_keeps_no_output_that_checkpointing_frees(
+    tmp_path: Path, reentrant: bool
+) -> None:
+    torch.manual_seed(0)
+    plain, observed = Checkpointed(reentrant), Checkpointed(reentrant)
+    observed.load_state_dict(plain.state_dict())
+    inject_observer(observed, output_dir=tmp_path, sampling=1)
+    for model in (plain, observed):
+        model(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    remove_observer(observed)
+    assert plain.alive == [0]
+    assert observed.alive == plain.alive

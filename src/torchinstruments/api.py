@@ -233,10 +233,11 @@ def inject_observer(
         full_sentinel: on every unsampled training forward, check every observed
             module's output for non-finite values (one reduction per tensor), so that a
             one-off NaN is localised to the first module in forward order that produced
-            it. Off by default: without it only the root output of every 8th training
-            forward is checked between samples (one reduction; a persistent fault is
-            caught within 8 forwards, a one-off only on a checked forward), and a hit
-            makes the next 8 forwards sampled.
+            it. Off by default: without it only the root output of one training forward
+            in 8 is checked between samples (one reduction; the checked offset moves
+            from one run of 8 to the next, so a persistent fault is caught within 9
+            forwards, a periodic one within 64, a one-off only on a checked forward),
+            and a hit makes the next 8 forwards sampled.
         histograms: fixed-edge histograms to take, each from
             :func:`~torchinstruments.histogram` (opt-in; default none). They reach
             ``details.json``, TensorBoard and a bounded summary under ``coverage``.

@@ -143,14 +143,17 @@ class Observer:
 
     #: Forwards sampled after a sentinel saw a non-finite value, to localise a recurrence.
     FORCED_SAMPLES_AFTER_NONFINITE = 8
-    #: Without the full sentinel, the root output of every 8th training forward (0-based
-    #: indices 7, 15, 23, ...) is checked when that forward is not sampled. Samples of
-    #: the default schedule fall on multiples of their interval, so the checks fill the
-    #: gaps between them. One reduction of a fresh tensor costs 10 to 14 us inside a
-    #: training step on the CPU (dispatch and allocation, in caches that the step's own
-    #: kernels have just evicted; measured with ``benchmarks/overhead.py``): on every
-    #: forward it was 1.6% of a 0.75 ms MLP step, over half of a 1.03x budget. A
-    #: persistent fault is still caught within 8 forwards of its onset.
+    #: Without the full sentinel, the root output of one training forward in each run of
+    #: this many is checked when that forward is not sampled: in run ``b`` (forwards
+    #: ``8b`` to ``8b + 7``) the one at offset ``(b + 7) % 8`` (forwards 7, 8, 17, 26, ...,
+    #: 63, then 71, 72, ...). The offset moves so that a fault recurring with any period
+    #: and phase still meets a check (within 64 forwards; a fixed offset never saw one
+    #: on every 4th forward between samples on even forwards); checks are at most 9
+    #: forwards apart, so a persistent fault is caught within 9 forwards of its onset.
+    #: One reduction of a fresh tensor costs 10 to 14 us inside a training step on the
+    #: CPU (dispatch and allocation, in caches that the step's own kernels have just
+    #: evicted; measured with ``benchmarks/overhead.py``): on every forward that was 1.6%
+    #: of a 0.75 ms MLP step, over half of a 1.03x budget.
     ROOT_SENTINEL_INTERVAL = 8
     #: Pending statistics are flushed (reduced in batches, moved to the host, tracked)
     #: at training forwards whose count is a multiple of this (of
@@ -221,7 +224,9 @@ class Observer:
         # Tensors observed in the open sample, by id: (tensor, version, activation key,
         # output-gradient key or None). A module that returns what a submodule returned
         # (a container, the root) is measured once (see _observe_call).
-        self._sample_outputs: dict[int, tuple[Tensor, int, _Key, _Key | None]] = {}
+        # Weak references: an output that autograd does not keep (checkpointing, a branch
+        # summed away) is freed as it would be without the observer.
+        self._sample_outputs: dict[int, tuple[weakref.ref[Tensor], int, _Key, _Key | None]] = {}
         # Per measured (key, sample): the keys and forward positions that share its row.
         self._aliases: dict[tuple[_Key, int], list[tuple[_Key, int]]] = {}
         self._implicit_opener: int | None = None
@@ -521,10 +526,10 @@ class Observer:
         if state == self.SAMPLED or state == self.SENTINEL:
             self.on_forward(index, args, output)
             if self._sample_outputs and len(self._state_stack) == 1:
-                self._sample_outputs = {}  # keep no module output past its forward
+                self._sample_outputs = {}  # the forward is over: its outputs are not shared
         elif (
             self._unsampled_training
-            and self.forwards_seen % self.ROOT_SENTINEL_INTERVAL == 0
+            and _root_sentinel_due(self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL)
             and not self.full_sentinel
             and self.attached
         ):
@@ -774,7 +779,7 @@ class Observer:
             key = (index, call, ACTIVATION, path)
             version = _version(leaf)
             first = outputs.get(id(leaf)) if version is not None else None
-            if first is not None and (first[0] is not leaf or first[1] != version):
+            if first is not None and (first[0]() is not leaf or first[1] != version):
                 first = None
             if first is None:
                 self._measure(key, sample, position, leaf)
@@ -782,6 +787,7 @@ class Observer:
                 # What an earlier call of this sample returned, unchanged since (a
                 # container or the root passing on a submodule's output): the same
                 # values and the same gradient, so its rows are shared, not measured.
+                # (A change through ``.data`` bumps no version and goes unseen here.)
                 self._add_alias(first[2], sample, key, position)
             if self.histogram_specs:
                 self._histogram(index, call, ACTIVATION, path, sample, leaf)
@@ -800,7 +806,7 @@ class Observer:
                         NodeGradHook(self, (index, call, path), sample, leaf.output_nr)
                     )
                     if first is None and version is not None:
-                        outputs[id(leaf)] = (leaf, version, key, grad_key)
+                        outputs[id(leaf)] = (weakref.ref(leaf), version, key, grad_key)
                     continue
                 # A module that returns a parameter: a hook on a leaf outlives the
                 # graph, so it removes itself after its first gradient (and at detach).
@@ -810,7 +816,7 @@ class Observer:
                 if len(self._leaf_hooks) > MAX_SAMPLES_AWAITING_BACKWARD:
                     self._leaf_hooks.pop(0).remove()
             if first is None and version is not None:
-                outputs[id(leaf)] = (leaf, version, key, None)
+                outputs[id(leaf)] = (weakref.ref(leaf), version, key, None)
         if not grad_enabled:
             # Under no_grad inside a training forward (reentrant checkpointing): the
             # gradient flows through a recomputation during backward.
@@ -1315,6 +1321,13 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _root_sentinel_due(forward: int, interval: int) -> bool:
+    """True if the root sentinel checks training forward ``forward`` (0-based): one per
+    run of ``interval`` forwards, at an offset that moves by one each run (see
+    :attr:`Observer.ROOT_SENTINEL_INTERVAL`)."""
+    return (forward - forward // interval) % interval == interval - 1
 
 
 def _version(tensor: Tensor) -> int | None:

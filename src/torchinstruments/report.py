@@ -953,13 +953,13 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     # One encoder for every row: json.dumps with options builds a new one per call.
     encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
     header_text = encode(header)
-    budget = max_bytes - len(header_text) - 64
+    budget = max_bytes - _utf8_length(header_text) - 64
     kept: list[dict[str, Any]] = []
     texts: list[str] = []
     for series, metric, tracker in pairs:
         row = _summary_row(series, metric, tracker, position(series))
         text = encode(row)
-        size = len(text) + 1
+        size = _utf8_length(text) + 1
         if size > budget:
             break  # rows past the budget are counted, not built
         budget -= size
@@ -971,6 +971,11 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
     # them, as json.dumps of the dict with the same separators would write it.
     summary.json_text = f'{header_text[:-1]},"series":[{",".join(texts)}],"omitted":{omitted}}}'
     return summary
+
+
+def _utf8_length(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (its length when ASCII, the common case)."""
+    return len(text) if text.isascii() else len(text.encode())
 
 
 class SeriesSummary(dict[str, Any]):
