@@ -244,6 +244,8 @@ def test_series_json_is_the_compact_encoding_of_the_summary(tmp_path: Path, max_
         assert summary["omitted"] > 0 and summary["series"]
     else:
         assert summary["omitted"] == 0
+    # The report written with it counts the same omitted rows (not the previous write's).
+    assert read_report(tmp_path)["coverage"]["series_summary_omitted"] == summary["omitted"]
 
 
 def test_series_json_counts_bytes_not_characters(tmp_path: Path) -> None:

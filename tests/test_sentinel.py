@@ -86,6 +86,11 @@ def test_root_sentinel_counts_a_one_off_between_samples_and_forces_sampling(
         # forwards 0, 10, 20 by the schedule, plus the 8 forced after forward 17 (18..25).
         assert coverage["samples_observed"] == 2 + 8
         assert coverage["sentinel_checks"] == 4  # forwards 7, 8, 17 and 26
+    # No sampled forward saw it: the headline says so rather than "nothing stands out".
+    assert report["summary"]["headline"].startswith(
+        "Non-finite values were seen between samples (1 training forward(s), the first at "
+        "forward 17, in `<root>`) but in no sampled forward"
+    )
     first = report["summary"]["first_non_finite"]
     assert first == {
         "source": "root_sentinel",

@@ -1252,6 +1252,22 @@ class Observer:
 
     def _write_report(self, block: bool) -> None:
         self._last_write = time.monotonic()
+        summarising = [
+            target
+            for target in (self.writer, *self.sinks)
+            if target is not None and getattr(target, "write_series_summary", False)
+        ]
+        summary = None
+        try:
+            self.flush_statistics(block=block)
+            if summarising:
+                # Before the report, whose coverage counts the rows it omits.
+                from .report import build_series_summary
+
+                summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
+                self.series_summary_omitted = summary["omitted"]
+        except Exception as error:
+            self.record_error("series_summary", "", error)
         try:
             report = self.build_report(block=block)
         except Exception as error:
@@ -1278,17 +1294,10 @@ class Observer:
                 sink.write(report)
             except Exception as error:
                 self.record_error("sink", type(sink).__name__, error)
-        summarising = [
-            target
-            for target in (writer, *self.sinks)
-            if target is not None and getattr(target, "write_series_summary", False)
-        ]
-        if summarising:
-            from .report import build_series_summary
-
-            summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
-            self.series_summary_omitted = summary["omitted"]
+        if summary is not None:
             for target in summarising:
+                if target is self.writer and writer is None:
+                    continue  # no further files into a directory that refused the report
                 try:
                     target.write_summary(summary)
                 except Exception as error:

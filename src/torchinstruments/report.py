@@ -511,6 +511,14 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observ
             "nothing to report. Train in model.train() mode with gradients enabled."
         )
     if notable == 0:
+        if observer.sentinel_events:
+            event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
+            return (
+                f"Non-finite values were seen between samples "
+                f"({observer.sentinel_nonfinite_forwards} training forward(s), the first at "
+                f"forward {event['forward_index']}, in `{display_module(str(event['module']))}`) "
+                "but in no sampled forward; every ranked series stays within its noise floor."
+            )
         return "No finding stands out: every ranked series stays within its noise floor."
     top = next(f for f in findings if f["notable"]) if any(f["notable"] for f in findings) else None
     if top is None:
