@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,19 +225,26 @@ def test_report_is_written_at_interpreter_exit(tmp_path: Path) -> None:
     assert read_report(tmp_path)["coverage"]["samples_observed"] == 3
 
 
+def train_for_series_json(
+    model: nn.Module, directory: Path, max_bytes: int
+) -> tuple[bytes, dict[str, Any]]:
+    """Three sampled steps of ``model`` (4 input features); series.json, raw and parsed."""
+    config = ReportConfig(series_summary_max_bytes=max_bytes)
+    inject_observer(model, output_dir=directory, sampling=1, report_config=config)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+    remove_observer(model)
+    raw = (directory / "series.json").read_bytes()
+    return raw, json.loads(raw)
+
+
 @pytest.mark.parametrize("max_bytes", [2_000_000, 6_000], ids=["all-rows", "bounded"])
 def test_series_json_is_the_compact_encoding_of_the_summary(tmp_path: Path, max_bytes: int) -> None:
     """series.json is assembled from the rows encoded while bounding it: byte for byte
     what json.dumps of the summary writes, within the bound, rows past it counted."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    config = ReportConfig(series_summary_max_bytes=max_bytes)
-    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=config)
-    for _ in range(5):
-        model(torch.randn(3, 4)).sum().backward()
-    remove_observer(model)
-    raw = (tmp_path / "series.json").read_bytes()
-    summary = json.loads(raw)
+    raw, summary = train_for_series_json(model, tmp_path, max_bytes)
     expected = json.dumps(summary, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     assert raw == expected.encode()
     assert len(raw) <= max_bytes
@@ -255,13 +263,7 @@ def test_series_json_counts_bytes_not_characters(tmp_path: Path) -> None:
     model = nn.Sequential()
     for i in range(12):
         model.add_module(f"层{i}_" + "编码器模块" * 20, nn.Linear(4, 4))
-    config = ReportConfig(series_summary_max_bytes=20_000)
-    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=config)
-    for _ in range(3):
-        model(torch.randn(2, 4)).sum().backward()
-    remove_observer(model)
-    raw = (tmp_path / "series.json").read_bytes()
-    summary = json.loads(raw)
+    raw, summary = train_for_series_json(model, tmp_path, 20_000)
     assert len(raw) <= 20_000
     assert summary["series"] and summary["omitted"] > 0
     assert len(raw) > 20_000 - 2_500  # filled up to about one row short of the bound
