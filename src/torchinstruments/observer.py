@@ -221,11 +221,11 @@ class Observer:
         self._sample = -1
         self._calls: dict[int, int] = {}
         self._position = 0
-        # Tensors observed in the open sample, by id: (tensor, version, activation key,
-        # output-gradient key or None). A module that returns what a submodule returned
-        # (a container, the root) is measured once (see _observe_call).
-        # Weak references: an output that autograd does not keep (checkpointing, a branch
-        # summed away) is freed as it would be without the observer.
+        # Tensors observed in the open sample, by id: (weak reference to the tensor,
+        # version, activation key, output-gradient key or None). A module that returns
+        # what a submodule returned (a container, the root) is measured once (see
+        # _observe_call). Weak, so that an output autograd does not keep (checkpointing,
+        # a branch summed away) is freed as it would be without the observer.
         self._sample_outputs: dict[int, tuple[weakref.ref[Tensor], int, _Key, _Key | None]] = {}
         # Per measured (key, sample): the keys and forward positions that share its row.
         self._aliases: dict[tuple[_Key, int], list[tuple[_Key, int]]] = {}
@@ -538,7 +538,7 @@ class Observer:
 
     def _root_sentinel(self, output: object) -> None:
         """Check the root output of an unsampled training forward for non-finite values
-        (every :attr:`ROOT_SENTINEL_INTERVAL`-th forward).
+        (one training forward in :attr:`ROOT_SENTINEL_INTERVAL`, see there).
 
         One reduction per output tensor. On the CPU the answer is read at once; on CUDA
         the count stays on the device and is read at the next flush (no host sync).
@@ -1251,6 +1251,8 @@ class Observer:
             self._note_cost(time.perf_counter() - started)
 
     def _write_report(self, block: bool) -> None:
+        from .report import build_report, build_series_summary
+
         self._last_write = time.monotonic()
         summarising = [
             target
@@ -1262,14 +1264,12 @@ class Observer:
             self.flush_statistics(block=block)
             if summarising:
                 # Before the report, whose coverage counts the rows it omits.
-                from .report import build_series_summary
-
                 summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
                 self.series_summary_omitted = summary["omitted"]
         except Exception as error:
             self.record_error("series_summary", "", error)
         try:
-            report = self.build_report(block=block)
+            report = build_report(self)  # statistics flushed above
         except Exception as error:
             self.record_error("report", "", error)
             return
