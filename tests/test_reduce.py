@@ -611,9 +611,9 @@ def test_device_batch_rows_match_single_tensor_rows(dtype):
         assert row[:4].tolist() == single[:4].tolist()  # counts and max_abs exact
         assert torch.allclose(row, single, rtol=1e-5, atol=0.0), (row, single)
         assert_metrics_close(finish_statistics(row.tolist()), reference_metrics(flat))
-    # A one-row batch is the single-tensor statistics.
-    assert torch.equal(
-        reduce_module.device_statistics_batch(flats[:1])[0], tensor_statistics(flats[0])
+    # Alone, each tensor gets the row it gets in the batch.
+    assert torch.allclose(
+        reduce_module.device_statistics_batch(flats[:1])[0], rows[0], rtol=1e-6, atol=0.0
     )
 
 
@@ -632,12 +632,61 @@ def test_few_finite_values_among_many_non_finite_keep_exact_moments():
 def test_device_batch_rejects_mixed_inputs():
     with pytest.raises(ValueError, match="at least one tensor"):
         reduce_module.device_statistics_batch([])
-    with pytest.raises(ValueError, match="one length, dtype and device"):
-        reduce_module.device_statistics_batch([torch.zeros(3), torch.zeros(4)])
-    with pytest.raises(ValueError, match="one length, dtype and device"):
+    with pytest.raises(ValueError, match="one dtype and device"):
         reduce_module.device_statistics_batch([torch.zeros(3), torch.zeros(3).half()])
     with pytest.raises(ValueError, match="real floating"):
         reduce_module.device_statistics_batch([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        reduce_module.device_statistics_batch([torch.zeros(3), torch.zeros(0)])
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        reduce_module.device_statistics_batch([torch.zeros(2, 3)])
+
+
+def test_device_batch_of_mixed_lengths_matches_each_tensor_alone():
+    """One ragged batch (lengths from 1 to past a whole number of blocks, NaN padding
+    among them) gives each tensor its own statistics: counts and max |x| exactly."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = [1, 5, 255, 256, 257, 3000, 40_000, 1 << 16, (1 << 16) + 3, 700_001]
+    flats = [torch.randn(n, generator=generator) * (i + 1) + i for i, n in enumerate(lengths)]
+    flats[2][10] = float("nan")
+    flats[6][0] = float("-inf")
+    flats[7][:100] = 0.0
+    flats[9] = flats[9].relu()
+    flats.append(torch.full((300,), float("nan")))
+    flats.append(torch.zeros(4097))
+    flats.append(torch.full((70,), 7.0))
+    rows = reduce_module.device_statistics_batch(flats)
+    assert rows.shape == (len(flats), reduce_module.STAT_WIDTH) and rows.dtype == torch.float64
+    for flat, row in zip(flats, rows, strict=True):
+        single = tensor_statistics(flat)
+        assert row[:4].tolist() == single[:4].tolist(), (flat.numel(), row, single)
+        assert torch.allclose(row, single, rtol=1e-5, atol=0.0), (flat.numel(), row, single)
+        assert_metrics_close(finish_statistics(row.tolist()), reference_metrics(flat))
+    # The same lengths again reuse the cached layout and give the same rows.
+    assert torch.equal(reduce_module.device_statistics_batch(flats), rows)
+
+
+def test_device_batch_keeps_a_near_constant_tensor_beside_a_large_one():
+    """Sums are gathered per tensor, never as differences of running totals: the tiny
+    central moments of a near-constant tensor survive next to a large spread one."""
+    generator = torch.Generator().manual_seed(4)
+    loud = torch.randn(50_000, generator=generator) * 1e3
+    quiet = 5.0 + torch.randn(2_000, generator=generator, dtype=torch.float64) * 1e-2
+    for flats in ([loud, quiet.float()], [quiet.float(), loud]):
+        rows = reduce_module.device_statistics_batch(flats)
+        for flat, row in zip(flats, rows, strict=True):
+            assert_metrics_close(finish_statistics(row.tolist()), reference_metrics(flat))
+
+
+def test_device_batch_honours_deterministic_algorithms():
+    flats = [torch.randn(n) for n in (10, 1000, 70_000)]
+    expected = reduce_module.device_statistics_batch(flats)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(reduce_module.device_statistics_batch(flats), expected)
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def test_large_tensor_subsample_sees_every_feature_of_a_768_wide_row():

@@ -46,7 +46,7 @@ from .reduce import (
     STAT_WIDTH,
     cpu_statistics_batch,
     cpu_statistics_unchecked,
-    device_statistics_batch,
+    device_statistics_batch_unchecked,
     finish_statistics,
     skip_reason,
     tensor_statistics,
@@ -73,11 +73,14 @@ MAX_ALIASED_ROWS = 4_096
 STAGE_MAX_NUMEL = 1 << 15
 #: Accelerator (CUDA) tensors of at most this many elements are staged the same way:
 #: each tensor operation there costs a kernel launch, several microseconds of host time,
-#: so reducing a batch in one set of row reductions saves about 35 launches per tensor.
+#: so one ragged batch (all staged tensors of a device, any lengths, about 55 operations)
+#: saves about 35 launches per tensor.
 DEVICE_STAGE_MAX_NUMEL = 1 << 20
-#: Staged elements (float32) after which the staged copies are reduced (16 MiB), counted
-#: separately for the CPU and for accelerators.
+#: Staged CPU elements (float32) after which the staged copies are reduced (16 MiB).
 STAGE_MAX_ELEMENTS = 1 << 22
+#: The same for accelerator copies (32 MiB): fewer, larger batches save launches; while
+#: one is reduced, about four times its size is held on the device.
+DEVICE_STAGE_MAX_ELEMENTS = 1 << 23
 _STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Prefix of pending-record signals carrying histogram counts.
 _HISTOGRAM = "histogram"
@@ -255,10 +258,11 @@ class Observer:
         self._staged: deque[tuple[tuple[int, int, str, str], int, int, Tensor]] = deque()
         self._staged_elements = 0
         self._device_staged_elements = 0
-        #: Device types that take the accelerator path: small tensors are staged and
-        #: reduced with ``device_statistics_batch``, sentinel sums are read at the next
-        #: flush; nothing is read back inside a hook. Tests add "cpu" to run that path
-        #: without a GPU.
+        #: Device types that take the accelerator path: tensors up to
+        #: ``DEVICE_STAGE_MAX_NUMEL`` elements are staged and reduced together, whatever
+        #: their lengths, by ``device_statistics_batch_unchecked``; sentinel sums are read
+        #: at the next flush; nothing is read back inside a hook. Tests add "cpu" to run
+        #: that path without a GPU.
         self.device_path_types: frozenset[str] = frozenset({"cuda"})
         #: CUDA streams that made staged copies or pending device rows since the last
         #: flush: work on another stream that reads them must wait for these.
@@ -942,7 +946,7 @@ class Observer:
             if device_type == "cuda":
                 self._producer_streams.add(torch.cuda.current_stream(tensor.device))
             self._device_staged_elements += numel
-            if self._device_staged_elements > STAGE_MAX_ELEMENTS:
+            if self._device_staged_elements > DEVICE_STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
         if device_type != "cpu":
@@ -969,11 +973,14 @@ class Observer:
         self._staged_elements = self._device_staged_elements = 0
         if not taken:
             return
+        # CPU batches hold tensors of one length; a device batch takes any lengths.
         groups: dict[tuple[torch.device, int], list[int]] = {}
         device_path_types = self.device_path_types
         for i, record in enumerate(taken):
             flat = record[3]
-            groups.setdefault((flat.device, flat.numel()), []).append(i)
+            device = flat.device
+            length = 0 if device.type in device_path_types else flat.numel()
+            groups.setdefault((device, length), []).append(i)
         pending = self._pending
         for (device, _), indices in groups.items():
             rows: Sequence[Tensor | list[float] | None]
@@ -984,7 +991,7 @@ class Observer:
                 else:
                     if device.type == "cuda":
                         self._order_streams(device, flats)
-                    rows = device_statistics_batch(flats).unbind(0)
+                    rows = device_statistics_batch_unchecked(flats).unbind(0)
             except Exception:
                 # One bad copy must not cost the whole batch: reduce them one by one.
                 rows = [self._reduce_one(taken[i]) for i in indices]
