@@ -41,3 +41,27 @@ def test_overhead_benchmark_quick(tmp_path: Path) -> None:
         assert workload in completed.stdout
     numbers = json.loads(json_path.read_text(encoding="utf-8"))
     assert {"meta", "overhead", "hook", "memory", "report", "compile"} <= set(numbers)
+
+
+def test_device_ops_counts_are_deterministic_and_see_the_observer(tmp_path: Path) -> None:
+    """benchmarks/device_ops.py: the observer adds operators, and two counts agree."""
+    from benchmarks import device_ops, overhead
+
+    workload = overhead.make_workloads(quick=True)["cnn"]
+    # 32 steps hold one flush, where the staged copies are reduced. The first count also
+    # builds the cached batch layout; the next two are alike.
+    plain = device_ops.count(workload, False, 32, tmp_path / "plain")
+    device_ops.count(workload, True, 32, tmp_path / "cold")
+    first = device_ops.count(workload, True, 32, tmp_path / "first")
+    second = device_ops.count(workload, True, 32, tmp_path / "second")
+    assert first.launches == second.launches and first.views == second.views
+    assert first.launches.total() > plain.launches.total()
+    # Each of the 26 observed tensors a step is one staged copy (_to_copy); one ragged
+    # batch reduces all of them at the flush in about 50 operations (a batch per distinct
+    # length took 281 here).
+    added = first.launches.copy()
+    added.subtract(plain.launches)
+    copies = added.pop("aten._to_copy")
+    assert copies >= 32 * 26
+    assert 30 <= added.total() <= 80, added
+    assert device_ops.main(["--quick", "--workloads", "mlp", "--steps", "2"]) == 0
