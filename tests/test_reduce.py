@@ -698,3 +698,33 @@ def test_large_tensor_subsample_sees_every_feature_of_a_768_wide_row():
         actual = finish_statistics(cpu_statistics(x))
         assert actual["excess_kurtosis"] == pytest.approx(expected["excess_kurtosis"], rel=0.1)
         assert actual["mean_abs"] == pytest.approx(expected["mean_abs"], rel=0.05)
+
+
+def test_deferred_subsample_finished_from_a_batch_row_matches_the_direct_row():
+    """A large tensor's subsample, reduced in a batch and finished, gives the row that
+    cpu_statistics gives directly; small, non-finite and integer tensors come back
+    finished."""
+    generator = torch.Generator().manual_seed(5)
+    large = [
+        torch.randn(200_000, generator=generator) * 3 + 1,
+        torch.randn(100_000, generator=generator).relu(),
+        -torch.randn(70_000, generator=generator).abs(),
+        (torch.randn(300_000, generator=generator) * 1e-3).half(),
+    ]
+    large[1][:5000] = 0.0
+    deferred = [reduce_module.cpu_statistics_deferred(x) for x in large]
+    assert all(isinstance(d, reduce_module.Subsample) for d in deferred)
+    parts = [d.part for d in deferred if isinstance(d, reduce_module.Subsample)]
+    assert {p.numel() for p in parts} == {reduce_module.SUBSAMPLE_SIZE}
+    rows = reduce_module.cpu_statistics_batch(parts)
+    for x, subsample, part_row in zip(large, deferred, rows, strict=True):
+        assert isinstance(subsample, reduce_module.Subsample)
+        finished = reduce_module.finish_subsample(subsample, part_row)
+        direct = cpu_statistics(x)
+        assert finished[:4] == direct[:4]  # numel, finite, max_abs exact; zeros estimated alike
+        assert finished == pytest.approx(direct, rel=1e-5, abs=0.0)
+    small = torch.randn(1000, generator=generator)
+    assert reduce_module.cpu_statistics_deferred(small) == cpu_statistics(small)
+    broken = torch.randn(100_000, generator=generator)
+    broken[7] = float("nan")
+    assert reduce_module.cpu_statistics_deferred(broken) == tensor_statistics(broken).tolist()

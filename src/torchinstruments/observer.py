@@ -44,10 +44,13 @@ from .config import ReportConfig, TrackConfig
 from .histogram import Histogram, HistogramSpec, histogram_counts
 from .reduce import (
     STAT_WIDTH,
+    Subsample,
     cpu_statistics_batch,
+    cpu_statistics_deferred,
     cpu_statistics_unchecked,
     device_statistics_batch_unchecked,
     finish_statistics,
+    finish_subsample,
     skip_reason,
     tensor_statistics,
 )
@@ -130,6 +133,9 @@ _Meta = tuple[_Key, int, int]
 #: host floats for CPU tensors). Hooks add one with a single ``list.append`` of a tuple,
 #: which is atomic, so worker threads of one forward never interleave half records.
 _Record = tuple[_Key, int, int, Tensor | list[float]]
+#: A staged copy awaiting a batch: (key, sample, position, flat float32 copy, or the
+#: subsample of a large CPU tensor whose full passes are done).
+_Staged = tuple[_Key, int, int, "Tensor | Subsample"]
 
 
 class Observer:
@@ -255,7 +261,7 @@ class Observer:
         # Pipeline state.
         self._pending: list[_Record] = []
         # A deque: hooks on worker threads append while a flush pops (both atomic).
-        self._staged: deque[tuple[tuple[int, int, str, str], int, int, Tensor]] = deque()
+        self._staged: deque[_Staged] = deque()
         self._staged_elements = 0
         self._device_staged_elements = 0
         #: Device types that take the accelerator path: tensors up to
@@ -963,7 +969,16 @@ class Observer:
             if self._staged_elements > STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
-        self._pending.append((key, sample, position, cpu_statistics_unchecked(tensor)))
+        result = cpu_statistics_deferred(tensor)
+        if isinstance(result, Subsample):
+            # The full passes are done; the subsample's own statistics (about ten small
+            # operations) are taken in a batch with the other staged tensors.
+            self._staged.append((key, sample, position, result))
+            self._staged_elements += result.part.numel()
+            if self._staged_elements > STAGE_MAX_ELEMENTS:
+                self._reduce_staged()
+            return
+        self._pending.append((key, sample, position, result))
 
     def _reduce_staged(self) -> None:
         """Reduce the staged copies, grouped by length, into pending host rows."""
@@ -976,8 +991,10 @@ class Observer:
         # CPU batches hold tensors of one length; a device batch takes any lengths.
         groups: dict[tuple[torch.device, int], list[int]] = {}
         device_path_types = self.device_path_types
-        for i, record in enumerate(taken):
-            flat = record[3]
+        flats_taken = [
+            record[3].part if isinstance(record[3], Subsample) else record[3] for record in taken
+        ]
+        for i, flat in enumerate(flats_taken):
             device = flat.device
             length = 0 if device.type in device_path_types else flat.numel()
             groups.setdefault((device, length), []).append(i)
@@ -985,7 +1002,7 @@ class Observer:
         for (device, _), indices in groups.items():
             rows: Sequence[Tensor | list[float] | None]
             try:
-                flats = [taken[i][3] for i in indices]
+                flats = [flats_taken[i] for i in indices]
                 if device.type not in device_path_types:
                     rows = cpu_statistics_batch(flats)
                 else:
@@ -997,7 +1014,9 @@ class Observer:
                 rows = [self._reduce_one(taken[i]) for i in indices]
             for i, row in zip(indices, rows, strict=True):
                 if row is not None:
-                    key, sample, position, _ = taken[i]
+                    key, sample, position, staged_value = taken[i]
+                    if isinstance(staged_value, Subsample):
+                        row = finish_subsample(staged_value, row)  # type: ignore[arg-type]
                     pending.append((key, sample, position, row))
 
     def _order_streams(self, device: torch.device, tensors: Sequence[Tensor]) -> None:
@@ -1022,11 +1041,11 @@ class Observer:
         for device, rows in by_device.items():
             self._order_streams(device, rows)
 
-    def _reduce_one(
-        self, record: tuple[tuple[int, int, str, str], int, int, Tensor]
-    ) -> Tensor | list[float] | None:
+    def _reduce_one(self, record: _Staged) -> Tensor | list[float] | None:
         try:
             flat = record[3]
+            if isinstance(flat, Subsample):
+                return finish_subsample(flat, cpu_statistics_unchecked(flat.part))
             return cpu_statistics_unchecked(flat) if flat.is_cpu else tensor_statistics(flat)
         except Exception as error:
             self.record_error("reduce", self.names[record[0][0]], error)

@@ -33,6 +33,7 @@ import functools
 import math
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,10 +43,12 @@ __all__ = [
     "STAT_WIDTH",
     "cpu_statistics",
     "cpu_statistics_batch",
+    "cpu_statistics_deferred",
     "cpu_statistics_unchecked",
     "device_statistics_batch",
     "device_statistics_batch_unchecked",
     "finish_statistics",
+    "finish_subsample",
     "is_reducible",
     "skip_reason",
     "tensor_statistics",
@@ -455,6 +458,40 @@ def cpu_statistics(x: Tensor) -> list[float]:
 def cpu_statistics_unchecked(x: Tensor) -> list[float]:
     """:func:`cpu_statistics` for a tensor already known to be reducible (hooks check
     :func:`skip_reason` first). Works on a detached view, so no graph is recorded."""
+    result = cpu_statistics_deferred(x)
+    if isinstance(result, Subsample):
+        return _part_row(
+            result.part, result.numel, result.max_abs, result.sum_sq, result.one_signed
+        )
+    return result
+
+
+class Subsample(NamedTuple):
+    """The full-pass results of a large CPU tensor and its subsample, whose statistics
+    are still to be taken (see :func:`cpu_statistics_deferred`)."""
+
+    #: 1-D float32 copy of the subsample blocks (all finite).
+    part: Tensor
+    #: Elements of the whole tensor.
+    numel: int
+    #: Largest magnitude of the whole tensor (exact).
+    max_abs: float
+    #: Sum of squares of the whole tensor (blocked dot products).
+    sum_sq: float
+    #: Whether every value has one sign (no value below zero, or none above).
+    one_signed: bool
+
+
+def cpu_statistics_deferred(x: Tensor) -> list[float] | Subsample:
+    """:func:`cpu_statistics_unchecked`, leaving a large tensor's subsample for later.
+
+    A finite float tensor above ``SUBSAMPLE_ABOVE`` elements, on the fast path, gets
+    its two full passes (extremes, sum of squares) now and comes back as a
+    :class:`Subsample`: the caller may reduce ``part`` in a batch with other tensors of
+    its length (:func:`cpu_statistics_batch`) and finish the row with
+    :func:`finish_subsample`, which gives what :func:`cpu_statistics` gives to float32
+    rounding. Any other tensor comes back as its finished row.
+    """
     x = x.detach()
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.is_complex():
         return tensor_statistics(x).tolist()
@@ -473,24 +510,48 @@ def cpu_statistics_unchecked(x: Tensor) -> list[float]:
         flat = flat.to(torch.float32)
     if numel <= SUBSAMPLE_ABOVE:
         # Pairwise torch.sum rather than torch.dot: accurate in float32 at any length.
-        sum_sq = float((flat * flat).sum())
-        part, weight = flat, 1.0
-    else:
-        # A large tensor is read twice in full: by aminmax above and for the sum of
-        # squares (RMS stays exact). The mean, mean |x|, central moments (kurtosis) and
-        # zero count come from a subsample of blocks of SUBSAMPLE_BLOCK elements, copied
-        # once so that its passes stay in cache (whole blocks, so the copy reads only
-        # the memory it keeps), placed without any period (see _subsample_blocks).
-        sum_sq = _sum_of_squares(flat)
-        blocks = numel // SUBSAMPLE_BLOCK
-        rows = flat[: blocks * SUBSAMPLE_BLOCK].view(blocks, SUBSAMPLE_BLOCK)
-        part = rows.index_select(0, _subsample_blocks(blocks)).reshape(-1)
-        weight = numel / part.numel()
+        one_signed = low_value >= 0.0 or high_value <= 0.0
+        return _part_row(flat, numel, max_abs, float((flat * flat).sum()), one_signed)
+    # A large tensor is read twice in full: by aminmax above and for the sum of squares
+    # (RMS stays exact). The mean, mean |x|, central moments (kurtosis) and zero count
+    # come from a subsample of blocks of SUBSAMPLE_BLOCK elements, copied once so that
+    # its passes stay in cache (whole blocks, so the copy reads only the memory it
+    # keeps), placed without any period (see _subsample_blocks).
+    sum_sq = _sum_of_squares(flat)
+    blocks = numel // SUBSAMPLE_BLOCK
+    rows = flat[: blocks * SUBSAMPLE_BLOCK].view(blocks, SUBSAMPLE_BLOCK)
+    part = rows.index_select(0, _subsample_blocks(blocks)).reshape(-1)
+    return Subsample(part, numel, max_abs, sum_sq, low_value >= 0.0 or high_value <= 0.0)
+
+
+def finish_subsample(subsample: Subsample, part_row: Sequence[float]) -> list[float]:
+    """The statistics row of the whole tensor from its :class:`Subsample` and the
+    statistics row of ``subsample.part`` (layout of the module docstring)."""
+    weight = subsample.numel / subsample.part.numel()
+    scale = part_row[3]  # the part's sums are divided by its own largest magnitude
+    return _finite_row(
+        subsample.numel,
+        part_row[2] * weight,
+        subsample.max_abs,
+        part_row[4] * scale * weight,
+        part_row[5] * scale * weight,
+        subsample.sum_sq,
+        part_row[7] * scale * scale * weight,
+        part_row[8] * scale**4 * weight,
+    )
+
+
+def _part_row(
+    part: Tensor, numel: int, max_abs: float, sum_sq: float, one_signed: bool
+) -> list[float]:
+    """The row of a finite tensor of ``numel`` elements from ``part`` (the whole tensor,
+    or its subsample), its exact largest magnitude and sum of squares, and whether its
+    values all have one sign."""
+    weight = numel / part.numel()
     part_total = float(part.sum())
-    if low_value >= 0.0 or high_value <= 0.0:
-        # One sign throughout (ReLU outputs): |x| sums to |sum x|, and sign() counts
-        # the non-zero elements (sign_ and sum are much faster than bool().sum() or
-        # count_nonzero on the CPU).
+    if one_signed:
+        # ReLU outputs: |x| sums to |sum x|, and sign() counts the non-zero elements
+        # (sign_ and sum are much faster than bool().sum() or count_nonzero on the CPU).
         part_abs = abs(part_total)
         nonzero = abs(float(part.sign().sum()))
     else:
