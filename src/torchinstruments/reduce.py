@@ -129,10 +129,11 @@ def device_statistics_batch(flats: Sequence[Tensor]) -> Tensor:
     operation costs a kernel launch (several microseconds of host time) whatever its
     size. The tensors are laid end to end in one ``(blocks, b)`` matrix, each padded with
     NaN to a whole number of rows (``b`` is a power of two from 256 to 65,536, chosen so
-    that the longest tensor spans at most 64 rows); the rows are reduced, and per-row
-    partial results are gathered per tensor through a cached ``(k, 64)`` layout (an
-    ``index_copy_``, then a sum or maximum along it: no atomics, so the result does not
-    depend on scheduling and ``torch.use_deterministic_algorithms`` is honoured). About 55
+    that the longest tensor spans at most 64 rows, up to 4M elements); the rows are
+    reduced, and per-row partial results are gathered per tensor through a cached
+    ``(k, s)`` layout, ``s`` the rows of the longest tensor (an ``index_copy_``, then a sum
+    or maximum along it: no atomics, so the result does not depend on scheduling and
+    ``torch.use_deterministic_algorithms`` is honoured). About 55
     operations reduce the whole batch, whatever ``k`` and the lengths, instead of about 35
     per tensor. The numerics are those of :func:`tensor_statistics`: non-finite elements
     (the padding among them) are masked and counted, values are divided by the tensor's
@@ -184,7 +185,7 @@ _MAX_BLOCK = 1 << 16
 class _RaggedLayout:
     """Index tensors of one ragged batch shape (lengths on a device), built once."""
 
-    __slots__ = ("block", "numel", "owner", "slot", "slots", "stream")
+    __slots__ = ("block", "numel", "owner", "ready", "slot", "slots", "stream")
 
     def __init__(self, lengths: tuple[int, ...], device: torch.device) -> None:
         longest = max(lengths)
@@ -206,14 +207,20 @@ class _RaggedLayout:
         host, numel = host.to(device, non_blocking=True), numel.to(device, non_blocking=True)
         self.block, self.slots = block, slots
         self.owner, self.slot, self.numel = host[0], host[1], numel
-        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.stream = self.ready = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.current_stream(device)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)
 
     def tensors_for(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        if self.stream is not None:
+        if self.stream is not None and self.ready is not None:
             current = torch.cuda.current_stream(device)
             if current != self.stream:
-                # Used on another stream than the one that made them: keep their memory
-                # until that stream is done, should the layout be evicted meanwhile.
+                # Used on another stream than the one that copied them: wait (on the
+                # device) for the copy, and keep their memory until this stream is done,
+                # should the layout be evicted meanwhile.
+                current.wait_event(self.ready)
                 for tensor in (self.owner, self.slot, self.numel):
                     tensor.record_stream(current)
         return self.owner, self.slot, self.numel
