@@ -267,3 +267,22 @@ def test_series_json_counts_bytes_not_characters(tmp_path: Path) -> None:
     assert len(raw) <= 20_000
     assert summary["series"] and summary["omitted"] > 0
     assert len(raw) > 20_000 - 2_500  # filled up to about one row short of the bound
+
+
+def test_index_names_the_process_in_standard_terms(tmp_path: Path) -> None:
+    """The run line says "Single process" or the distributed rank and world size (it read
+    "Rank 0 of 1", which looked like a finding's rank)."""
+    from torchinstruments.report import render_markdown
+
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train(model, make_batches(2))
+    remove_observer(model)
+    report = read_report(tmp_path)
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    forwards = report["run"]["forwards_seen"]
+    assert f"Single process; {forwards} training root forwards" in index
+    report["run"].update(rank=3, world_size=8)
+    assert f"Distributed rank 3 (world size 8); {forwards} training root forwards" in (
+        render_markdown(report)
+    )

@@ -715,7 +715,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"**{summary['headline']}**",
         "",
-        f"Rank {run['rank']} of {run['world_size']}; {run['forwards_seen']} training root "
+        (
+            "Single process"
+            if run["world_size"] == 1
+            else f"Distributed rank {run['rank']} (world size {run['world_size']})"
+        )
+        + f"; {run['forwards_seen']} training root "
         f"forwards, {run['samples_seen']} sampled ({coverage['backward_samples_observed']} "
         f"with a backward); generated {report['generated_at']}.",
         "",
