@@ -515,9 +515,9 @@ def cpu_statistics_deferred(x: Tensor) -> list[float] | Subsample:
     flat = x.reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.to(torch.float32)
+    one_signed = low_value >= 0.0 or high_value <= 0.0
     if numel <= SUBSAMPLE_ABOVE:
         # Pairwise torch.sum rather than torch.dot: accurate in float32 at any length.
-        one_signed = low_value >= 0.0 or high_value <= 0.0
         return _part_row(flat, numel, max_abs, float((flat * flat).sum()), one_signed)
     # A large tensor is read twice in full: by aminmax above and for the sum of squares
     # (RMS stays exact). The mean, mean |x|, central moments (kurtosis) and zero count
@@ -528,7 +528,7 @@ def cpu_statistics_deferred(x: Tensor) -> list[float] | Subsample:
     blocks = numel // SUBSAMPLE_BLOCK
     rows = flat[: blocks * SUBSAMPLE_BLOCK].view(blocks, SUBSAMPLE_BLOCK)
     part = rows.index_select(0, _subsample_blocks(blocks)).reshape(-1)
-    return Subsample(part, numel, max_abs, sum_sq, low_value >= 0.0 or high_value <= 0.0)
+    return Subsample(part, numel, max_abs, sum_sq, one_signed)
 
 
 def finish_subsample(subsample: Subsample, part_row: Sequence[float]) -> list[float]:
