@@ -23,7 +23,7 @@ minimum and maximum of its block ratios over ``--repeats`` blocks. Configuration
 * ``default``: ``inject_observer(model, output_dir=tmp)``. The whole-run ratio covers the
   first ``--run-steps`` (1,000) steps after injection, dense start included (one run, so
   no spread). The steady-state ratio is measured once the default schedule has reached
-  its largest interval (forward 2,040 with the default 8 samples per stage and interval
+  its largest interval (forward 1,530 with the default 6 samples per stage and interval
   at most 256); the forwards between the end of the whole run and that point are advanced
   with untimed forward-only training forwards of a one-row batch on the observed copy
   (no backward, so no parameter changes). Steady-state blocks are whole multiples of the
@@ -267,7 +267,7 @@ def _steady_schedule() -> tuple[int, int]:
             return int(last["from_forward"]), int(last["interval_forwards"])
     except Exception:
         pass
-    return 2040, 256
+    return 1530, 256
 
 
 def _histograms_supported() -> bool:

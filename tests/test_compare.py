@@ -76,26 +76,27 @@ def test_dropped_norm_is_the_first_divergence(runs: dict[str, Path], tmp_path: P
     assert comparison["strength"] == "full" and comparison["mismatches"] == []
     first = comparison["summary"]["first_divergence"]
     # The modification skips blocks.2.norm from training forward 150: the first sample
-    # after it (sample 34, forward 152 of the default schedule) is the first where the
+    # after it (sample 28, forward 154 of the default schedule) is the first where the
     # candidate no longer calls the norm, exactly; blocks.2.fc1's activation, which now
-    # receives the un-normalised stream, departs at the next compared history point.
+    # receives the un-normalised stream, departs there or at a later compared history
+    # point, never before.
     assert first["module"] == "blocks.2.norm"
     assert first["kind"] == "stopped" and first["side"] == "candidate"
     assert first["signal"] == "activation"
-    assert (first["sample"], first["forward"]) == (34, 152)
-    assert first["last_observed"]["sample"] == 33
+    assert (first["sample"], first["forward"]) == (28, 154)
+    assert first["last_observed"]["sample"] == 27
     assert "blocks.2.norm" in first["next_experiment"]
     events = comparison["first_divergences"]
     assert events[0] == first
     assert all(e["module"].startswith("blocks.2.") for e in events)
     fc1 = next(e for e in events if e["module"] == "blocks.2.fc1" and e["kind"] == "value")
     assert fc1["signal"] == "activation" and fc1["metric"] == "rms"
-    assert fc1["sample"] >= 34 and fc1["last_agreeing"]["sample"] < 34
+    assert fc1["sample"] >= 28 and fc1["last_agreeing"]["sample"] < 28
     assert fc1["candidate"] > 2 * fc1["baseline"]
     leader = comparison["categories"]["activation_scale"]["entries"][0]
     assert leader["module"].startswith("blocks.2.") and leader["notable"]
     assert comparison["categories"]["gradient_scale"]["notable"] == 0
-    assert comparison["summary"]["headline"].startswith("First divergence at sample 34")
+    assert comparison["summary"]["headline"].startswith("First divergence at sample 28")
     markdown = (tmp_path / "comparison.md").read_text(encoding="utf-8")
     assert markdown.startswith("# torchinstruments comparison")
     assert "`blocks.2.norm`" in markdown and "Next experiment:" in markdown
@@ -340,8 +341,8 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
         torch.manual_seed(0)
         model = ResidualNet()
         batches = make_batches(80)
-        if poison:  # a NaN input at training forward 40 (sample 20 of the default schedule)
-            batches[40] = (torch.full_like(batches[40][0], float("nan")), batches[40][1])
+        if poison:  # a NaN input at training forward 42 (sample 18 of the default schedule)
+            batches[42] = (torch.full_like(batches[42][0], float("nan")), batches[42][1])
         inject_observer(model, output_dir=directory)
         train(model, batches)
         remove_observer(model)
@@ -353,7 +354,7 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
     first = comparison["summary"]["first_divergence"]
     assert first["kind"] == "non_finite" and first["side"] == "candidate"
     assert (first["module"], first["signal"]) == ("inp", "activation")
-    assert (first["sample"], first["forward"]) == (20, 40)
+    assert (first["sample"], first["forward"]) == (18, 42)
     # The sentinel forced extra samples after the NaN: sample indices stop matching, but
     # both runs recorded each sample's training forward, so the runs are aligned by those.
     extra = [m for m in comparison["mismatches"] if m["kind"] == "extra_samples"]

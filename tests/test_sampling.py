@@ -81,30 +81,31 @@ def test_default_interval_one_samples_every_forward():
 
 def test_default_schedule_with_defaults():
     policy = DefaultSampling()
-    assert (policy.samples_per_stage, policy.max_interval_forwards) == (8, 256)
+    assert (policy.samples_per_stage, policy.max_interval_forwards) == (6, 256)
     indices = sampled(policy, 6000)
-    # The first 8 forwards, then every 2nd, then every 4th: the 24th sample (the end of
-    # warm-up) is forward 52.
-    assert indices[:8] == list(range(8))
-    assert indices[8:18] == [8, 10, 12, 14, 16, 18, 20, 22, 24, 28]
-    assert indices[23] == 52
-    # Stages start at 0, 8, 24, 56, 120, 248, 504, 1016 and 2040; 8 samples each until
+    # The first 6 forwards, then every 2nd, every 4th, every 8th: the 24th sample (the
+    # end of warm-up) is forward 82.
+    assert indices[:6] == list(range(6))
+    assert indices[6:14] == [6, 8, 10, 12, 14, 16, 18, 22]
+    assert indices[18:24] == [42, 50, 58, 66, 74, 82]
+    # Stages start at 0, 6, 18, 42, 90, 186, 378, 762 and 1530; 6 samples each until
     # the cap.
-    stage_starts = [0, 8, 24, 56, 120, 248, 504, 1016, 2040]
+    stage_starts = [0, 6, 18, 42, 90, 186, 378, 762, 1530]
     for start, next_start in itertools.pairwise(stage_starts):
-        assert len([i for i in indices if start <= i < next_start]) == 8
-    assert [i for i in indices if i >= 1016][:4] == [1016, 1144, 1272, 1400]
-    assert [i for i in indices if i >= 2040][:4] == [2040, 2296, 2552, 2808]
-    assert len(indices) == 8 * 8 + len(range(2040, 6000, 256))
-    assert len([i for i in indices if i < 300]) == 42
-    assert len([i for i in indices if i < 1000]) == 56
+        assert len([i for i in indices if start <= i < next_start]) == 6
+    assert [i for i in indices if i >= 762][:4] == [762, 890, 1018, 1146]
+    assert [i for i in indices if i >= 1530][:4] == [1530, 1786, 2042, 2298]
+    assert len(indices) == 8 * 6 + len(range(1530, 6000, 256))
+    assert len([i for i in indices if i < 300]) == 34
+    assert len([i for i in indices if i < 1000]) == 44
+    assert len([i for i in indices if 100 <= i < 200]) == 6
 
 
 def test_default_interval_at():
     policy = DefaultSampling()
-    expected = {0: 1, 7: 1, 8: 2, 23: 2, 24: 4, 55: 4, 56: 8, 119: 8, 120: 16}
-    expected |= {247: 16, 248: 32, 503: 32, 504: 64, 1015: 64, 1016: 128, 2039: 128}
-    expected |= {2040: 256, 10**9: 256}
+    expected = {0: 1, 5: 1, 6: 2, 17: 2, 18: 4, 41: 4, 42: 8, 89: 8, 90: 16}
+    expected |= {185: 16, 186: 32, 377: 32, 378: 64, 761: 64, 762: 128, 1529: 128}
+    expected |= {1530: 256, 10**9: 256}
     for index, interval in expected.items():
         assert policy.interval_at(index) == interval, index
 
@@ -113,21 +114,21 @@ def test_default_describe_and_repr():
     policy = DefaultSampling()
     assert policy.describe() == {
         "policy": "default",
-        "samples_per_stage": 8,
+        "samples_per_stage": 6,
         "max_interval_forwards": 256,
         "stages": [
             {"from_forward": 0, "interval_forwards": 1},
-            {"from_forward": 8, "interval_forwards": 2},
-            {"from_forward": 24, "interval_forwards": 4},
-            {"from_forward": 56, "interval_forwards": 8},
-            {"from_forward": 120, "interval_forwards": 16},
-            {"from_forward": 248, "interval_forwards": 32},
-            {"from_forward": 504, "interval_forwards": 64},
-            {"from_forward": 1016, "interval_forwards": 128},
-            {"from_forward": 2040, "interval_forwards": 256},
+            {"from_forward": 6, "interval_forwards": 2},
+            {"from_forward": 18, "interval_forwards": 4},
+            {"from_forward": 42, "interval_forwards": 8},
+            {"from_forward": 90, "interval_forwards": 16},
+            {"from_forward": 186, "interval_forwards": 32},
+            {"from_forward": 378, "interval_forwards": 64},
+            {"from_forward": 762, "interval_forwards": 128},
+            {"from_forward": 1530, "interval_forwards": 256},
         ],
     }
-    assert repr(policy) == "DefaultSampling(samples_per_stage=8, max_interval_forwards=256)"
+    assert repr(policy) == "DefaultSampling(samples_per_stage=6, max_interval_forwards=256)"
     assert isinstance(policy, SamplingPolicy)
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "cpu_statistics",
     "cpu_statistics_batch",
     "cpu_statistics_deferred",
+    "cpu_statistics_matrix_",
     "cpu_statistics_unchecked",
     "device_statistics_batch",
     "device_statistics_batch_unchecked",
@@ -650,23 +651,89 @@ def cpu_statistics_batch(flats: Sequence[Tensor]) -> list[list[float]]:
     rows_per_stack = max(1, BATCH_MAX_ELEMENTS // numel)
     rows: list[list[float]] = []
     for start in range(0, len(flats), rows_per_stack):
-        rows.extend(_batch_rows(flats[start : start + rows_per_stack], numel))
+        chunk = flats[start : start + rows_per_stack]
+        if len(chunk) > 1:
+            rows.extend(_matrix_rows(torch.stack(list(chunk)), overwrite=True))
+        else:  # the caller's own tensor: read only
+            rows.extend(_matrix_rows(chunk[0].unsqueeze(0), overwrite=False))
     return rows
 
 
+def cpu_statistics_matrix_(matrix: Tensor, *, scratch: Tensor | None = None) -> list[list[float]]:
+    """Reduce each row of a float32 CPU matrix to its statistics row, using the matrix as
+    workspace (its values are overwritten).
+
+    :func:`cpu_statistics_batch` for rows that already sit in one matrix (the observer
+    copies small tensors into preallocated rows): no stacking copy, and with ``scratch``
+    no allocation at all.
+
+    Args:
+        matrix: contiguous ``(k, n)`` float32 CPU tensor, ``k, n >= 1``; overwritten.
+        scratch: optional contiguous float32 CPU tensor of at least ``k * n`` elements,
+            used for ``|x|`` (also overwritten). Default: a temporary is allocated.
+
+    Returns:
+        ``k`` rows of ``STAT_WIDTH`` floats, as :func:`cpu_statistics_batch` returns them.
+
+    Raises:
+        ValueError: ``matrix`` is not a non-empty contiguous 2-D float32 CPU tensor, or
+            ``scratch`` is not a contiguous float32 CPU tensor of at least ``k * n``
+            elements.
+    """
+    if (
+        matrix.dim() != 2
+        or matrix.numel() == 0
+        or matrix.dtype != torch.float32
+        or matrix.device.type != "cpu"
+        or not matrix.is_contiguous()
+    ):
+        raise ValueError(
+            "cpu_statistics_matrix_: matrix must be a non-empty contiguous 2-D float32 CPU "
+            f"tensor, got shape {tuple(matrix.shape)}, dtype {matrix.dtype}, device "
+            f"{matrix.device}, contiguous {matrix.is_contiguous()}"
+        )
+    if scratch is not None and (
+        scratch.dtype != torch.float32
+        or scratch.device.type != "cpu"
+        or not scratch.is_contiguous()
+        or scratch.numel() < matrix.numel()
+    ):
+        raise ValueError(
+            "cpu_statistics_matrix_: scratch must be a contiguous float32 CPU tensor of at "
+            f"least {matrix.numel()} elements, got {scratch.numel()} elements of "
+            f"{scratch.dtype} on {scratch.device}"
+        )
+    return _matrix_rows(matrix, overwrite=True, scratch=scratch)
+
+
 @torch.no_grad()
-def _batch_rows(flats: Sequence[Tensor], numel: int) -> list[list[float]]:
-    matrix = torch.stack(list(flats)) if len(flats) > 1 else flats[0].unsqueeze(0)
+def _matrix_rows(
+    matrix: Tensor, *, overwrite: bool, scratch: Tensor | None = None
+) -> list[list[float]]:
+    """Statistics rows of a ``(k, n)`` float32 matrix; ``overwrite`` lets it be used as
+    workspace (centred and raised to powers in place), ``scratch`` holds ``|x|``."""
+    count, numel = matrix.shape
     # Row reductions that PyTorch vectorises on the CPU (aminmax, count_nonzero and
     # `!= 0` along a dimension are several times slower than these). A non-finite value
     # makes max |x| non-finite, which sends the row to the exact path below.
-    magnitude = matrix.abs()
+    if scratch is None:
+        magnitude = matrix.abs()
+    else:
+        magnitude = torch.abs(matrix, out=scratch[: count * numel].view(count, numel))
     max_abs = magnitude.amax(dim=1)
     sum_abs = magnitude.sum(dim=1)
     nonzero = magnitude.sign_().sum(dim=1)
     total = matrix.sum(dim=1)
+    limit = _fast_path_limit(numel)
+    # Rows off the fast path are reduced exactly, before the matrix is overwritten.
+    exact = {
+        i: tensor_statistics(matrix[i]).tolist()
+        for i, peak in enumerate(max_abs.tolist())
+        if not (math.isfinite(peak) and _FAST_PATH_FLOOR <= peak <= limit)
+    }
     mean = total / numel
-    centred = matrix - mean.unsqueeze(1)
+    centre = mean.unsqueeze(1)
+    centred = matrix.sub_(centre) if overwrite else matrix - centre
     centred.square_()
     central2 = centred.sum(dim=1)
     centred.square_()
@@ -674,11 +741,11 @@ def _batch_rows(flats: Sequence[Tensor], numel: int) -> list[list[float]]:
     table = torch.stack(
         (max_abs, total, sum_abs, central2, central4, nonzero, mean), dim=1
     ).tolist()
-    limit = _fast_path_limit(numel)
     rows: list[list[float]] = []
     for i, (max_abs, s1, s_abs, c2, c4, nonzeros, m) in enumerate(table):
-        if not (math.isfinite(max_abs) and _FAST_PATH_FLOOR <= max_abs <= limit):
-            rows.append(tensor_statistics(matrix[i]).tolist())
+        row = exact.get(i) if exact else None
+        if row is not None:
+            rows.append(row)
             continue
         # The sum of squares without a pass of its own: for any centre m,
         # sum(x^2) = sum((x - m)^2) + m * (2 * sum(x) - n * m), exactly; with m the

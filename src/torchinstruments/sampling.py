@@ -79,21 +79,22 @@ class DefaultSampling:
     The run is cut into stages of ``samples_per_stage`` samples each. Stage 0 samples every
     forward, stage 1 every 2nd, stage 2 every 4th, and so on, doubling until
     ``max_interval_forwards``, which then holds for the rest of the run. With the defaults
-    (8 samples per stage, interval at most 256) a run samples its first 8 forwards, then
-    every 2nd, then every 4th, so the 24-sample warm-up completes at forward 52; 42 samples
-    fall in a 300-step run, 56 in the first 1,000, 64 in the first 2,040, and after
-    forward 2,040 one forward in 256 is sampled; a fault halfway through a 200-step run
-    has 7 samples after it. The defaults were chosen with ``benchmarks/overhead.py``: on
-    the CPU a sample of a small model costs one to two plain training steps (its code and
-    trackers are out of cache by the next one), so the number of samples in the first
-    1,000 forwards sets what the start of a run costs. With 16 per stage (96 samples in
-    1,000 forwards) the whole of a 1,000-step run cost 1.14x to 1.17x on the MLP and the
-    example's model; with 8, about 1.09x to 1.11x. The last doubling (128 to 256) halves
-    the steady-state cost of samples on such small models: at one in 128 that alone was
+    (6 samples per stage, interval at most 256) a run samples its first 6 forwards, then
+    every 2nd, every 4th and every 8th, so the 24-sample warm-up completes at forward 82;
+    34 samples fall in a 300-step run, 44 in the first 1,000, 48 in the first 1,530, and
+    after forward 1,530 one forward in 256 is sampled; a fault halfway through a 200-step
+    run has 6 samples after it. The defaults were chosen with ``benchmarks/overhead.py``:
+    on the CPU a sample of a small model costs about one plain training step (its code
+    and trackers are out of cache by the next one), so the number of samples in the
+    first 1,000 forwards sets what the start of a run costs. With 16 per stage (96
+    samples in 1,000 forwards) the whole of a 1,000-step run cost 1.14x to 1.17x on the
+    MLP and the example's model; with 8 (56 samples), 1.09x to 1.12x; with 6, 1.08x to
+    1.09x (same process, interleaved). The last doubling (128 to 256) halves the
+    steady-state cost of samples on such small models: at one in 128 that alone was
     about 1.5% of a 0.8 ms step.
 
     Args:
-        samples_per_stage: samples taken at each interval before it doubles. Default 8.
+        samples_per_stage: samples taken at each interval before it doubles. Default 6.
         max_interval_forwards: largest interval, in root forwards. Default 256.
 
     Raises:
@@ -107,7 +108,7 @@ class DefaultSampling:
 
     __slots__ = ("_stage_starts", "max_interval_forwards", "samples_per_stage")
 
-    def __init__(self, *, samples_per_stage: int = 8, max_interval_forwards: int = 256) -> None:
+    def __init__(self, *, samples_per_stage: int = 6, max_interval_forwards: int = 256) -> None:
         self.samples_per_stage = require_int(
             "DefaultSampling", "samples_per_stage", samples_per_stage, minimum=1
         )
