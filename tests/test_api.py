@@ -233,7 +233,7 @@ def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch
 
     # Small CPU tensors are reduced in batches at flushes, larger ones inside hooks.
     monkeypatch.setattr(observer_module, "cpu_statistics_matrix_", broken)
-    monkeypatch.setattr(observer_module, "cpu_statistics_batch", broken)
+    monkeypatch.setattr(observer_module, "cpu_statistics_subsamples", broken)
     monkeypatch.setattr(observer_module, "cpu_statistics_unchecked", broken)
     model = ResidualNet()
     twin = ResidualNet()

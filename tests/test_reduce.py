@@ -587,6 +587,33 @@ def test_batched_rows_match_single_tensor_rows():
         reduce_module.cpu_statistics_batch([])
 
 
+def test_matrix_rows_in_place_match_the_batch_rows():
+    """cpu_statistics_matrix_ (the observer's staging slabs) gives the batch's rows, the
+    non-finite and out-of-range rows exactly, whether |x| goes to a scratch buffer or
+    not; the matrix is workspace afterwards."""
+    generator = torch.Generator().manual_seed(2)
+    matrix = torch.randn(5, 2048, generator=generator) * 3 + 1
+    matrix[1] = matrix[1].relu()
+    matrix[2, 9] = float("inf")
+    matrix[3] *= 1e-20  # below the fast path
+    matrix[4] = 0.0
+    expected = reduce_module.cpu_statistics_batch(list(matrix.clone()))
+    scratch = torch.full((5 * 2048 + 3,), 7.0)
+    for buffer in (None, scratch):
+        work = matrix.clone()
+        rows = reduce_module.cpu_statistics_matrix_(work, scratch=buffer)
+        assert rows == expected
+        assert rows[2] == tensor_statistics(matrix[2]).tolist()
+        assert rows[3] == tensor_statistics(matrix[3]).tolist()
+    assert not torch.equal(work, matrix)  # used as workspace
+    with pytest.raises(ValueError, match=r"contiguous 2-D float32 CPU tensor, got shape \(4,\)"):
+        reduce_module.cpu_statistics_matrix_(torch.zeros(4))
+    with pytest.raises(ValueError, match="contiguous True"):
+        reduce_module.cpu_statistics_matrix_(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"scratch must be .* at least 8 elements, got 7"):
+        reduce_module.cpu_statistics_matrix_(torch.zeros(2, 4), scratch=torch.zeros(7))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_device_batch_rows_match_single_tensor_rows(dtype):
     """The accelerator batch (run here on the CPU) gives each row what tensor_statistics
@@ -700,10 +727,10 @@ def test_large_tensor_subsample_sees_every_feature_of_a_768_wide_row():
         assert actual["mean_abs"] == pytest.approx(expected["mean_abs"], rel=0.05)
 
 
-def test_deferred_subsample_finished_from_a_batch_row_matches_the_direct_row():
-    """A large tensor's subsample, reduced in a batch and finished, gives the row that
-    cpu_statistics gives directly; small, non-finite and integer tensors come back
-    finished."""
+def test_deferred_subsamples_finished_in_a_batch_match_the_direct_rows():
+    """Large tensors' subsamples, finished in one batch (one-signed and mixed parts
+    together), give the rows that cpu_statistics gives directly; small, non-finite and
+    integer tensors come back finished."""
     generator = torch.Generator().manual_seed(5)
     large = [
         torch.randn(200_000, generator=generator) * 3 + 1,
@@ -716,13 +743,18 @@ def test_deferred_subsample_finished_from_a_batch_row_matches_the_direct_row():
     assert all(isinstance(d, reduce_module.Subsample) for d in deferred)
     parts = [d.part for d in deferred if isinstance(d, reduce_module.Subsample)]
     assert {p.numel() for p in parts} == {reduce_module.SUBSAMPLE_SIZE}
-    rows = reduce_module.cpu_statistics_batch(parts)
-    for x, subsample, part_row in zip(large, deferred, rows, strict=True):
-        assert isinstance(subsample, reduce_module.Subsample)
-        finished = reduce_module.finish_subsample(subsample, part_row)
+    mixed = reduce_module.cpu_statistics_subsamples(deferred)  # type: ignore[arg-type]
+    one_signed = reduce_module.cpu_statistics_subsamples(deferred[1:3])  # type: ignore[arg-type]
+    for x, finished in [*zip(large, mixed, strict=True), *zip(large[1:3], one_signed, strict=True)]:
         direct = cpu_statistics(x)
         assert finished[:4] == direct[:4]  # numel, finite, max_abs exact; zeros estimated alike
         assert finished == pytest.approx(direct, rel=1e-5, abs=0.0)
+    assert one_signed[1][2] == pytest.approx(0.0, abs=3.0)  # -|x|: no zeros, sign sums to -n
+    with pytest.raises(ValueError, match="at least one, got none"):
+        reduce_module.cpu_statistics_subsamples([])
+    short = reduce_module.Subsample(torch.ones(10), 100, 1.0, 100.0, True)
+    with pytest.raises(ValueError, match=r"one length, got lengths \[10, 32768\]"):
+        reduce_module.cpu_statistics_subsamples([short, deferred[0]])  # type: ignore[list-item]
     small = torch.randn(1000, generator=generator)
     assert reduce_module.cpu_statistics_deferred(small) == cpu_statistics(small)
     broken = torch.randn(100_000, generator=generator)

@@ -47,13 +47,12 @@ from .reduce import (
     BATCH_MAX_ELEMENTS,
     STAT_WIDTH,
     Subsample,
-    cpu_statistics_batch,
     cpu_statistics_deferred,
     cpu_statistics_matrix_,
+    cpu_statistics_subsamples,
     cpu_statistics_unchecked,
     device_statistics_batch_unchecked,
     finish_statistics,
-    finish_subsample,
     skip_reason,
     tensor_statistics,
 )
@@ -1080,35 +1079,32 @@ class Observer:
         self._staged_elements = self._device_staged_elements = 0
         if not taken:
             return
-        # CPU batches hold tensors of one length; a device batch takes any lengths.
+        # Subsamples of large CPU tensors are batched by part length; a device batch
+        # takes copies of any lengths.
         groups: dict[tuple[torch.device, int], list[int]] = {}
-        device_path_types = self.device_path_types
-        flats_taken = [
-            record[3].part if isinstance(record[3], Subsample) else record[3] for record in taken
-        ]
-        for i, flat in enumerate(flats_taken):
-            device = flat.device
-            length = 0 if device.type in device_path_types else flat.numel()
-            groups.setdefault((device, length), []).append(i)
+        for i, record in enumerate(taken):
+            value = record[3]
+            if isinstance(value, Subsample):
+                groups.setdefault((value.part.device, value.part.numel()), []).append(i)
+            else:
+                groups.setdefault((value.device, 0), []).append(i)
         pending = self._pending
-        for (device, _), indices in groups.items():
+        for (device, length), indices in groups.items():
             rows: Sequence[Tensor | list[float] | None]
+            values = [taken[i][3] for i in indices]
             try:
-                flats = [flats_taken[i] for i in indices]
-                if device.type not in device_path_types:
-                    rows = cpu_statistics_batch(flats)
+                if length:
+                    rows = cpu_statistics_subsamples(values)  # type: ignore[arg-type]
                 else:
                     if device.type == "cuda":
-                        self._order_streams(device, flats)
-                    rows = device_statistics_batch_unchecked(flats).unbind(0)
+                        self._order_streams(device, values)  # type: ignore[arg-type]
+                    rows = device_statistics_batch_unchecked(values).unbind(0)  # type: ignore[arg-type]
             except Exception:
-                # One bad copy must not cost the whole batch: reduce them one by one.
+                # One bad value must not cost the whole batch: reduce them one by one.
                 rows = [self._reduce_one(taken[i]) for i in indices]
             for i, row in zip(indices, rows, strict=True):
                 if row is not None:
-                    key, sample, position, staged_value = taken[i]
-                    if isinstance(staged_value, Subsample):
-                        row = finish_subsample(staged_value, row)  # type: ignore[arg-type]
+                    key, sample, position, _ = taken[i]
                     pending.append((key, sample, position, row))
 
     def _order_streams(self, device: torch.device, tensors: Sequence[Tensor]) -> None:
@@ -1137,7 +1133,7 @@ class Observer:
         try:
             flat = record[3]
             if isinstance(flat, Subsample):
-                return finish_subsample(flat, cpu_statistics_unchecked(flat.part))
+                return cpu_statistics_subsamples([flat])[0]
             return cpu_statistics_unchecked(flat) if flat.is_cpu else tensor_statistics(flat)
         except Exception as error:
             self.record_error("reduce", self.names[record[0][0]], error)
