@@ -37,6 +37,7 @@ from .capture import (
     NodeGradHook,
     RootPostHook,
     RootPreHook,
+    _graph_task_id,
     compiled_frames,
     in_backward,
     iter_output_tensors,
@@ -102,6 +103,7 @@ ROOT_INDEX = 0
 _is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 #: Grad-mode and inference-mode checks, bound once (called once per root forward).
 _grad_enabled = torch.is_grad_enabled
+_monotonic = time.monotonic
 _inference_mode_enabled = torch.is_inference_mode_enabled
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
 _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
@@ -424,16 +426,32 @@ class Observer:
             and not self.full_sentinel
             and _grad_enabled()
             and not _inference_mode_enabled()
-            and not in_backward()
+            and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
             and not _is_tracing()
             and compiled_frames() == self._frames_at_park
         ):
             # The steady state: a top-level training forward while the submodule hooks
-            # are parked. Unsampled, it only counts the forward (no further calls).
+            # are parked. Unsampled, it only counts the forward (no further calls): the
+            # state _open_training_forward leaves, set here in place (this runs on
+            # nearly every forward, inside a step whose kernels have evicted this code
+            # from the caches, where every call costs).
             try:
-                decision = bool(self.policy.should_sample(self.forwards_seen))
+                index = self.forwards_seen
+                decision = bool(self.policy.should_sample(index))
                 if not decision:
-                    self._count_unsampled_training_forward()
+                    self.forwards_seen = index + 1
+                    self.root_forwards += 1
+                    self._no_grad_training_forwards = 0
+                    self._implicit_opener = None
+                    self._sample_in_backward = False
+                    self._recompute_anchor = -1
+                    self._sample_open = False
+                    self._unsampled_training = True
+                    self.state = 0  # SKIP
+                    if self._pending or self._staged or self._slab_records:
+                        self._maybe_flush()
+                    elif _monotonic() - self._last_write >= self._rewrite_interval_s:
+                        self.write_report(block=False)
                     return
             except Exception as error:  # never break training (as _open_sample would)
                 self.forwards_seen += 1
@@ -539,21 +557,6 @@ class Observer:
             self.state = self.SENTINEL if self.full_sentinel else self.SKIP
         self._maybe_flush()
 
-    def _count_unsampled_training_forward(self) -> None:
-        """:meth:`_open_training_forward` for an unsampled forward while hooks are parked,
-        the full sentinel is off and nothing forces a sample: the state it leaves is the
-        same, with fewer steps, since this runs on nearly every forward."""
-        self.forwards_seen += 1
-        self._no_grad_training_forwards = 0
-        self._reset_forward_state()
-        self._sample_open = False
-        self._unsampled_training = True
-        self.state = self.SKIP
-        if self._pending or self._staged or self._slab_records:
-            self._maybe_flush()
-        elif time.monotonic() - self._last_write >= self._rewrite_interval_s:
-            self.write_report(block=False)
-
     def exit_root(self) -> None:
         """Close the innermost root forward."""
         if not self.attached:
@@ -570,6 +573,22 @@ class Observer:
     def leave_root(self, index: int, args: tuple[object, ...], output: object) -> None:
         """The root returned (or raised, with ``output`` None): observe it, then close."""
         state = self.state
+        stack = self._state_stack
+        if state == 0 and self._unsampled_training and len(stack) == 1 and self.attached:
+            # The steady state, an unsampled top-level training forward (SKIP): what the
+            # branch below and exit_root do for it, in place.
+            forward = self.forwards_seen - 1
+            interval = self.ROOT_SENTINEL_INTERVAL
+            if (forward - forward // interval) % interval == interval - 1 and not (
+                self.full_sentinel
+            ):
+                self._root_sentinel(output)
+            self.state = state = stack.pop()
+            if self._parked and compiled_frames() != self._frames_at_park:
+                self._restore_hooks(reset=True)  # something was compiled during this forward
+            if state == 2:  # IDLE
+                self._unsampled_training = False
+            return
         if state == self.SAMPLED or state == self.SENTINEL:
             self.on_forward(index, args, output)
             if self._sample_outputs and len(self._state_stack) == 1:
@@ -968,12 +987,15 @@ class Observer:
     ) -> None:
         """Reduce one observed tensor, or stage a float32 copy of it for a batch.
 
-        Small tensors are copied and reduced later, many at a time, by
-        :meth:`_reduce_staged` (per-operation overhead, not arithmetic, is what reducing
-        them costs: PyTorch's dispatch on the CPU, a kernel launch on CUDA). The copy is
-        needed: the tensor may be changed in place after the hook returns
-        (``out += residual``, ``relu_``). Larger CPU tensors are reduced at once to host
-        floats, and larger CUDA tensors to a device vector (no synchronisation).
+        Small tensors are copied and reduced later, many at a time (per-operation
+        overhead, not arithmetic, is what reducing them costs: PyTorch's dispatch on the
+        CPU, a kernel launch on CUDA): on the CPU into a row of the staging slab of their
+        length (:class:`_Slab`), reduced when it is full or at a flush; on CUDA into a
+        ragged device batch (:meth:`_reduce_staged`). The copy is needed: the tensor may
+        be changed in place after the hook returns (``out += residual``, ``relu_``).
+        Larger CPU tensors get their full passes at once and their subsample staged
+        (:class:`~torchinstruments.reduce.Subsample`), and larger CUDA tensors are reduced
+        to a device vector (no synchronisation).
         """
         numel = tensor.numel()
         device_type = tensor.device.type
