@@ -891,10 +891,12 @@ class Observer:
             )
 
     def _on_recompute(self, index: int, args: tuple[object, ...], output: object) -> None:
-        """A forward re-run during backward: attach gradient hooks for reentrant calls."""
-        self.recompute_calls += 1
+        """A forward re-run during backward: attach gradient hooks for reentrant calls.
+
+        Recomputations that no sampled call awaits are ignored and counted."""
         waiting = self._no_grad_calls.get(index)
         if not waiting or not torch.is_grad_enabled():
+            self.recompute_calls += 1
             return
         # The first module of a recomputed region receives the region's saved inputs
         # (same storage as in the first pass); later ones replay the first pass's call
