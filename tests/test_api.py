@@ -146,6 +146,7 @@ def test_shared_output_dir_is_refused(tmp_path: Path) -> None:
         ({"capture_direct_forwards": 1}, "capture_direct_forwards must be a bool"),
         ({"include": 3}, "include must be a glob pattern"),
         ({"module_types": [int]}, "module_types must be an nn.Module subclass"),
+        ({"module_types": nn.Linear(1, 1)}, r"module_types must be .* got Linear\(in_features"),
         ({"output_dir": ""}, "output_dir must be a non-empty path"),
         ({"sinks": [object()]}, "each sink needs a write"),
     ],
@@ -204,6 +205,15 @@ def test_handle_flush_report_and_context_manager(tmp_path: Path) -> None:
     assert observer_of(model) is None
     assert handle.removed
     assert len(sink.reports) == 2  # the flush and the final report
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    existing = tmp_path / "file"
+    existing.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"output_dir must be a directory .* an existing file"):
+        inject_observer(ResidualNet(), output_dir=existing)
+    handle = inject_observer(ResidualNet(), output_dir=existing, write_files=False)
+    handle.remove()  # nothing is written there: accepted
 
 
 def test_unwritable_output_dir_warns_once_counts_and_never_stops_training(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from torchinstruments import ReportConfig, inject_observer, remove_observer
-from torchinstruments.observer import STAGE_MAX_NUMEL
+from torchinstruments.observer import STAGE_MAX_ELEMENTS, STAGE_MAX_NUMEL
 
 from .conftest import read_report
 
@@ -127,3 +127,47 @@ def test_accelerator_batches_give_the_cpu_values(tmp_path: Path) -> None:
         assert len(values) == 9, key
         assert device[key] == pytest.approx(values, rel=1e-5), key
     assert reports[1]["coverage"]["errors_total"] == 0
+
+
+class Lengths(nn.Module):
+    """One scaling module per input, each input of its own length."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(Scale() for _ in range(count))
+
+    def forward(self, inputs: list[Tensor]) -> Tensor:
+        total = torch.zeros(())
+        for part, x in zip(self.parts, inputs, strict=True):
+            total = total + part(x).sum()
+        return total
+
+
+class Scale(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 3.0
+
+
+def test_more_lengths_than_staging_slabs_keep_exact_values(tmp_path: Path) -> None:
+    """20 lengths of 20,000 to 21,900 elements: 16 slabs fit in the staging bound; the
+    other lengths are copied on their own (no slab is made and dropped per copy), and
+    every value is the one torch gives."""
+    lengths = [20_000 + 100 * i for i in range(20)]
+    model = Lengths(len(lengths))
+    handle = inject_observer(model, output_dir=tmp_path, sampling=1, report_config=WIDE)
+    expected: dict[str, list[float]] = {f"parts.{i}": [] for i in range(len(lengths))}
+    for step in range(4):
+        inputs = [torch.randn(n, requires_grad=True) * (1 + step) for n in lengths]
+        for i, x in enumerate(inputs):
+            expected[f"parts.{i}"].append((x.detach().double() * 3).pow(2).mean().sqrt().item())
+        model(inputs).backward()
+        observer = handle._observer
+        assert observer is not None
+        assert observer._slab_elements <= STAGE_MAX_ELEMENTS
+    assert 0 < len(observer._slabs) < len(lengths)
+    remove_observer(model)
+    report = read_report(tmp_path)
+    for module, truth in expected.items():
+        finding = rms_finding(report, module)
+        values = [value for _, value in finding["history"]]
+        assert values == pytest.approx(truth, rel=1e-5), module

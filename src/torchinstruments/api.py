@@ -143,7 +143,10 @@ def _as_patterns(name: str, value: str | Sequence[str] | None) -> tuple[str, ...
 def _as_types(value: type | Sequence[type] | None) -> tuple[type, ...] | None:
     if value is None:
         return None
-    types = (value,) if isinstance(value, type) else tuple(value)
+    try:
+        types = (value,) if isinstance(value, type) else tuple(value)
+    except TypeError:  # not iterable: an instance such as nn.Linear(1, 1)
+        types = ()
     if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise ConfigError(
             "inject_observer: module_types must be an nn.Module subclass or a sequence of "
@@ -336,6 +339,11 @@ def inject_observer(
             handle = ObserverHandle(model, None, None)
             _REGISTRY[model] = handle
             return handle
+        if write_files and (directory.exists() and not directory.is_dir()):
+            raise ConfigError(
+                f"inject_observer: output_dir must be a directory (or not exist yet), got "
+                f"{str(directory)!r}, which is an existing file"
+            )
         key = str(directory.resolve())
         holder = _ACTIVE_DIRS.get(key)
         if holder is not None and holder() is not None and not holder().removed:  # type: ignore[union-attr]

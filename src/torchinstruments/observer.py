@@ -48,6 +48,7 @@ from .reduce import (
     BATCH_MAX_ELEMENTS,
     STAT_WIDTH,
     Subsample,
+    cpu_statistics_batch,
     cpu_statistics_deferred,
     cpu_statistics_matrix_,
     cpu_statistics_subsamples,
@@ -157,16 +158,26 @@ class _Slab:
     16,384 elements cost 15 us inside a training step instead of 5.
     """
 
-    __slots__ = ("matrix", "records", "rows")
+    __slots__ = ("capacity", "matrix", "records", "rows", "used")
 
     def __init__(self, numel: int) -> None:
-        capacity = max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
-        self.matrix = torch.empty(capacity, numel)
-        #: One view per row, made once (``select`` views: a row of ``unbind`` is a
-        #: multi-output view, slower to view again).
-        self.rows = [self.matrix[i] for i in range(capacity)]
+        self.capacity = max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
+        self.matrix = torch.empty(self.capacity, numel)
+        #: One view per row, made on first use and kept (``select`` views: a row of
+        #: ``unbind`` is a multi-output view, slower to view again).
+        self.rows: list[Tensor] = []
         #: (key, sample, position) of the rows filled so far, in row order.
         self.records: list[_Meta] = []
+        #: Whether a row was filled since the last flush (unused slabs are freed then).
+        self.used = True
+
+    def next_row(self) -> Tensor:
+        """The view of the next free row."""
+        filled = len(self.records)
+        rows = self.rows
+        if filled == len(rows):
+            rows.append(self.matrix[filled])
+        return rows[filled]
 
 
 class Observer:
@@ -303,6 +314,8 @@ class Observer:
         self._slab_records = 0
         self._slab_lock = threading.Lock()
         self._slab_scratch: Tensor | None = None
+        #: Lengths of small CPU tensors copied on their own since the last flush.
+        self._lengths_seen: dict[int, None] = {}
         #: Device types that take the accelerator path: tensors up to
         #: ``DEVICE_STAGE_MAX_NUMEL`` elements are staged and reduced together, whatever
         #: their lengths, by ``device_statistics_batch_unchecked``; sentinel sums are read
@@ -1026,17 +1039,29 @@ class Observer:
                 slab = self._slabs.get(numel)
                 if slab is None:
                     slab = self._new_slab(numel)
-                records = slab.records
-                # Copied (as float32, in logical order) into the slab's next free row.
-                row = slab.rows[len(records)]
-                if tensor.is_contiguous():
-                    row.copy_(tensor.detach().view(-1))
-                else:
-                    row.view(tensor.shape).copy_(tensor.detach())
-                records.append((key, sample, position))
-                self._slab_records += 1
-                if len(records) == len(slab.rows):
-                    self._reduce_slab(slab)
+                if slab is not None:
+                    # Copied (as float32, in logical order) into the slab's next free row.
+                    row = slab.next_row()
+                    if tensor.is_contiguous():
+                        row.copy_(tensor.detach().view(-1))
+                    else:
+                        row.view(tensor.shape).copy_(tensor.detach())
+                    records = slab.records
+                    records.append((key, sample, position))
+                    slab.used = True
+                    self._slab_records += 1
+                    if len(records) == slab.capacity:
+                        self._reduce_slab(slab)
+                    return
+            # More lengths than slabs (dynamic shapes): a copy of its own, reduced at the
+            # flush with the other copies of its length.
+            copy = tensor.detach().to(
+                torch.float32, memory_format=torch.contiguous_format, copy=True
+            )
+            self._staged.append((key, sample, position, copy.view(-1)))
+            self._staged_elements += numel
+            if self._staged_elements > STAGE_MAX_ELEMENTS:
+                self._reduce_staged()
             return
         result = cpu_statistics_deferred(tensor)
         if isinstance(result, Subsample):
@@ -1049,17 +1074,26 @@ class Observer:
             return
         self._pending.append((key, sample, position, result))
 
-    def _new_slab(self, numel: int) -> _Slab:
-        """A slab for tensors of ``numel`` elements (lock held); the oldest slabs are
-        reduced and freed while the slabs would exceed ``STAGE_MAX_ELEMENTS``."""
+    def _new_slab(self, numel: int) -> _Slab | None:
+        """A slab for tensors of ``numel`` elements (lock held), or None when the slabs
+        would exceed ``STAGE_MAX_ELEMENTS``: then the tensor is copied on its own. Slabs
+        are not evicted for new lengths (with more lengths than fit, as with dynamic
+        sequence lengths, every copy would make and drop a slab, about four times the
+        cost of a copy of its own); a flush frees the slabs left unused since the last."""
+        seen = self._lengths_seen
+        if numel not in seen:
+            # A length met once since the last flush gets no slab yet: with dynamic
+            # shapes most lengths come and go, and a slab is worth its making only for
+            # a length that recurs.
+            if len(seen) < 4 * SLAB_MAX_ROWS:
+                seen[numel] = None
+            return None
+        capacity = max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
+        if self._slab_elements + capacity * numel > STAGE_MAX_ELEMENTS:
+            return None
         slab = _Slab(numel)
-        size = slab.matrix.numel()
-        while self._slabs and self._slab_elements + size > STAGE_MAX_ELEMENTS:
-            oldest = self._slabs.pop(next(iter(self._slabs)))
-            self._reduce_slab(oldest)
-            self._slab_elements -= oldest.matrix.numel()
         self._slabs[numel] = slab
-        self._slab_elements += size
+        self._slab_elements += slab.matrix.numel()
         return slab
 
     def _reduce_slab(self, slab: _Slab) -> None:
@@ -1084,18 +1118,23 @@ class Observer:
             pending.append((key, sample, position, row))
 
     def _reduce_slabs(self) -> None:
-        """Reduce every slab; free them all once the observer is detached."""
+        """Reduce every slab; free those unused since the last flush, and all of them
+        once the observer is detached."""
         with self._slab_lock:
-            for slab in self._slabs.values():
+            self._lengths_seen.clear()
+            slabs = self._slabs
+            for numel, slab in list(slabs.items()):
                 self._reduce_slab(slab)
-            if not self.attached:
-                self._slabs.clear()
-                self._slab_elements = 0
+                if not slab.used or not self.attached:
+                    del slabs[numel]
+                    self._slab_elements -= slab.matrix.numel()
+                slab.used = False
+            if not slabs:
                 self._slab_scratch = None
 
     def _reduce_staged(self) -> None:
         """Reduce the staged copies, grouped by length, into pending host rows."""
-        if self._slabs:
+        if self._slabs or self._lengths_seen:
             self._reduce_slabs()
         staged = self._staged
         # Pop rather than swap lists: worker threads may be appending meanwhile.
@@ -1103,22 +1142,28 @@ class Observer:
         self._staged_elements = self._device_staged_elements = 0
         if not taken:
             return
-        # Subsamples of large CPU tensors are batched by part length; a device batch
-        # takes copies of any lengths.
-        groups: dict[tuple[torch.device, int], list[int]] = {}
+        # Subsamples of large CPU tensors and copies of small ones (lengths without a
+        # slab) are batched by length; a device batch takes copies of any lengths.
+        groups: dict[tuple[bool, torch.device, int], list[int]] = {}
+        device_path_types = self.device_path_types
         for i, record in enumerate(taken):
             value = record[3]
             if isinstance(value, Subsample):
-                groups.setdefault((value.part.device, value.part.numel()), []).append(i)
+                key = (True, value.part.device, value.part.numel())
+            elif value.device.type in device_path_types:
+                key = (False, value.device, 0)
             else:
-                groups.setdefault((value.device, 0), []).append(i)
+                key = (False, value.device, value.numel())
+            groups.setdefault(key, []).append(i)
         pending = self._pending
-        for (device, length), indices in groups.items():
+        for (subsamples, device, length), indices in groups.items():
             rows: Sequence[Tensor | list[float] | None]
             values = [taken[i][3] for i in indices]
             try:
-                if length:
+                if subsamples:
                     rows = cpu_statistics_subsamples(values)  # type: ignore[arg-type]
+                elif length:
+                    rows = cpu_statistics_batch(values)  # type: ignore[arg-type]
                 else:
                     if device.type == "cuda":
                         self._order_streams(device, values)  # type: ignore[arg-type]

@@ -175,7 +175,7 @@ class TimeBudgetSampling:
     ``dense_forwards`` forwards are all sampled so that warm-up completes.
 
     Args:
-        max_fraction: largest share of wall time spent on telemetry, in (0, 1).
+        max_fraction: largest share of wall time spent on telemetry, in (0, 1].
             Default 0.02 (2%).
         dense_forwards: forwards sampled unconditionally at the start. Default 32.
         max_interval_forwards: most forwards between two samples. Default 1,000.
