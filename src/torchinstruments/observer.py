@@ -168,7 +168,7 @@ class _Slab:
         self.rows: list[Tensor] = []
         #: (key, sample, position) of the rows filled so far, in row order.
         self.records: list[_Meta] = []
-        #: Whether a row was filled since the last flush (unused slabs are freed then).
+        #: Whether a row was filled since the last flush (others may be freed).
         self.used = True
 
     def next_row(self) -> Tensor:
@@ -314,7 +314,7 @@ class Observer:
         self._slab_records = 0
         self._slab_lock = threading.Lock()
         self._slab_scratch: Tensor | None = None
-        #: Lengths of small CPU tensors copied on their own since the last flush.
+        #: Lengths of small CPU tensors met without a slab since the last flush.
         self._lengths_seen: dict[int, None] = {}
         #: Device types that take the accelerator path: tensors up to
         #: ``DEVICE_STAGE_MAX_NUMEL`` elements are staged and reduced together, whatever
@@ -1075,22 +1075,35 @@ class Observer:
         self._pending.append((key, sample, position, result))
 
     def _new_slab(self, numel: int) -> _Slab | None:
-        """A slab for tensors of ``numel`` elements (lock held), or None when the slabs
-        would exceed ``STAGE_MAX_ELEMENTS``: then the tensor is copied on its own. Slabs
-        are not evicted for new lengths (with more lengths than fit, as with dynamic
-        sequence lengths, every copy would make and drop a slab, about four times the
-        cost of a copy of its own); a flush frees the slabs left unused since the last."""
+        """A slab for tensors of ``numel`` elements (lock held), or None: then the tensor
+        is copied on its own.
+
+        A length gets a slab the second time it is met between two flushes (with dynamic
+        shapes most lengths come and go, and a slab is worth its making only for one
+        that recurs); slabs then stay while they are used. While the slabs would exceed
+        ``STAGE_MAX_ELEMENTS``, slabs unused since the last flush are freed; if that is
+        not enough, None. Evicting busy slabs for new lengths made and dropped a slab per
+        copy once a step had more lengths than fit (17 and more), four times the cost of
+        a copy of its own.
+        """
         seen = self._lengths_seen
         if numel not in seen:
-            # A length met once since the last flush gets no slab yet: with dynamic
-            # shapes most lengths come and go, and a slab is worth its making only for
-            # a length that recurs.
-            if len(seen) < 4 * SLAB_MAX_ROWS:
-                seen[numel] = None
+            if len(seen) >= 4 * SLAB_MAX_ROWS:
+                seen.clear()
+            seen[numel] = None
             return None
         capacity = max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
-        if self._slab_elements + capacity * numel > STAGE_MAX_ELEMENTS:
-            return None
+        size = capacity * numel
+        slabs = self._slabs
+        if self._slab_elements + size > STAGE_MAX_ELEMENTS:
+            for length, stale in list(slabs.items()):
+                if not stale.used and not stale.records:
+                    del slabs[length]
+                    self._slab_elements -= stale.matrix.numel()
+                    if self._slab_elements + size <= STAGE_MAX_ELEMENTS:
+                        break
+            if self._slab_elements + size > STAGE_MAX_ELEMENTS:
+                return None
         slab = _Slab(numel)
         self._slabs[numel] = slab
         self._slab_elements += slab.matrix.numel()
@@ -1118,19 +1131,18 @@ class Observer:
             pending.append((key, sample, position, row))
 
     def _reduce_slabs(self) -> None:
-        """Reduce every slab; free those unused since the last flush, and all of them
-        once the observer is detached."""
+        """Reduce every slab (a flush); free them all once the observer is detached."""
         with self._slab_lock:
             self._lengths_seen.clear()
             slabs = self._slabs
-            for numel, slab in list(slabs.items()):
+            for slab in slabs.values():
                 self._reduce_slab(slab)
-                if not slab.used or not self.attached:
-                    del slabs[numel]
-                    self._slab_elements -= slab.matrix.numel()
                 slab.used = False
-            if not slabs:
+            if not self.attached:
+                slabs.clear()
+                self._slab_elements = 0
                 self._slab_scratch = None
+                self._lengths_seen.clear()
 
     def _reduce_staged(self) -> None:
         """Reduce the staged copies, grouped by length, into pending host rows."""
