@@ -339,7 +339,7 @@ def inject_observer(
             handle = ObserverHandle(model, None, None)
             _REGISTRY[model] = handle
             return handle
-        if write_files and (directory.exists() and not directory.is_dir()):
+        if write_files and directory.exists() and not directory.is_dir():
             raise ConfigError(
                 f"inject_observer: output_dir must be a directory (or not exist yet), got "
                 f"{str(directory)!r}, which is an existing file"

@@ -154,14 +154,15 @@ class _Slab:
     is full or at a flush (:func:`~torchinstruments.reduce.cpu_statistics_matrix_`), then
     reused. Compared with one fresh tensor per copy, stacked at the flush, this saves
     the stacking copy and, above all, the allocator's churn: piles of fresh copies were
-    handed back to the system after each flush and faulted in again, so that a copy of
-    16,384 elements cost 15 us inside a training step instead of 5.
+    handed back to the system after each flush and faulted in again (a copy of 16,384
+    elements cost 15 us inside a training step; in a microbenchmark, 35 us against
+    4.5 us once 64 or more copies were alive).
     """
 
     __slots__ = ("capacity", "matrix", "records", "rows", "used")
 
     def __init__(self, numel: int) -> None:
-        self.capacity = max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
+        self.capacity = self.capacity_for(numel)
         self.matrix = torch.empty(self.capacity, numel)
         #: One view per row, made on first use and kept (``select`` views: a row of
         #: ``unbind`` is a multi-output view, slower to view again).
@@ -170,6 +171,11 @@ class _Slab:
         self.records: list[_Meta] = []
         #: Whether a row was filled since the last flush (others may be freed).
         self.used = True
+
+    @staticmethod
+    def capacity_for(numel: int) -> int:
+        """Rows of a slab for tensors of ``numel`` elements."""
+        return max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
 
     def next_row(self) -> Tensor:
         """The view of the next free row."""
@@ -306,9 +312,8 @@ class Observer:
         self._staged: deque[_Staged] = deque()
         self._staged_elements = 0
         self._device_staged_elements = 0
-        #: Staging slabs of small CPU tensors by length (see _Slab), oldest first; the
-        #: lock orders hooks of several threads that fill them and the flush that
-        #: reduces them.
+        #: Staging slabs of small CPU tensors by length (see _Slab); the lock orders
+        #: hooks of several threads that fill them and the flush that reduces them.
         self._slabs: dict[int, _Slab] = {}
         self._slab_elements = 0
         self._slab_records = 0
@@ -445,19 +450,16 @@ class Observer:
         ):
             # The steady state: a top-level training forward while the submodule hooks
             # are parked. Unsampled, it only counts the forward (no further calls): the
-            # state _open_training_forward leaves, set here in place (this runs on
-            # nearly every forward, inside a step whose kernels have evicted this code
+            # state _open_training_forward leaves, set here with fewer calls (this runs
+            # on nearly every forward, inside a step whose kernels have evicted this code
             # from the caches, where every call costs).
             try:
                 index = self.forwards_seen
                 decision = bool(self.policy.should_sample(index))
                 if not decision:
                     self.forwards_seen = index + 1
-                    self.root_forwards += 1
                     self._no_grad_training_forwards = 0
-                    self._implicit_opener = None
-                    self._sample_in_backward = False
-                    self._recompute_anchor = -1
+                    self._reset_forward_state()
                     self._sample_open = False
                     self._unsampled_training = True
                     self.state = 0  # SKIP
@@ -590,10 +592,8 @@ class Observer:
         if state == 0 and self._unsampled_training and len(stack) == 1 and self.attached:
             # The steady state, an unsampled top-level training forward (SKIP): what the
             # branch below and exit_root do for it, in place.
-            forward = self.forwards_seen - 1
-            interval = self.ROOT_SENTINEL_INTERVAL
-            if (forward - forward // interval) % interval == interval - 1 and not (
-                self.full_sentinel
+            if not self.full_sentinel and _root_sentinel_due(
+                self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL
             ):
                 self._root_sentinel(output)
             self.state = state = stack.pop()
@@ -1092,8 +1092,7 @@ class Observer:
                 seen.clear()
             seen[numel] = None
             return None
-        capacity = max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
-        size = capacity * numel
+        size = _Slab.capacity_for(numel) * numel
         slabs = self._slabs
         if self._slab_elements + size > STAGE_MAX_ELEMENTS:
             for length, stale in list(slabs.items()):
@@ -1142,7 +1141,6 @@ class Observer:
                 slabs.clear()
                 self._slab_elements = 0
                 self._slab_scratch = None
-                self._lengths_seen.clear()
 
     def _reduce_staged(self) -> None:
         """Reduce the staged copies, grouped by length, into pending host rows."""
