@@ -299,6 +299,9 @@ class _NeverSample:
     def should_sample(self, forward_index: int) -> bool:
         return False
 
+    def next_sampled(self, forward_index: int) -> int:
+        return sys.maxsize  # no forward is sampled, as the built-in policies can tell
+
     def describe(self) -> dict[str, object]:
         return {"policy": "never (benchmark)"}
 

@@ -42,9 +42,11 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(12, 1)
         self.fail_on = fail_on
         self.calls = 0
+        self.root_hooks_seen: list[int] = []
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
+        self.root_hooks_seen.append(len(self._forward_hooks))
         if self.calls - 1 == self.fail_on:
             raise RuntimeError("forward failed on purpose")
         return self.fc2(self.probe(self.fc1(x)))
@@ -371,10 +373,183 @@ def test_keyboard_interrupt_inside_a_forward_leaves_no_hook_parked(
     for _ in range(8):
         with contextlib.suppress(KeyboardInterrupt):
             model(torch.randn(4, 8)).sum().backward()
-    assert hook_counts(model) == {name: 0 if name else 1 for name in attached}  # parked
+    # All parked, the root's post-hook too: unsampled forward 7 was left open-ended.
+    assert hook_counts(model) == dict.fromkeys(attached, 0)
     model(torch.randn(4, 8)).sum().backward()  # forward 8: sampled, hooks back
     assert hook_counts(model) == attached
     remove_observer(model)
     assert hook_counts(model) == before
     coverage = read_report(tmp_path)["coverage"]
     assert (coverage["forwards_seen"], coverage["samples_observed"]) == (9, 5)
+
+
+class AskedEvery:
+    """Samples every ``n``-th forward, records what it is asked, and can tell its next
+    sampled forward (so the observer may skip asking about quiet forwards)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.asked: list[int] = []
+
+    def should_sample(self, forward_index: int) -> bool:
+        self.asked.append(forward_index)
+        return forward_index % self.n == 0
+
+    def next_sampled(self, forward_index: int) -> int:
+        return forward_index + (-forward_index) % self.n
+
+    def describe(self) -> dict[str, object]:
+        return {"policy": "asked_every", "n": self.n}
+
+
+def test_quiet_forwards_run_with_the_root_post_hook_parked_too(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Between samples, an unsampled forward without the root sentinel needs nothing at
+    its end: the root's post-hook is parked as well, the forward is closed when the next
+    one opens, and the forwards known to be quiet only count (the policy is not asked).
+    Eval forwards and a forward that raises in between change none of the counts."""
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    before = hook_counts(model)
+    policy = AskedEvery(100)
+    handle = inject_observer(model, output_dir=tmp_path, sampling=policy)
+    observer = handle._observer
+    assert observer is not None
+    losses = train(model, 20)
+    model.eval()
+    model(torch.randn(4, 6))  # an eval forward: not counted
+    model.train()
+    losses += train(model, 2, seed=1)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 5))  # training forward 22 raises at fc1
+    losses += train(model, 4, seed=2)
+    remove_observer(model)
+    assert hook_counts(model) == before
+    twin_losses = train(twin, 20) + train(twin, 2, seed=1) + train(twin, 4, seed=2)
+    assert losses == twin_losses
+    # Forward 0 is sampled; forward 1 parks the submodule hooks and, at its end, the
+    # root's post-hook. The root sentinel checks forwards 7, 8, 17 and 26 (post-hook back
+    # for those); forward 20, after the eval forward, parks it again in its pre-hook.
+    sentinel = [7, 8, 17, 26]
+    expected = [1, 1] + [1 if i in sentinel else 0 for i in range(2, 20)]
+    expected += [1]  # the eval forward: back in place, as for any forward not quiet
+    expected += [1 if i in sentinel else 0 for i in range(20, 27)]
+    assert model.root_hooks_seen == expected
+    assert model.probe.hooks_seen == [1] + [0] * 26  # the raising forward never got there
+    assert policy.asked == [0, 1, 20]  # forwards 2-19 and 21-26 were known to be quiet
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["forwards_seen"] == 27
+    assert coverage["eval_forwards_skipped"] == 1
+    assert coverage["samples_observed"] == 1
+    assert coverage["sentinel_checks"] == len(sentinel)
+    assert coverage["errors_total"] == 0
+
+
+def test_a_policy_without_next_sampled_is_asked_about_every_forward(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    model = Net()
+    policy = RaisesOnForward(fail_on=-1)  # should_sample only: every 3rd forward
+    inject_observer(model, output_dir=tmp_path, sampling=policy)
+    train(model, 12)
+    remove_observer(model)
+    assert policy.asked == list(range(12))
+    # The root's post-hook is still parked in unsampled forwards without the sentinel
+    # (2, 5, 11), except right after a sample (1, 4, 10: the submodule hooks are parked
+    # then, and the post-hook at the end); 7 and 8 have the root sentinel.
+    assert model.root_hooks_seen == [1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0]
+
+
+class SelfCalling(nn.Module):
+    """Calls itself once inside its forward while ``recurse`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.recurse = False
+        self.inside = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recurse and not self.inside:
+            self.inside = True
+            try:
+                x = self(x)
+            finally:
+                self.inside = False
+        return self.body(x)
+
+
+def test_a_root_that_starts_calling_itself_stops_open_ended_forwards(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """An inner call of the root closes an open-ended outer forward and counts as a
+    forward of its own, until a forward with the post-hook in place shows the nesting
+    (the root sentinel's, here forward 26): from then on the root keeps its post-hook
+    and an inner call is part of its outer forward, as in any other forward."""
+    torch.manual_seed(0)
+    model, twin = SelfCalling(), SelfCalling()
+    twin.load_state_dict(model.state_dict())
+    handle = inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    observer = handle._observer
+    assert observer is not None
+    losses = train(model, 12)
+    assert observer._open_ended and not observer._open_ended_off
+    model.recurse = True
+    losses += train(model, 20, seed=1)
+    assert observer._open_ended_off == "root module calls itself"
+    assert not observer._open_ended
+    remove_observer(model)
+    twin_losses = train(twin, 12)
+    twin.recurse = True
+    assert losses == twin_losses + train(twin, 20, seed=1)
+    coverage = read_report(tmp_path)["coverage"]
+    # Forwards 0-11, then 7 outer calls counted twice (forwards 12-25), then forward 26
+    # (its sentinel shows the nesting) and 12 more: 39.
+    assert coverage["forwards_seen"] == 39
+    assert coverage["errors_total"] == 0
+
+
+def test_compiling_after_quiet_forwards_observes_the_compiled_model(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(10))
+    losses = train(model, 13)  # eager: forwards 2-6 and 11-12 quiet, the last left open
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    losses += train(compiled, 20, seed=1)
+    remove_observer(model)
+    torch._dynamo.reset()
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
+    assert losses == train(twin, 13) + train(twin_compiled, 20, seed=1)
+    report = read_report(tmp_path)
+    assert report["run"]["hook_parking"] == "off: torch.compile in use"
+    assert report["coverage"]["forwards_seen"] == 33
+    seen = observations(report)
+    # Sampled forwards 0 and 10 (eager), 20 and 30 (compiled): every submodule each time.
+    for name in ("fc1", "probe", "fc2"):
+        assert seen[(name, "activation")] == 4, (name, seen)
+        assert seen[(name, "grad_output")] == 4, (name, seen)
+
+
+def test_a_subclass_that_overrides_only_should_sample_is_asked_about_every_forward(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Its inherited ``next_sampled`` would not agree with it, so it is not used."""
+    asked: list[int] = []
+
+    class OddForwardsEveryN(EveryNSampling):
+        def should_sample(self, forward_index: int) -> bool:
+            asked.append(forward_index)
+            return forward_index % 2 == 1
+
+    model = Net()
+    inject_observer(model, output_dir=tmp_path, sampling=OddForwardsEveryN(100))
+    train(model, 12)
+    remove_observer(model)
+    assert asked == list(range(12))
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (12, 6)

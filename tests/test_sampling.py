@@ -145,6 +145,33 @@ def test_policies_are_deterministic():
 
 
 @pytest.mark.parametrize(
+    "policy",
+    [
+        DefaultSampling(),
+        DefaultSampling(samples_per_stage=2, max_interval_forwards=4),
+        DefaultSampling(samples_per_stage=3, max_interval_forwards=100),  # cap not a power
+        DefaultSampling(samples_per_stage=1, max_interval_forwards=1),
+        EveryNSampling(1),
+        EveryNSampling(7),
+    ],
+    ids=repr,
+)
+def test_next_sampled_is_the_first_sampled_forward_at_or_after(policy) -> None:
+    indices = sampled(policy, 4_000)
+    for forward in range(indices[-1] + 1):
+        expected = next(i for i in indices if i >= forward)
+        assert policy.next_sampled(forward) == expected, forward
+
+
+def test_next_sampled_of_the_default_schedule_by_hand() -> None:
+    policy = DefaultSampling(samples_per_stage=2, max_interval_forwards=4)  # 0 1 2 4 6 10 14
+    assert [policy.next_sampled(i) for i in range(16)] == [
+        0, 1, 2, 4, 4, 6, 6, 10, 10, 10, 10, 14, 14, 14, 14, 18
+    ]  # fmt: skip
+    assert EveryNSampling(5).next_sampled(11) == 15
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (

@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -305,6 +305,20 @@ class Observer:
         self._parked: list[tuple[dict[int, Any], int, ForwardHook]] = []
         self._frames_at_park = 0
         self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
+        # The root's post-hook, parked across unsampled forwards that need no close (see
+        # _open_ended_forward): (hooks dict, handle id, hook), or None if it cannot be.
+        self._root_post: tuple[dict[int, Any], int, RootPostHook] | None = None
+        self._root_post_parked = False
+        # True while an unsampled root forward is open with no post-hook to close it:
+        # the next root forward (or detach) closes it.
+        self._open_ended = False
+        # Why forwards are never left open-ended, or "" while they may be.
+        self._open_ended_off = ""
+        # Training forwards below this index continue the open-ended steady state with
+        # nothing to do but count (see enter_root); 0 when none is known. The forward
+        # at that index, if it only needs the root sentinel, is _quiet_sentinel (else -1).
+        self._quiet_until = 0
+        self._quiet_sentinel = -1
 
         # Pipeline state.
         self._pending: list[_Record] = []
@@ -346,7 +360,8 @@ class Observer:
         self.eval_forwards_skipped = 0
         self.recompute_calls = 0
         self.implicit_samples = 0
-        self.root_forwards = 0
+        #: True once a training forward went through the root (not only direct calls).
+        self.root_forward_seen = False
         self.calls_outside_root = 0
         #: The training forward of each sample (runs of arithmetic progressions).
         self.sample_forwards = SampleForwards()
@@ -360,6 +375,7 @@ class Observer:
         self.reports_written = 0
         self.telemetry_seconds = 0.0
         self.series_summary_omitted = 0
+        self._next_sampled = _lookahead(policy)
         listener = getattr(policy, "note_cost", None)
         self._cost_listener = listener if callable(listener) else None
         self.started_at = time.time()
@@ -394,6 +410,8 @@ class Observer:
                     handle = module.register_forward_hook(post)
                     # A forward that raises would skip the post-hook: never park.
                     self.hook_parking = "off: torch without always_call forward hooks"
+                else:
+                    self._root_post = (module._forward_hooks, handle.id, post)
                 self._handles.append(handle)
             else:
                 hook = ForwardHook(self, index)
@@ -406,6 +424,9 @@ class Observer:
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
+        self._quiet_until = 0
+        self._open_ended = False
+        self._restore_root_post()
         self._restore_hooks(reset=False)
         self._parkable.clear()
         for handle in self._handles + self._leaf_hooks:
@@ -433,6 +454,36 @@ class Observer:
     # ------------------------------------------------------------------ context
     def enter_root(self, module: nn.Module) -> None:
         """Open a root forward: decide once whether it is sampled."""
+        index = self.forwards_seen
+        if (
+            (index < self._quiet_until or index == self._quiet_sentinel)
+            and module.training
+            and _grad_enabled()
+            and not _inference_mode_enabled()
+            and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
+            and not _is_tracing()
+            and compiled_frames() == self._frames_at_park
+        ):
+            # A quiet forward: the previous training forward was left open-ended (see
+            # _close_open_ended) and this one is known, since then, to be unsampled and
+            # to have no flush due. Closing the previous forward and opening this one
+            # would leave every field as it is but the count.
+            self.forwards_seen = index + 1
+            if index == self._quiet_sentinel:
+                # It has the root sentinel: the post-hook comes back to read the output,
+                # and the forward is open on the stack as any other.
+                self._quiet_until = 0
+                self._quiet_sentinel = -1
+                self._open_ended = False
+                self._restore_root_post()
+                self._state_stack.append(self.IDLE)
+                if _monotonic() - self._last_write >= self._rewrite_interval_s:
+                    self.write_report(block=False)
+            return
+        self._quiet_until = 0
+        self._quiet_sentinel = -1
+        if self._open_ended:
+            self._close_open_ended()
         stack = self._state_stack
         stack.append(self.state)
         decision: bool | None = None
@@ -463,6 +514,12 @@ class Observer:
                     self._sample_open = False
                     self._unsampled_training = True
                     self.state = 0  # SKIP
+                    if _root_sentinel_due(index, self.ROOT_SENTINEL_INTERVAL):
+                        self._restore_root_post()  # the sentinel reads the root output
+                    elif self._root_post_parked or self._park_root_post():
+                        stack.pop()
+                        self._open_ended = True
+                        self._plan_quiet_forwards()
                     if self._pending or self._staged or self._slab_records:
                         self._maybe_flush()
                     elif _monotonic() - self._last_write >= self._rewrite_interval_s:
@@ -475,6 +532,8 @@ class Observer:
                 self.state = self.SKIP
                 self.record_error("enter_root", "", error)
                 return
+        if self._root_post_parked:
+            self._restore_root_post()
         if not self.attached:
             self.state = self.SKIP
             return
@@ -495,6 +554,79 @@ class Observer:
         except Exception as error:  # never break training
             self.state = self.SKIP
             self.record_error("enter_root", "", error)
+
+    def _plan_quiet_forwards(self) -> None:
+        """Find the quiet forwards that follow the open-ended one just opened (see
+        enter_root): up to the first that is sampled, checked by the root sentinel, or
+        at which :meth:`_maybe_flush` would flush pending statistics. That one is quiet
+        too if it needs only the root sentinel. Nothing is quiet unless the policy can
+        tell its next sampled forward (``next_sampled``)."""
+        if self._next_sampled is None or self._forced_samples:
+            return
+        start = self.forwards_seen
+        interval = self.ROOT_SENTINEL_INTERVAL
+        run = start // interval
+        # The forward _root_sentinel_due picks in run ``run``, or in the next one.
+        sentinel = run * interval + (run + interval - 1) % interval
+        if sentinel < start:
+            run += 1
+            sentinel = run * interval + (run + interval - 1) % interval
+        every = (
+            DEVICE_FLUSH_INTERVAL_FORWARDS
+            if self._producer_streams
+            else self.FLUSH_INTERVAL_FORWARDS
+        )
+        flush = (start + every) // every * every - 1  # forwards_seen a multiple of every
+        sampled = self._next_sampled(start)
+        until = min(sampled, sentinel, flush)
+        self._quiet_until = until
+        self._quiet_sentinel = until if until == sentinel < min(sampled, flush) else -1
+
+    def _park_root_post(self) -> bool:
+        """Take the root's post-hook out for an unsampled forward that needs no close
+        (see :meth:`_close_open_ended`); False if it must stay (it is not the root's only
+        forward hook, or the root has been seen calling itself)."""
+        slot = self._root_post
+        if slot is None or self._open_ended_off:
+            return False
+        hooks, key, _ = slot
+        if len(hooks) != 1 or key not in hooks:
+            return False
+        del hooks[key]
+        self._root_post_parked = True
+        return True
+
+    def _restore_root_post(self) -> None:
+        """Put the root's post-hook back (in front of any hook registered meanwhile)."""
+        slot = self._root_post
+        if not self._root_post_parked or slot is None:
+            return
+        self._root_post_parked = False
+        hooks, key, hook = slot
+        if not hooks:
+            hooks[key] = hook
+            return
+        others = list(hooks.items())
+        hooks.clear()
+        hooks[key] = hook
+        hooks.update(others)
+
+    def _close_open_ended(self) -> None:
+        """Close the unsampled root forward that was left open with its post-hook parked.
+
+        In the steady state most root forwards are unsampled and need nothing at their
+        end (no root sentinel, no records); the root's post-hook is then parked too, so
+        that the forward costs one hook call rather than two, and the forward is closed
+        here, when the next root forward opens (or at removal). The state in between is
+        SKIP rather than IDLE, which only hooks that cannot be parked see. A root that
+        calls itself (seen by :meth:`_open_root` or by a post-hook that finds no open
+        forward) turns this off for good, since its inner call would close the outer.
+        """
+        self._open_ended = False
+        self.state = self.IDLE
+        self._unsampled_training = False
+        if self._parked and compiled_frames() != self._frames_at_park:
+            self._restore_hooks(reset=True)  # something was compiled during that forward
 
     def _drop_unclosed_forwards(self, module: nn.Module) -> None:
         """Forget root forwards that never closed (a KeyboardInterrupt skips even the
@@ -535,6 +667,7 @@ class Observer:
             self.SKIP,
             self.SENTINEL,
         ):
+            self._open_ended_off = "root module calls itself"
             return None  # the root calling itself: same forward
         if _is_tracing():
             self.state = self.SKIP
@@ -555,8 +688,8 @@ class Observer:
         return self.state == self.SKIP
 
     def _reset_forward_state(self) -> None:
-        """Count a training root forward and reset what a root forward starts from."""
-        self.root_forwards += 1
+        """Note a training root forward and reset what a root forward starts from."""
+        self.root_forward_seen = True
         self._implicit_opener = None
         self._sample_in_backward = False
         self._recompute_anchor = -1
@@ -579,7 +712,13 @@ class Observer:
             self.state = self.SKIP
             return
         stack = self._state_stack
-        self.state = stack.pop() if stack else self.IDLE
+        if stack:
+            self.state = stack.pop()
+        else:
+            # A post-hook with no forward open: the root called itself inside a forward
+            # left open-ended (whose inner call closed it). Never leave one open again.
+            self._open_ended_off = "root module calls itself"
+            self.state = self.IDLE
         if self._parked and not stack and compiled_frames() != self._frames_at_park:
             self._restore_hooks(reset=True)  # something was compiled during this forward
         if self.state == self.IDLE:
@@ -596,9 +735,16 @@ class Observer:
                 self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL
             ):
                 self._root_sentinel(output)
-            self.state = state = stack.pop()
             if self._parked and compiled_frames() != self._frames_at_park:
                 self._restore_hooks(reset=True)  # something was compiled during this forward
+            if self._parked and stack[0] == 2 and self._park_root_post():
+                # Hooks stay parked: leave the forward open-ended, so that the next ones
+                # can be quiet (this hook is called from a copy of the hook dict).
+                stack.pop()
+                self._open_ended = True
+                self._plan_quiet_forwards()
+                return
+            self.state = state = stack.pop()
             if state == 2:  # IDLE
                 self._unsampled_training = False
             return
@@ -732,6 +878,7 @@ class Observer:
         """Count a non-finite value seen by a sentinel in unsampled training forward
         ``forward``; ``next_sample`` is the index the next sample takes."""
         self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
+        self._quiet_until = 0  # the next forwards are sampled
         if forward == self._last_sentinel_forward:
             return  # only the first (earliest in forward order) per forward
         self._last_sentinel_forward = forward
@@ -816,7 +963,7 @@ class Observer:
             or not module.training
         ):
             return False
-        if self.root_forwards and not self.capture_direct_forwards:
+        if self.root_forward_seen and not self.capture_direct_forwards:
             # Training goes through the root: a submodule called on its own (an auxiliary
             # loss, a probe) is a side computation, kept out of the training series
             # (capture_direct_forwards=True asks for such calls to be observed).
@@ -1523,6 +1670,18 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _lookahead(policy: SamplingPolicy) -> Callable[[int], int] | None:
+    """The policy's ``next_sampled`` if it has one that it defines together with its
+    ``should_sample`` (a subclass that overrides only ``should_sample`` gets None)."""
+    method = getattr(policy, "next_sampled", None)
+    if not callable(method):
+        return None
+    mro = type(policy).__mro__
+    owner_next = next((cls for cls in mro if "next_sampled" in vars(cls)), None)
+    owner_should = next((cls for cls in mro if "should_sample" in vars(cls)), None)
+    return method if owner_next is not None and owner_next is owner_should else None
 
 
 def _root_sentinel_due(forward: int, interval: int) -> bool:

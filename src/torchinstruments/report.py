@@ -504,7 +504,7 @@ def _first_non_finite(
 
 
 def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observer) -> str:
-    if observer.root_forwards == 0:
+    if not observer.root_forward_seen:
         return (
             f"No training forward was observed ({observer.eval_forwards_skipped} forwards "
             "skipped as evaluation: eval mode, no_grad or inference_mode), so there is "

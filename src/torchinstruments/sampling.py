@@ -39,6 +39,12 @@ class SamplingPolicy(Protocol):
         """Return True if the root forward with this 0-based index is sampled."""
         ...
 
+    # Optional, not part of the runtime check: a policy that is a function of the index
+    # alone may also define ``next_sampled(forward_index) -> int``, the first sampled
+    # forward at or after ``forward_index``, in the class that defines ``should_sample``
+    # (and agreeing with it). The observer then does not ask about the forwards in
+    # between (see ``Observer.enter_root``), which saves a call per unsampled forward.
+
     def describe(self) -> dict[str, object]:
         """Return a JSON-safe description of the effective schedule, for the report."""
         ...
@@ -65,6 +71,10 @@ class EveryNSampling:
 
     def should_sample(self, forward_index: int) -> bool:
         return forward_index % self.n == 0
+
+    def next_sampled(self, forward_index: int) -> int:
+        """The first sampled forward at or after ``forward_index`` (>= 0)."""
+        return forward_index + (-forward_index) % self.n
 
     def describe(self) -> dict[str, object]:
         return {"policy": "every_n", "interval_forwards": self.n}
@@ -145,6 +155,21 @@ class DefaultSampling:
                 break
             stage_start, interval = start, stage_interval
         return (forward_index - stage_start) % interval == 0
+
+    def next_sampled(self, forward_index: int) -> int:
+        """The first sampled forward at or after ``forward_index`` (>= 0).
+
+        Every stage's first forward is sampled and lies on the previous stage's grid, so
+        the next point of the grid of the stage holding ``forward_index`` is the answer.
+        """
+        stage_start, interval = self._stage_starts[-1]
+        if forward_index < stage_start:  # the steady state skips the search
+            stage_start, interval = self._stage_starts[0]
+            for start, stage_interval in self._stage_starts:
+                if forward_index < start:
+                    break
+                stage_start, interval = start, stage_interval
+        return forward_index + (stage_start - forward_index) % interval
 
     def describe(self) -> dict[str, object]:
         return {
