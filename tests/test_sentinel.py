@@ -445,3 +445,32 @@ def test_a_fault_recurring_every_4th_forward_meets_the_root_sentinel(
     hit = first.get("earlier_between_samples", first)
     assert 200 <= hit["forward_index"] < 264
     assert hit["forward_index"] % 4 == phase
+
+
+def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
+    tmp_path: Path,
+) -> None:
+    """On the accelerator path the root sentinel's sum is read at a flush. Read between
+    forwards 7 and 8 (``flush()``), its hit must make forward 8 sampled, although 8 was
+    planned as a quiet forward that only has the root sentinel."""
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.inp.bias.zero_()
+    handle = inject_observer(model, output_dir=tmp_path, sampling=100)
+    observer = handle._observer
+    assert observer is not None
+    observer.device_path_types = frozenset({"cpu"})
+    generator = torch.Generator().manual_seed(0)
+    for index in range(20):
+        model.gate.divisor.fill_(0.0 if index == 7 else 1.0)
+        model(torch.randn(4, 4, generator=generator)).sum().backward()
+        if index == 7:
+            assert observer._quiet_sentinel == 8  # planned at the end of forward 7
+            handle.flush()
+    model.gate.divisor.fill_(1.0)
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["sentinel_nonfinite_forwards"] == 1
+    assert coverage["samples_observed"] == 1 + 8  # forward 0, then 8 to 15 forced
+    assert coverage["sentinel_checks"] == 2  # forwards 7 and 17 (8 is sampled)

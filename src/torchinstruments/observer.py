@@ -306,7 +306,7 @@ class Observer:
         self._frames_at_park = 0
         self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
         # The root's post-hook, parked across unsampled forwards that need no close (see
-        # _open_ended_forward): (hooks dict, handle id, hook), or None if it cannot be.
+        # _close_open_ended): (hooks dict, handle id, hook), or None if it cannot be.
         self._root_post: tuple[dict[int, Any], int, RootPostHook] | None = None
         self._root_post_parked = False
         # True while an unsampled root forward is open with no post-hook to close it:
@@ -425,6 +425,7 @@ class Observer:
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
         self._quiet_until = 0
+        self._quiet_sentinel = -1
         self._open_ended = False
         self._restore_root_post()
         self._restore_hooks(reset=False)
@@ -879,6 +880,7 @@ class Observer:
         ``forward``; ``next_sample`` is the index the next sample takes."""
         self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
         self._quiet_until = 0  # the next forwards are sampled
+        self._quiet_sentinel = -1
         if forward == self._last_sentinel_forward:
             return  # only the first (earliest in forward order) per forward
         self._last_sentinel_forward = forward
