@@ -553,3 +553,27 @@ def test_a_subclass_that_overrides_only_should_sample_is_asked_about_every_forwa
     assert asked == list(range(12))
     coverage = read_report(tmp_path)["coverage"]
     assert (coverage["forwards_seen"], coverage["samples_observed"]) == (12, 6)
+
+
+def test_a_next_sampled_that_raises_is_counted_and_no_longer_used(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    class BrokenLookahead(AskedEvery):
+        def should_sample(self, forward_index: int) -> bool:
+            return super().should_sample(forward_index)
+
+        def next_sampled(self, forward_index: int) -> int:
+            raise RuntimeError("next_sampled failed on purpose")
+
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    policy = BrokenLookahead(4)
+    inject_observer(model, output_dir=tmp_path, sampling=policy)
+    losses = train(model, 12)
+    remove_observer(model)
+    assert losses == train(twin, 12)
+    assert policy.asked == list(range(12))
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (12, 3)
+    assert coverage["errors_total"] == 1

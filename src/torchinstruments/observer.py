@@ -578,7 +578,12 @@ class Observer:
             else self.FLUSH_INTERVAL_FORWARDS
         )
         flush = (start + every) // every * every - 1  # forwards_seen a multiple of every
-        sampled = self._next_sampled(start)
+        try:
+            sampled = int(self._next_sampled(start))
+        except Exception as error:  # a user policy's: ask it about every forward instead
+            self._next_sampled = None
+            self.record_error("next_sampled", "", error)
+            return
         until = min(sampled, sentinel, flush)
         self._quiet_until = until
         self._quiet_sentinel = until if until == sentinel < min(sampled, flush) else -1
