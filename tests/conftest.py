@@ -64,3 +64,14 @@ def read_report(directory: Path) -> dict[str, Any]:
 @pytest.fixture
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return make_batches(30)
+
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's compile counters at zero for the test: hook parking (and what builds on
+    it) stops for good once anything was compiled in the process, as other tests do."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    monkeypatch.setitem(torch._dynamo.utils.counters["frames"], "total", 0)
+    monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)

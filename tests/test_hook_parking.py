@@ -8,6 +8,7 @@ test here starts those counters at zero (``fresh_dynamo``) and lets them count f
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 from typing import cast
 
@@ -60,13 +61,6 @@ class OddForwards:
 
     def describe(self) -> dict[str, object]:
         return {"policy": "odd_forwards"}
-
-
-@pytest.fixture
-def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch._dynamo.reset()
-    monkeypatch.setitem(torch._dynamo.utils.counters["frames"], "total", 0)
-    monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
 
 
 def hook_counts(model: nn.Module) -> dict[str, int]:
@@ -463,39 +457,44 @@ def test_a_policy_without_next_sampled_is_asked_about_every_forward(
 
 
 class SelfCalling(nn.Module):
-    """Calls itself once inside its forward while ``recurse`` is set."""
+    """Calls itself once inside its forward while ``recurse`` is set (under no_grad with
+    ``teacher``, as self-distillation does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, teacher: bool) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
         self.recurse = False
         self.inside = False
+        self.teacher = teacher
 
     def forward(self, x: Tensor) -> Tensor:
         if self.recurse and not self.inside:
             self.inside = True
             try:
-                x = self(x)
+                with torch.no_grad() if self.teacher else contextlib.nullcontext():
+                    target = self(x)
+                x = x + target
             finally:
                 self.inside = False
         return self.body(x)
 
 
+@pytest.mark.parametrize("teacher", [False, True], ids=["grad", "no_grad"])
 def test_a_root_that_starts_calling_itself_stops_open_ended_forwards(
-    tmp_path: Path, fresh_dynamo
+    tmp_path: Path, fresh_dynamo, teacher: bool
 ) -> None:
-    """An inner call of the root closes an open-ended outer forward and counts as a
-    forward of its own, until a forward with the post-hook in place shows the nesting
-    (the root sentinel's, here forward 26): from then on the root keeps its post-hook
-    and an inner call is part of its outer forward, as in any other forward."""
+    """An inner call of the root inside a forward left open-ended (and even inside a
+    quiet one) is part of that forward, as in any other forward: counted neither as a
+    forward nor as an eval forward. Forwards are no longer left open-ended after it."""
     torch.manual_seed(0)
-    model, twin = SelfCalling(), SelfCalling()
+    model, twin = SelfCalling(teacher), SelfCalling(teacher)
     twin.load_state_dict(model.state_dict())
     handle = inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
     observer = handle._observer
     assert observer is not None
     losses = train(model, 12)
     assert observer._open_ended and not observer._open_ended_off
+    assert observer._quiet_until > observer.forwards_seen  # forward 12 is quiet
     model.recurse = True
     losses += train(model, 20, seed=1)
     assert observer._open_ended_off == "root module calls itself"
@@ -505,9 +504,8 @@ def test_a_root_that_starts_calling_itself_stops_open_ended_forwards(
     twin.recurse = True
     assert losses == twin_losses + train(twin, 20, seed=1)
     coverage = read_report(tmp_path)["coverage"]
-    # Forwards 0-11, then 7 outer calls counted twice (forwards 12-25), then forward 26
-    # (its sentinel shows the nesting) and 12 more: 39.
-    assert coverage["forwards_seen"] == 39
+    assert coverage["forwards_seen"] == 32
+    assert coverage["eval_forwards_skipped"] == 0
     assert coverage["errors_total"] == 0
 
 
@@ -577,3 +575,65 @@ def test_a_next_sampled_that_raises_is_counted_and_no_longer_used(
     coverage = read_report(tmp_path)["coverage"]
     assert (coverage["forwards_seen"], coverage["samples_observed"]) == (12, 3)
     assert coverage["errors_total"] == 1
+
+
+def test_a_copy_taken_while_the_root_post_hook_is_parked_ends_up_without_hooks(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """An EMA copy taken between quiet forwards: no always-called entry is left behind
+    for a hook the copy does not have (a later hook of the copy could take its id)."""
+    model = Net()
+    before = {
+        name: (dict(m._forward_hooks), dict(m._forward_hooks_always_called))
+        for name, m in model.named_modules()
+    }
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    train(model, 4)  # forward 3 is quiet: the root's post-hook is parked
+    assert model.root_hooks_seen[-1] == 0
+    ema = copy.deepcopy(model)
+    assert dict(ema._forward_hooks_always_called) == {}
+    ema(torch.randn(2, 6))  # the inert pre-hook removes itself
+    assert {
+        name: (dict(m._forward_hooks), dict(m._forward_hooks_always_called))
+        for name, m in ema.named_modules()
+    } == before
+    assert not ema._forward_pre_hooks
+    remove_observer(model)
+
+
+def test_a_submodule_with_its_own_hook_keeps_the_root_post_hook_in_place(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Our hook on such a module cannot be parked and sees the state between forwards:
+    no forward is left open-ended, so calls outside the root forward are counted."""
+    model = Net()
+    model.fc2.register_forward_hook(lambda module, args, output: None)
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    for step in range(12):
+        train(model, 1, seed=step)
+        model.fc2(torch.randn(2, 12))  # a probe outside the root forward
+    remove_observer(model)
+    assert model.root_hooks_seen == [1] * 12
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["forwards_seen"] == 12
+    assert coverage["calls_outside_root_skipped"] == 12
+
+
+def test_an_instance_that_overrides_should_sample_is_asked_about_every_forward(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    policy = AskedEvery(100)
+    asked: list[int] = []
+
+    def odd(forward_index: int) -> bool:
+        asked.append(forward_index)
+        return forward_index % 2 == 1
+
+    policy.should_sample = odd  # type: ignore[method-assign]
+    model = Net()
+    inject_observer(model, output_dir=tmp_path, sampling=policy)
+    train(model, 10)
+    remove_observer(model)
+    assert asked == list(range(10))
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (10, 5)

@@ -448,7 +448,7 @@ def test_a_fault_recurring_every_4th_forward_meets_the_root_sentinel(
 
 
 def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
-    tmp_path: Path,
+    tmp_path: Path, fresh_dynamo: None
 ) -> None:
     """On the accelerator path the root sentinel's sum is read at a flush. Read between
     forwards 7 and 8 (``flush()``), its hit must make forward 8 sampled, although 8 was

@@ -232,7 +232,10 @@ def inject_observer(
             instance. Every call is still observed exactly once. Without it, submodules
             called on their own are observed (as samples of their own) only while the
             root has never run a training forward; once it has, such calls (an auxiliary
-            loss, a probe) are counted under ``coverage.calls_outside_root_skipped``.
+            loss, a probe) are skipped, and counted under
+            ``coverage.calls_outside_root_skipped`` where the module's hook is in place
+            (between unsampled eager forwards, hooks are taken out of the modules
+            whose only forward hook they are, and then see no call).
         full_sentinel: on every unsampled training forward, check every observed
             module's output for non-finite values (one reduction per tensor), so that a
             one-off NaN is localised to the first module in forward order that produced

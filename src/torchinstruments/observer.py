@@ -13,6 +13,7 @@ needs them; see :meth:`Observer._park_hooks`.
 from __future__ import annotations
 
 import atexit
+import inspect
 import math
 import sys
 import threading
@@ -108,6 +109,9 @@ _monotonic = time.monotonic
 _inference_mode_enabled = torch.is_inference_mode_enabled
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
 _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
+#: Code of nn.Module._wrapped_call_impl (torch >= 2.2), which calls _call_impl.
+_WRAPPED_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", None)
+_getframe = sys._getframe
 #: Pending-record signal carrying the GradScaler loss scale of a sample.
 _LOSS_SCALE = "loss_scale"
 #: Gradient values of these metrics are divided by the GradScaler loss scale.
@@ -306,8 +310,12 @@ class Observer:
         self._frames_at_park = 0
         self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
         # The root's post-hook, parked across unsampled forwards that need no close (see
-        # _close_open_ended): (hooks dict, handle id, hook), or None if it cannot be.
-        self._root_post: tuple[dict[int, Any], int, RootPostHook] | None = None
+        # _close_open_ended): (hooks dict, always-called dict, handle id, hook), or None.
+        self._root_post: tuple[dict[int, Any], dict[int, bool], int, RootPostHook] | None = None
+        # To tell a root that calls itself: the code of its forward, and how many frames
+        # up from enter_root the caller of the root is (0 until known; see _park_root_post).
+        self._root_forward_code: object = None
+        self._caller_depth = 0
         self._root_post_parked = False
         # True while an unsampled root forward is open with no post-hook to close it:
         # the next root forward (or detach) closes it.
@@ -411,7 +419,11 @@ class Observer:
                     # A forward that raises would skip the post-hook: never park.
                     self.hook_parking = "off: torch without always_call forward hooks"
                 else:
-                    self._root_post = (module._forward_hooks, handle.id, post)
+                    always = getattr(module, "_forward_hooks_always_called", None)
+                    if isinstance(always, dict):
+                        self._root_post = (module._forward_hooks, always, handle.id, post)
+                    forward = inspect.unwrap(type(module).forward)
+                    self._root_forward_code = getattr(forward, "__code__", None)
                 self._handles.append(handle)
             else:
                 hook = ForwardHook(self, index)
@@ -464,6 +476,7 @@ class Observer:
             and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
             and not _is_tracing()
             and compiled_frames() == self._frames_at_park
+            and _getframe(self._caller_depth).f_code is not self._root_forward_code
         ):
             # A quiet forward: the previous training forward was left open-ended (see
             # _close_open_ended) and this one is known, since then, to be unsampled and
@@ -484,6 +497,11 @@ class Observer:
         self._quiet_until = 0
         self._quiet_sentinel = -1
         if self._open_ended:
+            if _getframe(self._caller_depth).f_code is self._root_forward_code:
+                # The root's forward calls the root: part of the open-ended forward, as
+                # in any other forward. Forwards are no longer left open-ended.
+                self._open_ended_off = "root module calls itself"
+                return
             self._close_open_ended()
         stack = self._state_stack
         stack.append(self.state)
@@ -590,15 +608,23 @@ class Observer:
 
     def _park_root_post(self) -> bool:
         """Take the root's post-hook out for an unsampled forward that needs no close
-        (see :meth:`_close_open_ended`); False if it must stay (it is not the root's only
-        forward hook, or the root has been seen calling itself)."""
+        (see :meth:`_close_open_ended`), from enter_root or leave_root; False if it must
+        stay: it is not the root's only forward hook, a submodule hook of ours is not
+        parked (it would see the state between forwards), the root has been seen calling
+        itself, or where its caller sits on the stack is unknown."""
         slot = self._root_post
-        if slot is None or self._open_ended_off:
+        if slot is None or self._open_ended_off or len(self._parked) != len(self._parkable):
             return False
-        hooks, key, _ = slot
+        hooks, always, key, _ = slot
         if len(hooks) != 1 or key not in hooks:
             return False
+        if not self._caller_depth:
+            self._caller_depth = _caller_depth(self.root, _getframe(1))
+            if not self._caller_depth or self._root_forward_code is None:
+                self._open_ended_off = "caller of the root not found"
+                return False
         del hooks[key]
+        always.pop(key, None)  # so that a copy taken meanwhile carries no stale entry
         self._root_post_parked = True
         return True
 
@@ -608,7 +634,8 @@ class Observer:
         if not self._root_post_parked or slot is None:
             return
         self._root_post_parked = False
-        hooks, key, hook = slot
+        hooks, always, key, hook = slot
+        always[key] = True
         if not hooks:
             hooks[key] = hook
             return
@@ -1679,16 +1706,34 @@ class _AtExit:
             observer.write_report()
 
 
+def _caller_depth(root: nn.Module, frame: Any) -> int:
+    """How many frames up from ``frame`` (enter_root's or leave_root's, called by a root
+    hook) the code that called ``root`` runs, past ``nn.Module``'s call machinery; 0 if
+    the root's ``_call_impl`` frame is not found."""
+    depth = 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
+            frame = frame.f_back
+            depth += 1
+            if frame is not None and frame.f_code is _WRAPPED_CALL_IMPL_CODE:
+                depth += 1
+            return depth
+        frame = frame.f_back
+        depth += 1
+    return 0
+
+
 def _lookahead(policy: SamplingPolicy) -> Callable[[int], int] | None:
     """The policy's ``next_sampled`` if it has one that it defines together with its
-    ``should_sample`` (a subclass that overrides only ``should_sample`` gets None)."""
+    ``should_sample``, in the same class or both on the instance (a subclass, or an
+    instance, that overrides only ``should_sample`` gets None)."""
     method = getattr(policy, "next_sampled", None)
     if not callable(method):
         return None
-    mro = type(policy).__mro__
-    owner_next = next((cls for cls in mro if "next_sampled" in vars(cls)), None)
-    owner_should = next((cls for cls in mro if "should_sample" in vars(cls)), None)
-    return method if owner_next is not None and owner_next is owner_should else None
+    owners = [getattr(policy, "__dict__", {}), *(vars(cls) for cls in type(policy).__mro__)]
+    owner_next = next((i for i, names in enumerate(owners) if "next_sampled" in names), None)
+    owner_should = next((i for i, names in enumerate(owners) if "should_sample" in names), None)
+    return method if owner_next is not None and owner_next == owner_should else None
 
 
 def _root_sentinel_due(forward: int, interval: int) -> bool:
