@@ -76,9 +76,39 @@ def test_calls_inside_vmap_are_skipped_and_training_calls_kept(tmp_path: Path) -
     report = read_report(tmp_path)
     coverage = report["coverage"]
     assert coverage["errors_total"] == 0
-    assert coverage["tensors_skipped"]["functorch_transform"] > 0
+    # The root forwards inside the transform are skipped whole, as eval forwards are.
+    assert (coverage["forwards_seen"], coverage["eval_forwards_skipped"]) == (4, 4)
     for name in ("0", "1", "2"):
         assert rms_finding(report, name)["observations"] == 4
+
+
+class VmapInside(nn.Module):
+    """Runs a submodule under vmap inside an ordinary training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(vmap(self.inner)(x))
+
+
+def test_a_submodule_run_under_vmap_inside_a_training_forward_is_skipped_and_counted(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = VmapInside()
+    inject_observer(model, output_dir=tmp_path, sampling=1, report_config=WIDE)
+    for _ in range(3):
+        model(torch.randn(6, 8)).pow(2).mean().backward()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    coverage = report["coverage"]
+    assert coverage["errors_total"] == 0
+    assert coverage["forwards_seen"] == 3
+    assert coverage["tensors_skipped"] == {"functorch_transform": 3}
+    assert rms_finding(report, "head")["observations"] == 3
 
 
 class Residual(nn.Module):

@@ -112,6 +112,12 @@ _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", No
 #: Code of nn.Module._wrapped_call_impl (torch >= 2.2), which calls _call_impl.
 _WRAPPED_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", None)
 _getframe = sys._getframe
+#: The innermost torch.func transform being run (None outside any): a root forward run
+#: inside one (per-sample gradients through ``vmap(grad(...))``) has only wrapped
+#: tensors, which cannot be measured, so it is skipped like an eval forward.
+_transform_level: Callable[[], object] = getattr(
+    getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
+)
 #: Pending-record signal carrying the GradScaler loss scale of a sample.
 _LOSS_SCALE = "loss_scale"
 #: Gradient values of these metrics are divided by the GradScaler loss scale.
@@ -475,6 +481,7 @@ class Observer:
             and not _inference_mode_enabled()
             and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
             and not _is_tracing()
+            and _transform_level() is None
             and compiled_frames() == self._frames_at_park
             and _getframe(self._caller_depth).f_code is not self._root_forward_code
         ):
@@ -516,6 +523,7 @@ class Observer:
             and not _inference_mode_enabled()
             and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
             and not _is_tracing()
+            and _transform_level() is None
             and compiled_frames() == self._frames_at_park
         ):
             # The steady state: a top-level training forward while the submodule hooks
@@ -706,7 +714,11 @@ class Observer:
             self.state = self.SKIP
             self.eval_forwards_skipped += 1
             return False  # a trace must record the module calls as they are
-        if torch.is_inference_mode_enabled() or not module.training:
+        if (
+            torch.is_inference_mode_enabled()
+            or not module.training
+            or _transform_level() is not None
+        ):
             self.state = self.SKIP
             self.eval_forwards_skipped += 1
             return True
@@ -995,6 +1007,7 @@ class Observer:
             or not torch.is_grad_enabled()
             or torch.is_inference_mode_enabled()
             or not module.training
+            or _transform_level() is not None
         ):
             return False
         if self.root_forward_seen and not self.capture_direct_forwards:

@@ -507,7 +507,8 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observ
     if not observer.root_forward_seen:
         return (
             f"No training forward was observed ({observer.eval_forwards_skipped} forwards "
-            "skipped as evaluation: eval mode, no_grad or inference_mode), so there is "
+            "skipped as evaluation: eval mode, no_grad, inference_mode or inside a "
+            "torch.func transform), so there is "
             "nothing to report. Train in model.train() mode with gradients enabled."
         )
     if notable == 0:
