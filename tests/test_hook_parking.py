@@ -7,8 +7,11 @@ test here starts those counters at zero (``fresh_dynamo``) and lets them count f
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import copy
+import sys
+import threading
 from pathlib import Path
 from typing import cast
 
@@ -637,3 +640,123 @@ def test_an_instance_that_overrides_should_sample_is_asked_about_every_forward(
     assert asked == list(range(10))
     coverage = read_report(tmp_path)["coverage"]
     assert (coverage["forwards_seen"], coverage["samples_observed"]) == (10, 5)
+
+
+class Wrapper(nn.Module):
+    """Holds and calls a module of its own class (only the inner one is observed)."""
+
+    def __init__(self, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.fc(x))
+        return self.inner(x) if self.inner is not None else x
+
+    def teacher(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self(x)
+
+
+def test_an_observed_model_called_by_a_module_of_its_class_is_not_taken_for_recursion(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    torch.manual_seed(0)
+    inner = Wrapper()
+    outer = Wrapper(inner)
+    inject_observer(inner, output_dir=tmp_path, sampling=EveryNSampling(100))
+    train(outer, 300)
+    remove_observer(inner)
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (300, 3)
+
+
+class HelperTeacher(Wrapper):
+    """Calls itself under no_grad through a helper method, from forward 12 on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        y = torch.tanh(self.fc(x))
+        if self.calls > 12 and torch.is_grad_enabled():
+            y = y + self.teacher(x)
+        return y
+
+
+def test_a_no_grad_self_call_through_a_helper_is_part_of_its_forward(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    torch.manual_seed(0)
+    model = HelperTeacher()
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    train(model, 30)
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["eval_forwards_skipped"]) == (30, 0)
+    assert coverage["errors_total"] == 0
+
+
+class Signalling(nn.Module):
+    """Sets ``done`` at the end of its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 1)
+        self.done = threading.Event()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        self.done.set()
+        return y
+
+
+def test_a_root_called_as_the_entry_point_of_a_thread_runs(
+    tmp_path: Path, fresh_dynamo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fewer Python frames above the root's call than the observer looks up."""
+    errors: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda hook: errors.append(hook.exc_value))
+    model = Signalling()
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    train(model, 4)  # forward 3 is quiet: forward 4 would be too
+    model.done.clear()
+    _thread.start_new_thread(model, (torch.randn(2, 6),))  # the root is the entry point
+    assert model.done.wait(10), errors
+    train(model, 2)
+    remove_observer(model)
+    assert errors == []
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["errors_total"]) == (7, 0)
+
+
+class VmapSelfCall(nn.Module):
+    """Calls itself under vmap, one row at a time, inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor, depth: int = 0) -> Tensor:
+        y = torch.tanh(self.fc(x))
+        if depth == 0:
+            y = y + torch.func.vmap(lambda row: self(row, 1))(y)
+        return y
+
+
+def test_the_root_sentinel_checks_only_the_outer_call_of_a_self_calling_root(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """The inner output (here a tensor batched by vmap, which has no .item()) is part
+    of the outer forward: checked neither twice nor at all."""
+    model = VmapSelfCall()
+    inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    train(model, 30)
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["eval_forwards_skipped"]) == (30, 0)
+    assert coverage["sentinel_checks"] == 4  # forwards 7, 8, 17 and 26
+    assert coverage["errors_total"] == 0

@@ -474,17 +474,24 @@ class Observer:
     def enter_root(self, module: nn.Module) -> None:
         """Open a root forward: decide once whether it is sampled."""
         index = self.forwards_seen
-        if (
-            (index < self._quiet_until or index == self._quiet_sentinel)
-            and module.training
-            and _grad_enabled()
-            and not _inference_mode_enabled()
-            and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
-            and not _is_tracing()
-            and _transform_level() is None
-            and compiled_frames() == self._frames_at_park
-            and _getframe(self._caller_depth).f_code is not self._root_forward_code
-        ):
+        try:
+            quiet = (
+                (index < self._quiet_until or index == self._quiet_sentinel)
+                and module.training
+                and _grad_enabled()
+                and not _inference_mode_enabled()
+                and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
+                and not _is_tracing()
+                and _transform_level() is None
+                and compiled_frames() == self._frames_at_park
+                and (  # not called by the root's own forward (see _nested_root_call)
+                    (caller := _getframe(self._caller_depth)).f_code is not self._root_forward_code
+                    or caller.f_locals.get("self") is not module
+                )
+            )
+        except ValueError:  # fewer frames than that: the root's caller is not Python code
+            quiet = False
+        if quiet:
             # A quiet forward: the previous training forward was left open-ended (see
             # _close_open_ended) and this one is known, since then, to be unsampled and
             # to have no flush due. Closing the previous forward and opening this one
@@ -504,7 +511,7 @@ class Observer:
         self._quiet_until = 0
         self._quiet_sentinel = -1
         if self._open_ended:
-            if _getframe(self._caller_depth).f_code is self._root_forward_code:
+            if self._nested_root_call(module):
                 # The root's forward calls the root: part of the open-ended forward, as
                 # in any other forward. Forwards are no longer left open-ended.
                 self._open_ended_off = "root module calls itself"
@@ -581,6 +588,29 @@ class Observer:
         except Exception as error:  # never break training
             self.state = self.SKIP
             self.record_error("enter_root", "", error)
+
+    def _nested_root_call(self, module: nn.Module) -> bool:
+        """From enter_root, with a forward left open-ended: True if this call of the root
+        comes from inside the root's own forward. Its direct caller is checked (the
+        root's ``forward`` on this instance); for a call that is not a training forward
+        (a no_grad teacher pass, say) the whole stack is walked, which catches calls
+        through helper methods too. A training forward that calls the root through a
+        helper is only seen at a forward with the post-hook in place (see
+        :meth:`_close_open_ended`)."""
+        try:
+            caller = _getframe(self._caller_depth + 1)
+        except ValueError:
+            return False
+        if caller.f_code is self._root_forward_code and caller.f_locals.get("self") is module:
+            return True
+        if (
+            module.training
+            and _grad_enabled()
+            and not _inference_mode_enabled()
+            and _transform_level() is None
+        ):
+            return False
+        return _root_calls_on_stack(module, _getframe(1)) > 1
 
     def _plan_quiet_forwards(self) -> None:
         """Find the quiet forwards that follow the open-ended one just opened (see
@@ -673,12 +703,7 @@ class Observer:
         """Forget root forwards that never closed (a KeyboardInterrupt skips even the
         always-called post-hook): keep only as many open forwards as calls of the root
         on this thread's stack. The root calling itself is the one legitimate nesting."""
-        open_calls = 0
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is module:
-                open_calls += 1
-            frame = frame.f_back
+        open_calls = _root_calls_on_stack(module, sys._getframe(1))
         stack = self._state_stack
         if open_calls == 0 or open_calls >= len(stack):
             return  # cannot tell (compiled frames), or nothing was left open
@@ -799,6 +824,7 @@ class Observer:
                 self._sample_outputs = {}  # the forward is over: its outputs are not shared
         elif (
             self._unsampled_training
+            and len(self._state_stack) == 1  # the outer call, not the root calling itself
             and _root_sentinel_due(self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL)
             and not self.full_sentinel
             and self.attached
@@ -1717,6 +1743,17 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _root_calls_on_stack(root: nn.Module, frame: Any) -> int:
+    """How many calls of ``root`` run on the stack from ``frame`` up (its ``_call_impl``
+    frames)."""
+    calls = 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
+            calls += 1
+        frame = frame.f_back
+    return calls
 
 
 def _caller_depth(root: nn.Module, frame: Any) -> int:
