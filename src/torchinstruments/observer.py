@@ -477,12 +477,7 @@ class Observer:
         try:
             quiet = (
                 (index < self._quiet_until or index == self._quiet_sentinel)
-                and module.training
-                and _grad_enabled()
-                and not _inference_mode_enabled()
-                and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
-                and not _is_tracing()
-                and _transform_level() is None
+                and _training_context(module)
                 and compiled_frames() == self._frames_at_park
                 and (  # not called by the root's own forward (see _nested_root_call)
                     (caller := _getframe(self._caller_depth)).f_code is not self._root_forward_code
@@ -523,14 +518,9 @@ class Observer:
         if (
             self._parked
             and len(stack) == 1
-            and module.training
             and not self._forced_samples
             and not self.full_sentinel
-            and _grad_enabled()
-            and not _inference_mode_enabled()
-            and (_graph_task_id is None or _graph_task_id() == -1)  # not in backward
-            and not _is_tracing()
-            and _transform_level() is None
+            and _training_context(module)
             and compiled_frames() == self._frames_at_park
         ):
             # The steady state: a top-level training forward while the submodule hooks
@@ -603,12 +593,7 @@ class Observer:
             return False
         if caller.f_code is self._root_forward_code and caller.f_locals.get("self") is module:
             return True
-        if (
-            module.training
-            and _grad_enabled()
-            and not _inference_mode_enabled()
-            and _transform_level() is None
-        ):
+        if _training_context(module):
             return False
         return _root_calls_on_stack(module, _getframe(1)) > 1
 
@@ -1743,6 +1728,20 @@ class _AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def _training_context(module: nn.Module) -> bool:
+    """True if a call of the root ``module`` made now is a training forward by its
+    context: train mode, gradients enabled, outside inference mode, outside backward
+    (a recomputation), outside ``torch.jit`` tracing and ``torch.func`` transforms."""
+    return (
+        module.training
+        and _grad_enabled()
+        and not _inference_mode_enabled()
+        and (_graph_task_id is None or _graph_task_id() == -1)
+        and not _is_tracing()
+        and _transform_level() is None
+    )
 
 
 def _root_calls_on_stack(root: nn.Module, frame: Any) -> int:
