@@ -550,7 +550,7 @@ class Observer:
                         self.write_report(block=False)
                     return
             except Exception as error:  # never break training (as _open_sample would)
-                self.forwards_seen += 1
+                self.forwards_seen = index + 1  # once, whether or not it was counted
                 self._no_grad_training_forwards = 0
                 self._reset_forward_state()
                 self.state = self.SKIP
