@@ -474,3 +474,13 @@ def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
     assert coverage["sentinel_nonfinite_forwards"] == 1
     assert coverage["samples_observed"] == 1 + 8  # forward 0, then 8 to 15 forced
     assert coverage["sentinel_checks"] == 2  # forwards 7 and 17 (8 is sampled)
+
+
+@pytest.mark.parametrize("interval", [1, 3, 8, 16])
+def test_the_next_root_sentinel_forward_is_the_first_one_checked(interval: int) -> None:
+    from torchinstruments.observer import _next_root_sentinel, _root_sentinel_due
+
+    checked = [f for f in range(600) if _root_sentinel_due(f, interval)]
+    for start in range(checked[-1] + 1):
+        assert _next_root_sentinel(start, interval) == next(f for f in checked if f >= start)
+    assert [_next_root_sentinel(s, 8) for s in (0, 8, 9, 18, 27)] == [7, 8, 17, 26, 35]

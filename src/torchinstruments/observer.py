@@ -606,13 +606,7 @@ class Observer:
         if self._next_sampled is None or self._forced_samples:
             return
         start = self.forwards_seen
-        interval = self.ROOT_SENTINEL_INTERVAL
-        run = start // interval
-        # The forward _root_sentinel_due picks in run ``run``, or in the next one.
-        sentinel = run * interval + (run + interval - 1) % interval
-        if sentinel < start:
-            run += 1
-            sentinel = run * interval + (run + interval - 1) % interval
+        sentinel = _next_root_sentinel(start, self.ROOT_SENTINEL_INTERVAL)
         every = (
             DEVICE_FLUSH_INTERVAL_FORWARDS
             if self._producer_streams
@@ -642,7 +636,7 @@ class Observer:
         if len(hooks) != 1 or key not in hooks:
             return False
         if not self._caller_depth:
-            self._caller_depth = _caller_depth(self.root, _getframe(1))
+            self._caller_depth = _find_caller_depth(self.root, _getframe(1))
             if not self._caller_depth or self._root_forward_code is None:
                 self._open_ended_off = "caller of the root not found"
                 return False
@@ -674,9 +668,10 @@ class Observer:
         end (no root sentinel, no records); the root's post-hook is then parked too, so
         that the forward costs one hook call rather than two, and the forward is closed
         here, when the next root forward opens (or at removal). The state in between is
-        SKIP rather than IDLE, which only hooks that cannot be parked see. A root that
-        calls itself (seen by :meth:`_open_root` or by a post-hook that finds no open
-        forward) turns this off for good, since its inner call would close the outer.
+        SKIP rather than IDLE; no forward is left open-ended while a hook of ours that
+        could see that state is in place. A root that calls itself (seen by
+        :meth:`_nested_root_call`, by :meth:`_open_root` or by a post-hook that finds no
+        open forward) turns this off for good, since its inner call would close the outer.
         """
         self._open_ended = False
         self.state = self.IDLE
@@ -1755,7 +1750,7 @@ def _root_calls_on_stack(root: nn.Module, frame: Any) -> int:
     return calls
 
 
-def _caller_depth(root: nn.Module, frame: Any) -> int:
+def _find_caller_depth(root: nn.Module, frame: Any) -> int:
     """How many frames up from ``frame`` (enter_root's or leave_root's, called by a root
     hook) the code that called ``root`` runs, past ``nn.Module``'s call machinery; 0 if
     the root's ``_call_impl`` frame is not found."""
@@ -1790,6 +1785,18 @@ def _root_sentinel_due(forward: int, interval: int) -> bool:
     run of ``interval`` forwards, at an offset that moves by one each run (see
     :attr:`Observer.ROOT_SENTINEL_INTERVAL`)."""
     return (forward - forward // interval) % interval == interval - 1
+
+
+def _next_root_sentinel(start: int, interval: int) -> int:
+    """The first forward from ``start`` on that :func:`_root_sentinel_due` picks: in run
+    ``b`` (forwards ``b * interval`` on) the one at offset ``(b + interval - 1) % interval``,
+    in the run of ``start`` or in the next one."""
+    run = start // interval
+    forward = run * interval + (run + interval - 1) % interval
+    if forward < start:
+        run += 1
+        forward = run * interval + (run + interval - 1) % interval
+    return forward
 
 
 def _version(tensor: Tensor) -> int | None:

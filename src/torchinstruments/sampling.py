@@ -136,24 +136,24 @@ class DefaultSampling:
             interval = min(interval * 2, self.max_interval_forwards)
         self._stage_starts = tuple(starts)
 
+    def _stage_at(self, forward_index: int) -> tuple[int, int]:
+        """(first forward, interval) of the stage holding ``forward_index``."""
+        stage = self._stage_starts[-1]
+        if forward_index >= stage[0]:  # the steady state: one test
+            return stage
+        stage = self._stage_starts[0]
+        for candidate in self._stage_starts:
+            if forward_index < candidate[0]:
+                break
+            stage = candidate
+        return stage
+
     def interval_at(self, forward_index: int) -> int:
         """Return the sampling interval, in forwards, in force at ``forward_index``."""
-        interval = 1
-        for start, stage_interval in self._stage_starts:
-            if forward_index < start:
-                break
-            interval = stage_interval
-        return interval
+        return self._stage_at(forward_index)[1]
 
     def should_sample(self, forward_index: int) -> bool:
-        last_start, last_interval = self._stage_starts[-1]
-        if forward_index >= last_start:  # the steady state: one test
-            return (forward_index - last_start) % last_interval == 0
-        stage_start, interval = self._stage_starts[0]
-        for start, stage_interval in self._stage_starts:
-            if forward_index < start:
-                break
-            stage_start, interval = start, stage_interval
+        stage_start, interval = self._stage_at(forward_index)
         return (forward_index - stage_start) % interval == 0
 
     def next_sampled(self, forward_index: int) -> int:
@@ -162,13 +162,7 @@ class DefaultSampling:
         Every stage's first forward is sampled and lies on the previous stage's grid, so
         the next point of the grid of the stage holding ``forward_index`` is the answer.
         """
-        stage_start, interval = self._stage_starts[-1]
-        if forward_index < stage_start:  # the steady state skips the search
-            stage_start, interval = self._stage_starts[0]
-            for start, stage_interval in self._stage_starts:
-                if forward_index < start:
-                    break
-                stage_start, interval = start, stage_interval
+        stage_start, interval = self._stage_at(forward_index)
         return forward_index + (stage_start - forward_index) % interval
 
     def describe(self) -> dict[str, object]:
