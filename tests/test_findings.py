@@ -126,8 +126,9 @@ def test_activation_step_origin_is_earliest_in_forward_order():
     # Echoes are folded: not returned as findings of their own.
     assert "a_third" not in names(found["activation_scale_drift"])
     assert "m_second" not in names(found["activation_scale_drift"])
-    # Scores are |ln(fast EMA / baseline)|: about ln 4 for the origin.
-    assert origin.score == origin.tracker.shift
+    # Scores are |ln(level after / trend forecast)| of the step: about ln 4 for the origin.
+    assert origin.change is not None
+    assert origin.score == abs(origin.change.step)
     assert abs(origin.score - math.log(4.0)) < 0.05
 
 
@@ -182,14 +183,14 @@ def test_gradient_step_origin_is_latest_in_forward_order():
     origin = change[0]
     assert origin.position == 3
     assert origin.onset == STEP_AT
-    assert origin.basis == "abs_log_ratio_to_baseline_net_of_loss_gradient"
+    assert origin.basis == "abs_log_step_net_of_loss_gradient"
     assert origin.judged is origin.series.trackers[RMS_TO_ROOT]
     assert echo_names(origin) == ["z_first", "m_second"]
     assert origin.group_score == origin.echoes[0].score
     # The text names the judged measure wherever it is not the raw gradient RMS.
     text = RULES["gradient_scale_change"].interpretation(origin)
-    assert "its fast EMA of rms_to_root is 3.989x above" in text, text
-    assert "Largest step of rms_to_root (its RMS over the loss gradient's)" in text, text
+    assert "stepped up (net of the loss gradient) from sample 40" in text, text
+    assert "its rms_to_root (its RMS over the loss gradient's) was 4." in text, text
     # The loss gradient itself is the reference: listed last, never notable.
     ranked = found["gradient_scale_change"]
     assert ranked[-1].series.module == ""

@@ -1,4 +1,4 @@
-"""Model-wide gradient rescaling is one <all> finding, never a set of module findings."""
+"""Model-wide gradient rescaling is one <model> finding, never a set of module findings."""
 
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     remove_observer(model)
     report = read_report(tmp_path)
     scale = [f for f in report["findings"] if f["category"] == "gradient_scale_change"]
-    model_wide = [f for f in scale if f["module"] == "<all>"]
+    model_wide = [f for f in scale if f["module"] == "<model>"]
     assert len(model_wide) == 1
     event = model_wide[0]
     assert event["notable"] and event["rank"] == 1
     assert abs(event["evidence"]["factor"] - 16.0) / 16.0 < 0.5
     assert 49 <= event["evidence"]["step_start_sample"] <= 51
-    assert not [f for f in scale if f["notable"] and f["module"] != "<all>"]
+    assert not [f for f in scale if f["notable"] and f["module"] != "<model>"]
     # The documented finding keys, as for module findings.
-    module_finding = next(f for f in report["findings"] if f["module"] != "<all>")
+    module_finding = next(f for f in report["findings"] if f["module"] != "<model>")
     assert set(module_finding) <= set(event) | {"call_index", "tensor_path"}
     assert event["change_sample"] == event["evidence"]["step_alarm_sample"]
     assert event["change_forward"] == event["change_sample"]  # sampling=1
@@ -55,8 +55,8 @@ def test_grad_scaler_scale_is_divided_out_and_reported_once(tmp_path: Path) -> N
     report = read_report(tmp_path)
     scale = [f for f in report["findings"] if f["category"] == "gradient_scale_change"]
     loss_scale = [f for f in scale if f["metric"] == "loss_scale"]
-    assert len(loss_scale) == 1 and loss_scale[0]["module"] == "<all>"
+    assert len(loss_scale) == 1 and loss_scale[0]["module"] == "<model>"
     assert loss_scale[0]["first"]["value"] == 2.0**10
     assert loss_scale[0]["max"]["value"] > 2.0**10  # the scaler grew
     assert report["coverage"]["loss_scaled_samples"] == 40
-    assert not [f for f in scale if f["notable"] and f["module"] != "<all>"]
+    assert not [f for f in scale if f["notable"] and f["module"] != "<model>"]

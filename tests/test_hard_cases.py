@@ -1491,7 +1491,7 @@ def test_grad_scaler_with_bf16_autocast_reports_unscaled_gradients(tmp_path: Pat
     compared = 0
     scaled_series = series(scaled_report)
     for key, finding in series(plain_report).items():
-        if key[2] != "grad_output" or key[0] == "<all>":
+        if key[2] != "grad_output" or key[0] == "<model>":
             continue
         for point in ("first", "latest", "min", "max"):
             expected = finding[point]["value"]
@@ -1504,12 +1504,12 @@ def test_grad_scaler_with_bf16_autocast_reports_unscaled_gradients(tmp_path: Pat
         return {
             (f["category"], f["module"], f["call_index"], f["signal"], f["metric"])
             for f in report["findings"]
-            if f["notable"] and f["module"] != "<all>"
+            if f["notable"] and f["module"] != "<model>"
         }
 
     assert notable(scaled_report) == notable(plain_report), "loss scaling shows as a finding"
-    # The loss scale itself is reported once, as a model-wide <all> event (docs/report.md).
-    assert [f["notable"] for f in scaled_report["findings"] if f["module"] == "<all>"] == [False]
+    # The loss scale itself is reported once, as a model-wide <model> event (docs/report.md).
+    assert [f["notable"] for f in scaled_report["findings"] if f["module"] == "<model>"] == [False]
 
 
 def scaled_accumulation(style: str, scaled: bool) -> Callable[[nn.Module], list[float]]:
@@ -1617,7 +1617,7 @@ def test_grad_scaler_overflow_and_backoff_is_not_a_module_finding(tmp_path: Path
     assert not [
         (f["module"], f["signal"])
         for f in report["findings"]
-        if f["category"] == "non_finite" and f["notable"] and f["module"] != "<all>"
+        if f["category"] == "non_finite" and f["notable"] and f["module"] != "<model>"
     ]
 
 

@@ -6,7 +6,7 @@ Definitions (fault scenarios with an origin):
   scenario's expected categories, in the order the report lists them (``findings`` is
   round-robin: rank 1 of every category in the report's category order, then rank 2,
   ...). That is the order a reader meets them in. Findings that are not notable are
-  context, not answers, and are skipped. Model-wide findings (module ``<all>``) stay in
+  context, not answers, and are skipped. Model-wide findings (module ``<model>``) stay in
   the list and never match an origin.
 - A finding *is on the origin* when its ``module`` equals an exact origin entry or starts
   with a prefix entry (entries ending with ``.``, e.g. ``blocks.3.``, accept any module

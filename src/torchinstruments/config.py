@@ -79,11 +79,14 @@ class TrackConfig:
             Default 0.3 (about 6 samples of memory).
         slow_ema_alpha: smoothing factor of the slow EMA, in (0, 1]. Default 0.05 (about
             40 samples).
-        cusum_allowance: CUSUM reference value k, in baseline standard deviations. Default
-            0.5, the usual choice for detecting a one-sigma shift (Montgomery, *Introduction
-            to Statistical Quality Control*, ch. 9).
-        cusum_threshold: CUSUM decision interval h, in baseline standard deviations.
-            Default 5.0 (Montgomery, ch. 9).
+        cusum_allowance: CUSUM reference value k, in residual spreads of the series' own
+            trend forecast. CUSUM with allowance k is tuned to shifts of about 2k
+            (Montgomery, *Introduction to Statistical Quality Control*, ch. 9). Default
+            2.5: abrupt departures of about 5 spreads are what counts; smaller persistent
+            residuals are a bending trend, which real training has everywhere.
+        cusum_threshold: CUSUM decision interval h, in residual spreads. Default 5.0
+            (Montgomery, ch. 9): with k = 2.5 one value 7.5 spreads away alarms, or two
+            values 5 spreads away.
         history_points: points of bounded history kept per series (downsampled by two each
             time it fills). Default 32.
         max_series: most series tracked; series beyond it are not created and are counted
@@ -96,7 +99,7 @@ class TrackConfig:
     warmup_samples: int = 24
     fast_ema_alpha: float = 0.3
     slow_ema_alpha: float = 0.05
-    cusum_allowance: float = 0.5
+    cusum_allowance: float = 2.5
     cusum_threshold: float = 5.0
     history_points: int = 32
     max_series: int = 50_000

@@ -1507,6 +1507,8 @@ class Observer:
         scalars: list[tuple[TensorSeries, int, dict[str, float | None]]] = []
         config = self.track_config
         aliases = self._aliases
+        forward_of = self.sample_forwards.forward
+        forwards: dict[int, int | None] = {}
         for (key, sample, position), row in zip(meta, rows, strict=True):
             if key[2] == _LOSS_SCALE:
                 if row[0] > 0 and math.isfinite(row[0]):
@@ -1535,14 +1537,18 @@ class Observer:
                 if series is None:
                     continue
                 series.forward_position = series_position
-                series.update(config, sample, values)
+                forward = forwards.get(sample, -1)
+                if forward == -1:
+                    forward = forwards[sample] = forward_of(sample)
+                series.update(config, sample, values, forward)
                 if self._scalar_sinks:
                     scalars.append((series, sample, values))
         for sample in sorted(grad_groups):
             group = grad_groups[sample]
+            forward = forward_of(sample)
             loss_scale = loss_scales.get(sample)
             if loss_scale is not None:
-                self.loss_scale.update(sample, loss_scale)
+                self.loss_scale.update(sample, loss_scale, forward)
                 for _, values in group:
                     for metric in _SCALE_METRICS:
                         value = values[metric]
@@ -1561,7 +1567,7 @@ class Observer:
                     # Net of the loss gradient: what the model between here and the
                     # output does to the gradient (loss scale and loss size cancel).
                     values[RMS_TO_ROOT] = rms / reference
-                series.update(config, sample, values)
+                series.update(config, sample, values, forward)
                 if self._scalar_sinks:
                     scalars.append((series, sample, values))
         if scalars:

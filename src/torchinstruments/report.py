@@ -27,10 +27,11 @@ from .find import (
     NonFiniteBetweenSamples,
     display_module,
     format_value,
+    model_wide_texts,
     run_rules,
 )
-from .find.base import ONSET_TOLERANCE_SAMPLES
-from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, forward_positions
+from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES
+from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, RMS_TO_ROOT, forward_positions
 from .track import SeriesPoint
 
 if TYPE_CHECKING:
@@ -102,10 +103,64 @@ def _point(point: SeriesPoint | None) -> dict[str, float | int]:
     return point.as_dict()
 
 
+#: Neighbours listed on each side of a finding's module in its cross-section.
+CROSS_SECTION_NEIGHBOURS = 3
+
+
+def _cross_section(c: Candidate, observer: Observer) -> list[dict[str, Any]] | None:
+    """At the finding's change, the module and its neighbours in forward order (same
+    signal, call, metric and tensor path kind): each value against its own trend
+    forecast, as ``before`` (forecast), ``after`` (observed), their ``ratio`` (log-scale
+    metrics; a difference otherwise) and ``in_spreads`` (the departure in that series'
+    own residual spreads). Where the change begins along depth is where the fault is.
+    Neighbours whose value at that sample is no longer among their latest points are
+    left out. None without a change point."""
+    change = c.change
+    if change is None:
+        return None
+    metric = c.metric if c.judged is c.tracker else RMS_TO_ROOT
+    sample = change.start_sample
+    signal = c.series.signal
+    peers = [s for s in observer.series.values() if s.signal == signal and metric in s.trackers]
+    positions = forward_positions(observer.series.values())
+    peers.sort(key=lambda s: (positions.get((s.module, s.call_index, s.tensor_path), 0), s.module))
+    index = next((i for i, s in enumerate(peers) if s is c.series), None)
+    if index is None:
+        return None
+    start = max(0, index - CROSS_SECTION_NEIGHBOURS)
+    rows: list[dict[str, Any]] = []
+    for s in peers[start : index + CROSS_SECTION_NEIGHBOURS + 1]:
+        tracker = s.trackers[metric]
+        departure = tracker.departure_at(sample)
+        if departure is None:
+            continue
+        before = tracker.level(departure.forecast)
+        after = tracker.level(departure.value)
+        row: dict[str, Any] = {
+            "module": display_module(s.module),
+            "call_index": s.call_index,
+            "tensor_path": s.tensor_path,
+            "before": before,
+            "after": after,
+        }
+        if tracker.log_scale:
+            row["ratio"] = after / before if before > 0 else None
+        else:
+            row["difference"] = after - before
+        row["in_spreads"] = departure.z
+        if s is c.series:
+            row["this_finding"] = True
+        rows.append(row)
+    return rows
+
+
 def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> dict[str, Any]:
     s, t = c.series, c.tracker
     rule = RULES[c.category]
     evidence = {k: v for k, v in c.evidence.items() if v is not None}
+    cross_section = _cross_section(c, observer) if c.notable else None
+    if cross_section:
+        evidence["cross_section"] = cross_section
     if c.echoes:
         evidence["echoes"] = [
             {
@@ -123,14 +178,31 @@ def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> di
     if len(history) > HISTORY_POINTS_PER_FINDING:
         step = (len(history) - 1) / (HISTORY_POINTS_PER_FINDING - 1)
         history = [history[round(i * step)] for i in range(HISTORY_POINTS_PER_FINDING)]
+    module: str = display_module(s.module)
+    call_index: int | None = s.call_index
+    tensor_path: str | None = s.tensor_path
+    interpretation = rule.interpretation(c)
+    next_experiment = rule.next_experiment(c)
+    if c.model_wide is not None:
+        evidence["model_wide"] = {
+            "share_of_modules": c.model_wide,
+            "modules": len(c.echoes) + 1,
+            "first_in_propagation_order": module,
+            "first_call_index": call_index,
+            "first_tensor_path": tensor_path,
+            "values_shown_are_of": "first_in_propagation_order",
+        }
+        forward = observer.sample_forwards.forward(c.onset)
+        interpretation, next_experiment = model_wide_texts(c, forward)
+        module, call_index, tensor_path = MODEL, None, None
     return {
         "category": c.category,
         "rank": rank,
         "notable": c.notable,
-        "module": display_module(s.module),
-        "call_index": s.call_index,
+        "module": module,
+        "call_index": call_index,
         "signal": s.signal,
-        "tensor_path": s.tensor_path,
+        "tensor_path": tensor_path,
         "metric": c.metric,
         "observations": t.count,
         "first": _point(t.first),
@@ -143,8 +215,8 @@ def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> di
         "change_forward": observer.sample_forwards.forward(c.onset),
         "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
         "evidence": evidence,
-        "interpretation": rule.interpretation(c),
-        "next_experiment": rule.next_experiment(c),
+        "interpretation": interpretation,
+        "next_experiment": next_experiment,
         "history": [[sample, value] for sample, value in history],
     }
 
@@ -154,7 +226,7 @@ MODEL_WIDE_FACTOR = 4.0
 
 
 def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
-    """``<all>`` findings: what rescaled every output gradient at once.
+    """``<model>`` findings: what rescaled every output gradient at once.
 
     Two sources: the ``torch.amp.GradScaler`` loss scale, known exactly and divided out
     of every output-gradient value (not notable: scaling is expected); and an abrupt step
@@ -224,14 +296,14 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
                 "max": _point(tracker.max),
                 "warmup_complete": tracker.warmup_complete,
                 "warmup_end_sample": tracker.warmup_end_sample,
-                "change_sample": change.alarm_sample,
-                "change_forward": observer.sample_forwards.forward(change.alarm_sample),
+                "change_sample": change.start_sample,
+                "change_forward": observer.sample_forwards.forward(change.start_sample),
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
                     "factor": factor,
                     "step_start_sample": change.start_sample,
                     "step_alarm_sample": change.alarm_sample,
-                    "step_in_std_before": change.step_z,
+                    "step_in_residual_spreads": change.step_z,
                 },
                 "interpretation": (
                     f"The loss gradient (the root output's gradient RMS) and with it every "
@@ -253,7 +325,7 @@ def _model_wide_header() -> dict[str, Any]:
     return {
         "category": "gradient_scale_change",
         "rank": 0,
-        "module": "<all>",
+        "module": MODEL,
         "call_index": None,
         "signal": "grad_output",
         "tensor_path": None,
@@ -832,15 +904,20 @@ def _tracker_state(tracker: Any) -> dict[str, Any]:
         "cusum_positive": tracker.cusum_positive,
         "cusum_negative": tracker.cusum_negative,
         "cusum_peak": tracker.cusum_peak,
+        "trend_level": tracker.level(tracker.trend_level),
+        "trend_slope_per_forward": tracker.trend_slope,
+        "residual_spread": tracker.spread,
         "level_changes": tracker.change_count,
         "change_points": [
             {
                 "start_sample": c.start_sample,
                 "alarm_sample": c.alarm_sample,
-                "level_before": tracker.level(c.level_before),
+                "start_forward": c.start_forward,
+                "trend_forecast": tracker.level(c.level_before),
                 "level_after": tracker.level(c.level_after),
-                "step_in_std_before": c.step_z,
+                "step_in_residual_spreads": c.step_z,
                 "confirmed": c.confirmed,
+                "transient": c.transient,
             }
             for c in tracker.changes
         ],

@@ -71,11 +71,18 @@ class TensorSeries:
     observations: int = 0
     undefined_values: int = 0
 
-    def update(self, config: TrackConfig, sample: int, values: dict[str, float | None]) -> None:
+    def update(
+        self,
+        config: TrackConfig,
+        sample: int,
+        values: dict[str, float | None],
+        forward: int | None = None,
+    ) -> None:
         """Feed one sample's metric values (``None`` where undefined) to the trackers.
 
         ``values`` maps metric names (:data:`~torchinstruments.reduce.METRICS`, plus
-        :data:`RMS_TO_ROOT` for output gradients) to values.
+        :data:`RMS_TO_ROOT` for output gradients) to values; ``forward`` is the sample's
+        training forward (default: the sample index), the time axis of the trends.
         """
         self.observations += 1
         trackers = self.trackers
@@ -91,7 +98,7 @@ class TensorSeries:
                     noise_floor=_NOISE_FLOORS[metric],
                 )
                 trackers[metric] = tracker
-            tracker.update(sample, value)
+            tracker.update(sample, value, forward)
 
 
 def forward_positions(series: Iterable[TensorSeries]) -> dict[tuple[str, int, str], int]:

@@ -3,47 +3,78 @@
 A :class:`SeriesTracker` follows one series (module, call index, signal, tensor path,
 metric) over samples. Its state has a fixed size whatever the run length: count; first,
 latest, min and max values with their sample indices; fast and slow exponential moving
-averages (EMA); a baseline frozen after warm-up; two-sided CUSUM against that baseline;
-momentum; drawdown; volatility of changes; oscillation (sign flips of consecutive
-differences); and a bounded, downsampled history for pictures.
+averages (EMA); a baseline frozen after warm-up; a local trend (level and slope per
+training forward) with a robust spread of its forecast residuals; two-sided CUSUM on those
+residuals; momentum; drawdown; volatility of residuals; oscillation (sign flips of
+consecutive differences); the latest points (for cross-sections); and a bounded,
+downsampled history for pictures.
 
 Scale metrics (``rms``, ``mean_abs``, ``max_abs``, ``tail_ratio``) are tracked in natural
-log space, so that EMAs, CUSUM and volatility measure relative change; fractions and
+log space, so that trends, CUSUM and volatility measure relative change; fractions and
 kurtosis are tracked as they are.
 
-After a CUSUM alarm a new segment learns its level over ``max(4, warmup_samples // 3)``
-values, during which CUSUM is not armed. On scale metrics a jump of at least 4x from both
-the level learnt so far and the level before, and more than ``h + k`` standard deviations
-of the segment before, starts a change of its own even then (once per learning segment),
-so that a fault arriving just after a (possibly false) alarm is not averaged into the
-new level.
+Change detection (see :class:`SeriesTracker`): each value is compared with the forecast of
+the series' own local linear trend, Holt's exponential smoothing (Holt 1957; irregular
+spacing handled as in Wright 1986, with time in training forwards), so that smooth drift
+of any size is followed and only a departure from it counts. The part of a residual that a
+bending trend can explain (``DRIFT_TOLERANCE`` of the trend's own predicted movement over
+the gap) is not counted. What remains, in units of a robust spread of past residuals (mean
+absolute residual times sqrt(pi/2), Huber-clipped, so that a fault does not inflate it),
+feeds Page's two-sided CUSUM (Page 1954). An alarm records a :class:`ChangePoint` dated at
+the sample where the departure began and re-anchors the trend on the new level; the next
+``CONFIRM_SAMPLES`` values confirm the change or mark it transient.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from .config import TrackConfig
 
-__all__ = ["ChangePoint", "SeriesPoint", "SeriesTracker"]
+__all__ = ["ChangePoint", "Departure", "SeriesPoint", "SeriesTracker"]
 
 #: Values at or below this are treated as this, before taking logs (a dead unit's RMS is 0).
 LOG_FLOOR = 1e-30
 _LOG_OF_FLOOR = math.log(LOG_FLOOR)
-#: Least factor of a jump that starts a change while a new segment is learning its level.
-LEARNING_JUMP_FACTOR = 4.0
-_LOG_LEARNING_JUMP = math.log(LEARNING_JUMP_FACTOR)
 #: Change points kept per series (the largest steps survive when more are found).
 MAX_CHANGES = 8
 #: Latest CUSUM increments kept to place the start of a change (bounded run-up).
 RUNUP_POINTS = 32
+#: Latest points kept per series with their forecast, for cross-sections at a change.
+RECENT_POINTS = 32
+#: Gain of the trend's level: the share of a forecast residual taken into the level.
+LEVEL_GAIN = 0.5
+#: Gain of the trend's slope, per forward: ``slope += SLOPE_GAIN * residual / gap``. High,
+#: so that the slope follows a curve that bends as training settles.
+SLOPE_GAIN = 0.3
+#: Gain of the spread's EMA of absolute residuals (about 10 samples of memory).
+SPREAD_GAIN = 0.1
+#: Mean absolute deviation to standard deviation for normal residuals: sqrt(pi / 2).
+MAD_TO_STD = math.sqrt(math.pi / 2.0)
+#: Share of the trend's predicted movement over a gap that a residual may take without
+#: counting: a linear forecast of a smoothly bending series misses by a share of the
+#: movement it predicts (more the longer the gap), and that is drift, not a change.
+DRIFT_TOLERANCE = 0.5
+#: Residuals past this many spreads are clipped (Huber) where they update the level, the
+#: slope and the spread once the reference is trusted, so that a step is not absorbed at once.
+RESIDUAL_CLIP = 3.0
+#: Values after an alarm that confirm a change (or find it transient).
+CONFIRM_SAMPLES = 2
+#: A change whose value returns within this share of its step of the old trend is transient.
+REVERT_SHARE = 0.5
 
 
-def _keep_runup(runup: list[tuple[int, float]], sample: int, z: float) -> None:
-    runup.append((sample, z))
+#: A CUSUM run-up entry: (sample, forward, excess residual in spreads, forecast, spread,
+#: slope before the value, value), in tracked units.
+_RunupEntry = tuple[int, int, float, float, float, float, float]
+
+
+def _keep_runup(runup: list[_RunupEntry], entry: _RunupEntry) -> None:
+    runup.append(entry)
     if len(runup) > RUNUP_POINTS:
         del runup[0]
 
@@ -56,18 +87,16 @@ def _first_largest(changes: Iterable[ChangePoint]) -> ChangePoint | None:
     return largest
 
 
-def _change_start(runup: list[tuple[int, float]], fallback: int) -> int:
-    """Where a change began: the first sample of the CUSUM run-up whose deviation is at
-    least a quarter of the largest one in it. Page's estimate (the sample where the sum
-    last left zero) runs early when noise keeps the sum just above zero before a large
+def _change_start(runup: list[_RunupEntry]) -> _RunupEntry:
+    """Where a change began: the first entry of the CUSUM run-up whose excess residual
+    is at least a quarter of the largest one in it. Page's estimate (the sample where the
+    sum last left zero) runs early when noise keeps the sum just above zero before a large
     step; for a gradual shift both agree."""
-    if not runup:
-        return fallback
-    largest = max(z for _, z in runup)
-    for sample, z in runup:
-        if z >= 0.25 * largest:
-            return sample
-    return fallback
+    largest = max(entry[2] for entry in runup)
+    for entry in runup:
+        if entry[2] >= 0.25 * largest:
+            return entry
+    return runup[0]
 
 
 class SeriesPoint(NamedTuple):
@@ -83,20 +112,50 @@ class SeriesPoint(NamedTuple):
         return {"sample": self.sample, "value": self.value}
 
 
-@dataclass(slots=True)
-class ChangePoint:
-    """A level shift found by CUSUM, in tracked units (log for scale metrics).
+class Departure(NamedTuple):
+    """One value against its series' trend forecast, in tracked units.
 
     Attributes:
-        start_sample: the estimated first sample of the new level: within the CUSUM
-            run-up (from where the alarming sum last left zero, Page 1954), the first
-            sample whose deviation is at least a quarter of the run-up's largest.
+        sample: the sample index.
+        forward: the training forward of the sample.
+        forecast: the trend's forecast for this value (tracked units: log for scale
+            metrics), from the values before it.
+        value: the value observed (tracked units).
+        spread: the residual spread the value is judged in (tracked units).
+    """
+
+    sample: int
+    forward: int
+    forecast: float
+    value: float
+    spread: float
+
+    @property
+    def z(self) -> float:
+        """``(value - forecast) / spread``: the departure in the series' own noise units."""
+        return (self.value - self.forecast) / self.spread
+
+
+@dataclass(slots=True)
+class ChangePoint:
+    """A departure from the series' trend found by CUSUM, in tracked units (log for
+    scale metrics).
+
+    Attributes:
+        start_sample: the first sample of the new level: within the CUSUM run-up (from
+            where the alarming sum last left zero, Page 1954), the first sample whose
+            excess residual is at least a quarter of the run-up's largest.
         alarm_sample: the sample at which CUSUM crossed its threshold.
-        level_before: mean of the segment before, in tracked units.
-        std_before: its standard deviation (floored), in tracked units.
-        level_after: mean of the new segment's first ``max(4, warmup_samples // 3)``
-            values (running mean until then), in tracked units.
-        confirmed: the new segment has seen that many values.
+        level_before: the trend's forecast for ``start_sample``, from the values before.
+        std_before: the residual spread at ``start_sample``.
+        level_after: mean of the values from ``start_sample`` to the alarm, each carried
+            back to the forward of ``start_sample`` along the trend's slope before the
+            change.
+        confirmed: the ``CONFIRM_SAMPLES`` values after the alarm stayed away from the
+            old trend (by more than ``REVERT_SHARE`` of the step).
+        transient: a value after the alarm returned to the old trend.
+        start_forward, alarm_forward: training forwards of those samples.
+        slope_before: the trend's slope before the change, per training forward.
     """
 
     start_sample: int
@@ -105,6 +164,11 @@ class ChangePoint:
     std_before: float
     level_after: float
     confirmed: bool = False
+    transient: bool = False
+    start_forward: int = -1
+    alarm_forward: int = -1
+    slope_before: float = 0.0
+    _after_count: int = 1
 
     @property
     def step(self) -> float:
@@ -113,8 +177,13 @@ class ChangePoint:
 
     @property
     def step_z(self) -> float:
-        """:attr:`step` in standard deviations of the segment before."""
+        """:attr:`step` in residual spreads at the start of the change."""
         return self.step / self.std_before
+
+    @property
+    def settled(self) -> bool:
+        """Confirmed, or still awaiting its confirming values (not transient)."""
+        return not self.transient
 
 
 class SeriesTracker:
@@ -123,20 +192,28 @@ class SeriesTracker:
     Args:
         config: the tracking configuration (warm-up length, EMA factors, CUSUM k and h).
         log_scale: track ``ln(value)`` rather than ``value`` (scale metrics).
-        noise_floor: smallest standard deviation of a reference, in tracked units (log
-            units when ``log_scale``), so that a series that was constant during warm-up
-            does not turn every later wiggle into an alarm.
+        noise_floor: smallest residual spread (and baseline standard deviation), in
+            tracked units (log units when ``log_scale``), so that a series that was
+            nearly constant does not turn every later wiggle into an alarm.
 
     Two references are kept. The *baseline* is the mean and standard deviation of the
     first ``warmup_samples`` values of the run; :attr:`shift` measures the end-to-end
-    movement against it. The *segment* reference is the same statistic over the current
-    segment: two-sided CUSUM (Page 1954) runs against it, and when it alarms a
-    :class:`ChangePoint` is recorded and a new segment starts (the detector re-arms, as
-    river's drift detectors do after firing), so both abrupt steps and the level they
-    lead to are measured, while slow drift shows up as many small steps.
+    movement against it (evidence only: real training moves far from its first values).
+    The *trend* is the reference changes are measured against: a local level and slope
+    per training forward (Holt's linear exponential smoothing; a value ``gap`` forwards
+    after the last is forecast as ``level + slope * gap``). A residual's part within
+    ``DRIFT_TOLERANCE`` of the predicted movement ``|slope * gap|`` is taken as drift; the
+    rest, divided by the spread (``MAD_TO_STD`` times an EMA of absolute excess
+    residuals, floored by ``noise_floor``), feeds two-sided CUSUM with allowance k and
+    threshold h. CUSUM is armed once ``warmup_samples`` values have been seen (the
+    trend and spread of early training are not a trustworthy reference). Once armed,
+    residuals update level, slope and spread clipped at ``RESIDUAL_CLIP`` spreads. An
+    alarm records a :class:`ChangePoint` and re-anchors the level on the new value
+    (keeping the slope): a later step is a change of its own, never merged into an
+    earlier one, and its onset is where it happened.
 
     The tracker is fed with :meth:`update` in increasing sample order with finite
-    floats (callers skip undefined values).
+    floats (callers skip undefined values), each with its training forward.
 
     Example:
         >>> tracker = SeriesTracker(TrackConfig(warmup_samples=3), log_scale=False, noise_floor=0.1)
@@ -149,31 +226,31 @@ class SeriesTracker:
     __slots__ = (
         "_alpha_fast",
         "_alpha_slow",
+        "_base_count",
+        "_base_m2",
         "_changes",
         "_config",
         "_constant",
         "_cusum_neg",
-        "_cusum_neg_start",
         "_cusum_pos",
-        "_cusum_pos_start",
         "_flip_ema",
+        "_forward",
         "_history",
         "_history_stride",
-        "_jump_restarted",
         "_last_diff",
         "_latest_sample",
         "_latest_value",
+        "_level",
         "_log_scale",
         "_noise_floor",
         "_peak",
         "_pending_change",
         "_prev",
+        "_recent",
         "_runup_neg",
         "_runup_pos",
-        "_seg_count",
-        "_seg_m2",
-        "_seg_mean",
-        "_seg_std",
+        "_slope",
+        "_spread",
         "_vol_sq_ema",
         "_warm_vol_sq",
         "_warmup",
@@ -212,6 +289,7 @@ class SeriesTracker:
         self.first: SeriesPoint | None = None
         self._latest_sample = -1
         self._latest_value = 0.0
+        self._forward = -1
         self.min: SeriesPoint | None = None
         self.max: SeriesPoint | None = None
         self.first_nonzero: SeriesPoint | None = None
@@ -220,22 +298,21 @@ class SeriesTracker:
         self.ema_fast = 0.0
         self.ema_slow = 0.0
         self._warm_vol_sq = 0.0
+        self._base_count = 0
+        self._base_m2 = 0.0
         self.baseline_mean = 0.0
         self.baseline_std = self._noise_floor
         self.baseline_volatility = 0.0
-        self._seg_count = 0
-        self._seg_mean = 0.0
-        self._seg_m2 = 0.0
-        self._seg_std = self._noise_floor
+        self._level = 0.0
+        self._slope = 0.0
+        self._spread = 0.0
         self._cusum_pos = 0.0
         self._cusum_neg = 0.0
-        self._cusum_pos_start = -1
-        self._cusum_neg_start = -1
-        self._runup_pos: list[tuple[int, float]] = []
-        self._runup_neg: list[tuple[int, float]] = []
+        self._runup_pos: list[_RunupEntry] = []
+        self._runup_neg: list[_RunupEntry] = []
+        self._recent: deque[Departure] = deque(maxlen=RECENT_POINTS)
         self.cusum_peak = 0.0
         self._pending_change: ChangePoint | None = None
-        self._jump_restarted = False
         self._changes: list[ChangePoint] = []
         self.latest_change: ChangePoint | None = None
         self.change_count = 0
@@ -260,13 +337,22 @@ class SeriesTracker:
             return math.log(value if value > LOG_FLOOR else LOG_FLOOR)
         return value
 
-    def update(self, sample: int, value: float) -> None:
-        """Add the value observed at ``sample`` (0-based sample index)."""
+    def update(self, sample: int, value: float, forward: int | None = None) -> None:
+        """Add the value observed at ``sample`` (0-based sample index).
+
+        Args:
+            sample: the sample index, increasing from call to call.
+            value: the metric value, finite.
+            forward: the training forward of the sample (0-based), increasing; default
+                ``sample`` (samples one forward apart).
+        """
         # The hot path of the host side (one call per series and metric per sample):
         # a SeriesPoint is built only where one is kept.
+        if forward is None:
+            forward = sample
         if self._constant and self.count:
             if value == self._latest_value:
-                self._repeat(sample, value)
+                self._repeat(sample, value, forward)
                 return
             self._constant = False
         v = self.transform(value)
@@ -298,10 +384,6 @@ class SeriesTracker:
         if count > 1:
             diff = v - self._prev
             self.momentum += alpha_fast * (diff - self.momentum)
-            self._vol_sq_ema += alpha_fast * (diff * diff - self._vol_sq_ema)
-            if count <= warmup:
-                self._warm_vol_sq += diff * diff
-                self.baseline_volatility = math.sqrt(self._warm_vol_sq / (count - 1))
             if self.diffs > 0:
                 if diff * self._last_diff < 0.0:
                     self.flips += 1
@@ -319,27 +401,33 @@ class SeriesTracker:
         if drawdown > self.max_drawdown:
             self.max_drawdown = drawdown
 
-        self._update_segment(sample, v)
         if count <= warmup:
-            # The run's baseline is the first segment's reference as it freezes.
-            self.baseline_mean = self._seg_mean
-            self.baseline_std = self._seg_std
+            # Welford's update of the warm-up baseline's mean and sum of squares.
+            self._base_count = count
+            delta = v - self.baseline_mean
+            self.baseline_mean += delta / count
+            self._base_m2 += delta * (v - self.baseline_mean)
+            if count > 1:
+                self.baseline_std = max(math.sqrt(self._base_m2 / (count - 1)), self._noise_floor)
             if count == warmup:
                 self.warmup_end_sample = sample
+        self._update_trend(sample, forward, v, count)
         if (count - 1) % self._history_stride == 0:
             self._append_history(sample, value)
 
-    def _repeat(self, sample: int, value: float) -> None:
+    def _repeat(self, sample: int, value: float, forward: int) -> None:
         """:meth:`update` for a series whose every value so far equals ``value``, with
         the same resulting state in fewer steps (a zero ``nonfinite_fraction`` is such a
         series in nearly every run, a zero ``zero_fraction`` in most): the EMAs,
-        momentum, volatility, drawdown and segment mean already equal the value or zero,
-        CUSUM stays at zero and the segment's deviation at its floor, so only counters,
-        the decay of the flip rate and the history move."""
+        momentum, trend, residuals and baseline already equal the value or zero, CUSUM
+        stays at zero and the spread at its floor, so only counters, the decay of the
+        flip rate, the forward and the history move (the latest points are implied:
+        every forecast equals the value)."""
         count = self.count + 1
         self.count = count
         self._latest_sample = sample
         self._latest_value = value
+        self._forward = forward
         if value != 0.0:
             self.nonzero_count += 1
         if self.diffs > 0:
@@ -347,10 +435,10 @@ class SeriesTracker:
         self.diffs += 1
         if not self._log_scale:
             self._prev = value  # the same number, down to the sign of a zero
-        if self._seg_count < self._config.warmup_samples:
-            self._seg_count += 1
-        if count == self._warmup:
-            self.warmup_end_sample = sample
+        if count <= self._warmup:
+            self._base_count = count
+            if count == self._warmup:
+                self.warmup_end_sample = sample
         if (count - 1) % self._history_stride == 0:
             self._append_history(sample, value)
 
@@ -361,120 +449,158 @@ class SeriesTracker:
             return None
         return SeriesPoint(self._latest_sample, self._latest_value)
 
-    def _update_segment(self, sample: int, v: float) -> None:
-        # The first segment learns over the whole warm-up; after a change point the
-        # detector is blind while the new segment learns, so that is kept short.
-        warmup = self._config.warmup_samples
-        if self.change_count:
-            warmup = max(4, warmup // 3)
-            pending = self._pending_change
-            if (
-                pending is not None
-                and self._seg_count < warmup
-                and not self._jump_restarted
-                and self._jumps_while_learning(v, pending)
-            ):
-                self._start_change(sample, sample, v, pending.std_before)
-                # Once per learning segment: an oscillation must not start a change at
-                # every sample (the next segment then learns its level in full).
-                self._jump_restarted = True
-                return
-        if self._seg_count < warmup:
-            # Welford's update of the segment's mean and sum of squared deviations.
-            self._seg_count += 1
-            delta = v - self._seg_mean
-            self._seg_mean += delta / self._seg_count
-            self._seg_m2 += delta * (v - self._seg_mean)
-            if self._seg_count > 1:
-                std = math.sqrt(self._seg_m2 / (self._seg_count - 1))
-                self._seg_std = max(std, self._noise_floor)
-            pending = self._pending_change
-            if pending is not None:
-                pending.level_after = self._seg_mean
-                if self._seg_count == warmup:
-                    pending.confirmed = True
-                    self._pending_change = None
-                    self._jump_restarted = False
+    def _update_trend(self, sample: int, forward: int, v: float, count: int) -> None:
+        """Forecast ``v`` from the trend, run CUSUM on the excess residual, then update
+        level, slope and spread (see the class docstring)."""
+        if count == 1 or self._forward < 0:
+            self._level = v
+            self._slope = 0.0
+            self._forward = forward
+            self._recent.append(Departure(sample, forward, v, v, self._noise_floor))
             return
-        # The reference is frozen once the segment has seen warm-up: a slow fault must
-        # not be absorbed into it (as in Page's CUSUM with a known in-control mean).
-        z = (v - self._seg_mean) / self._seg_std
+        gap = forward - self._forward
+        if gap < 1:
+            gap = 1
+        self._forward = forward
+        moved = self._slope * gap
+        forecast = self._level + moved
+        residual = v - forecast
+        tolerance = DRIFT_TOLERANCE * abs(moved)
+        if residual > tolerance:
+            excess = residual - tolerance
+        elif residual < -tolerance:
+            excess = residual + tolerance
+        else:
+            excess = 0.0
+        root_gap = math.sqrt(gap)
+        spread = self._spread * root_gap
+        if spread < self._noise_floor:
+            spread = self._noise_floor
+        self._recent.append(Departure(sample, forward, forecast, v, spread))
+        armed = count > self._warmup
+        used = excess
+        if armed:
+            bound = RESIDUAL_CLIP * spread
+            if used > bound:
+                used = bound
+            elif used < -bound:
+                used = -bound
+        # Volatility: EMA of squared (clipped) excess residuals, in tracked units.
+        self._vol_sq_ema += self._alpha_fast * (used * used - self._vol_sq_ema)
+        pending = self._pending_change
+        if pending is not None and self._follow_pending(pending, forward, v):
+            # Back on the trend from before the change: re-anchor there, no new change.
+            self._level = v
+            self._slope = pending.slope_before
+            self._cusum_pos = self._cusum_neg = 0.0
+            self._runup_pos.clear()
+            self._runup_neg.clear()
+            return
+        if armed and self._cusum(sample, forward, v, forecast, excess / spread, spread):
+            return  # re-anchored on the new level
+        correction = residual - excess + used
+        self._level = forecast + LEVEL_GAIN * correction
+        self._slope += SLOPE_GAIN * correction / gap
+        self._spread += SPREAD_GAIN * (MAD_TO_STD * abs(used) / root_gap - self._spread)
+        if not armed:
+            # The warm-up's residual volatility: RMS of its excess residuals.
+            self._warm_vol_sq += excess * excess
+            self.baseline_volatility = math.sqrt(self._warm_vol_sq / (count - 1))
+
+    def _cusum(
+        self, sample: int, forward: int, v: float, forecast: float, z: float, spread: float
+    ) -> bool:
+        """Page's two-sided CUSUM step on the excess residual ``z`` (in spreads); on an
+        alarm, record the change and re-anchor (returns True)."""
         k = self._config.cusum_allowance
+        slope = self._slope
         pos = self._cusum_pos + z - k
         if pos > 0.0:
             if self._cusum_pos <= 0.0:
-                self._cusum_pos_start = sample
                 self._runup_pos.clear()
             self._cusum_pos = pos
-            _keep_runup(self._runup_pos, sample, z)
+            _keep_runup(self._runup_pos, (sample, forward, z, forecast, spread, slope, v))
         else:
             self._cusum_pos = 0.0
         neg = self._cusum_neg - z - k
         if neg > 0.0:
             if self._cusum_neg <= 0.0:
-                self._cusum_neg_start = sample
                 self._runup_neg.clear()
             self._cusum_neg = neg
-            _keep_runup(self._runup_neg, sample, -z)
+            _keep_runup(self._runup_neg, (sample, forward, -z, forecast, spread, slope, v))
         else:
             self._cusum_neg = 0.0
         peak = max(self._cusum_pos, self._cusum_neg)
         if peak > self.cusum_peak:
             self.cusum_peak = peak
-        if peak > self._config.cusum_threshold:
-            up = self._cusum_pos >= self._cusum_neg
-            runup = self._runup_pos if up else self._runup_neg
-            start = _change_start(runup, self._cusum_pos_start if up else self._cusum_neg_start)
-            self._start_change(start, sample, v, self._seg_std)
+        if peak <= self._config.cusum_threshold:
+            return False
+        runup = self._runup_pos if self._cusum_pos >= self._cusum_neg else self._runup_neg
+        self._alarm(sample, forward, v, runup)
+        return True
 
-    def _start_change(self, start: int, alarm: int, v: float, std_before: float) -> None:
-        """Record a change point at ``alarm`` and start a new segment with value ``v``."""
-        change = ChangePoint(
-            start_sample=start,
-            alarm_sample=alarm,
-            level_before=self._seg_mean,
-            std_before=std_before,
-            level_after=v,
-        )
-        self.change_count += 1
-        self.latest_change = change
-        self._pending_change = change
-        self._jump_restarted = False
-        self._keep_change(change)
-        # Re-arm: a new segment starts with this value.
-        self._seg_count = 1
-        self._seg_mean = v
-        self._seg_m2 = 0.0
-        self._seg_std = self._noise_floor
+    def _alarm(self, sample: int, forward: int, v: float, runup: list[_RunupEntry]) -> None:
+        """Record a change at ``sample`` that began within ``runup``, then re-anchor the
+        trend on ``v`` with the slope from before the run-up."""
+        start = _change_start(runup)
+        start_sample, start_forward, _, forecast, spread, slope, _ = start
+        # The level after: the run-up's values from the start on, each carried back to
+        # the start's forward along the slope from before the change.
+        values = [
+            entry[6] - slope * (entry[1] - start_forward)
+            for entry in runup
+            if entry[0] >= start_sample
+        ]
+        after = sum(values) / len(values)
+        pending = self._pending_change
+        if pending is not None and (after - pending.level_before) * pending.step > 0.0:
+            # The same departure, still growing while it is confirmed: one change.
+            pending.level_after = v - pending.slope_before * (forward - pending.start_forward)
+            pending.alarm_sample = sample
+            pending.alarm_forward = forward
+        else:
+            change = ChangePoint(
+                start_sample=start_sample,
+                alarm_sample=sample,
+                level_before=forecast,
+                std_before=spread,
+                level_after=after,
+                start_forward=start_forward,
+                alarm_forward=forward,
+                slope_before=slope,
+            )
+            self.change_count += 1
+            self.latest_change = change
+            self._pending_change = change
+            self._keep_change(change)
+        self._level = v
+        self._slope = slope
         self._cusum_pos = self._cusum_neg = 0.0
         self._runup_pos.clear()
         self._runup_neg.clear()
 
-    def _jumps_while_learning(self, v: float, pending: ChangePoint) -> bool:
-        """While a new segment learns its level after a change, CUSUM is not armed; a
-        fault arriving then would be averaged into the new level. A value that jumps at
-        least ``LEARNING_JUMP_FACTOR`` (4x) away from both the level learnt so far and the
-        level before the change, and more than a single-sample CUSUM alarm (``h + k``
-        standard deviations of the segment before the change), starts a change of its
-        own, once per learning segment. Scale (log) series only: for them the factor is
-        a fixed yardstick whatever the noise of the new regime."""
-        if not self._log_scale:
-            return False
-        jump = abs(v - self._seg_mean)
-        if jump < _LOG_LEARNING_JUMP or abs(v - pending.level_before) < _LOG_LEARNING_JUMP:
-            return False  # a small move, or back to the level before the change
-        config = self._config
-        return jump > (config.cusum_threshold + config.cusum_allowance) * max(
-            pending.std_before, self._noise_floor
-        )
+    def _follow_pending(self, pending: ChangePoint, forward: int, v: float) -> bool:
+        """A value after an alarm: confirm the change, or find it transient (returns
+        True: the value is back on the trend from before the change)."""
+        after = v - pending.slope_before * (forward - pending.start_forward)
+        if abs(after - pending.level_before) < REVERT_SHARE * abs(pending.step):
+            pending.transient = True
+            self._pending_change = None
+            return True
+        count = pending._after_count + 1
+        pending._after_count = count
+        if count > CONFIRM_SAMPLES:
+            pending.confirmed = True
+            self._pending_change = None
+        return False
 
     def _keep_change(self, change: ChangePoint) -> None:
-        # Bounded: past MAX_CHANGES, forget the smallest confirmed step (ties: the later),
-        # or, with none confirmed, the smallest step but the newest.
+        # Bounded: past MAX_CHANGES, forget the smallest settled step (ties: the later),
+        # or the smallest step but the newest.
         changes = self._changes
         changes.append(change)
         if len(changes) > MAX_CHANGES:
-            pool = [c for c in changes if c.confirmed] or changes[:-1]
+            pool = [c for c in changes[:-1] if c.transient] or changes[:-1]
             smallest = min(pool, key=lambda c: (abs(c.step), -c.alarm_sample))
             changes.remove(smallest)
 
@@ -483,16 +609,36 @@ class SeriesTracker:
         """Up to ``MAX_CHANGES`` change points in alarm order (the largest steps are kept)."""
         return tuple(self._changes)
 
-    def first_change(self, *, min_abs_step: float, min_abs_step_z: float) -> ChangePoint | None:
+    def first_change(
+        self, *, min_abs_step: float, min_abs_step_z: float, settled: bool = True
+    ) -> ChangePoint | None:
         """The earliest kept change point whose step is at least this large, or None.
 
         Args:
             min_abs_step: least ``|step|``, in tracked units (log for scale metrics).
-            min_abs_step_z: least ``|step_z|``, in standard deviations of the level before.
+            min_abs_step_z: least ``|step_z|``, in residual spreads.
+            settled: skip transient changes (a value after the alarm returned to the old
+                trend). Default True.
         """
         for change in self._changes:
+            if settled and change.transient:
+                continue
             if abs(change.step) >= min_abs_step and abs(change.step_z) >= min_abs_step_z:
                 return change
+        return None
+
+    def departure_at(self, sample: int) -> Departure | None:
+        """The value at ``sample`` against its trend forecast, if it is among the latest
+        ``RECENT_POINTS`` values (a constant series: the value is its own forecast)."""
+        if self._constant and self.count:
+            v = self.transform(self._latest_value)
+            forward = self._forward if sample == self._latest_sample else -1
+            return Departure(sample, forward, v, v, self._noise_floor)
+        for point in reversed(self._recent):
+            if point.sample == sample:
+                return point
+            if point.sample < sample:
+                break
         return None
 
     def _append_history(self, sample: int, value: float) -> None:
@@ -525,23 +671,43 @@ class SeriesTracker:
 
     @property
     def strongest_change(self) -> ChangePoint | None:
-        """The largest step among the kept changes, the unconfirmed latest one included
-        (the first of equals, so a confirmed change wins a tie)."""
-        return _first_largest(self._changes)
+        """The largest step among the kept changes that are not transient (the first of
+        equals, so an earlier change wins a tie)."""
+        return _first_largest(c for c in self._changes if not c.transient)
+
+    @property
+    def trend_level(self) -> float:
+        """The trend's level at the latest value, in tracked units."""
+        return self._level
+
+    @property
+    def trend_slope(self) -> float:
+        """The trend's slope, in tracked units per training forward."""
+        return self._slope
+
+    @property
+    def spread(self) -> float:
+        """The robust spread of forecast residuals that the latest value was judged in,
+        in tracked units (floored; the spread grows with the square root of the gap in
+        forwards: an EMA of ``MAD_TO_STD * |residual| / sqrt(gap)``)."""
+        if self._constant or not self._recent:
+            return self._noise_floor
+        return self._recent[-1].spread
 
     @property
     def cusum_positive(self) -> float:
-        """Current upper CUSUM statistic, in segment standard deviations."""
+        """Current upper CUSUM statistic, in residual spreads."""
         return self._cusum_pos
 
     @property
     def cusum_negative(self) -> float:
-        """Current lower CUSUM statistic, in segment standard deviations."""
+        """Current lower CUSUM statistic, in residual spreads."""
         return self._cusum_neg
 
     @property
     def volatility(self) -> float:
-        """EMA estimate of the root mean square per-sample change (tracked units)."""
+        """EMA estimate of the root mean square forecast residual, excess over drift and
+        clipped at ``RESIDUAL_CLIP`` spreads (tracked units)."""
         return math.sqrt(max(self._vol_sq_ema, 0.0))
 
     @property

@@ -5,8 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..series import ACTIVATION, GRAD_OUTPUT, TensorSeries, forward_positions
-from .base import Candidate, display_module, format_value, rank_candidates
-from .rules import CATEGORIES, RULES, NonFiniteBetweenSamples, Rule, RuleContext
+from .base import (
+    ONSET_TOLERANCE_SAMPLES,
+    Candidate,
+    display_module,
+    format_value,
+    rank_candidates,
+)
+from .rules import (
+    CATEGORIES,
+    RULES,
+    NonFiniteBetweenSamples,
+    Rule,
+    RuleContext,
+    model_wide_texts,
+)
 
 __all__ = [
     "CATEGORIES",
@@ -17,6 +30,7 @@ __all__ = [
     "RuleContext",
     "display_module",
     "format_value",
+    "model_wide_texts",
     "rank_candidates",
     "run_rules",
 ]
@@ -56,7 +70,51 @@ def run_rules(
     )
     if root_gradients:
         context.root_gradient = dict(root_gradients[0].trackers)
-    return {
-        category: rank_candidates(rule.candidates(items, context), rule.onset_tolerance)
+    modules_observed = {
+        signal: len({s.module for s in items if s.signal == signal and s.module != ""})
+        for signal in (ACTIVATION, GRAD_OUTPUT)
+    }
+    ranked = {
+        category: rank_candidates(
+            rule.candidates(items, context),
+            rule.onset_tolerance,
+            modules_observed if rule.model_wide else None,
+        )
         for category, rule in RULES.items()
     }
+    _fold_into_model_wide(ranked)
+    return ranked
+
+
+def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
+    """A model-wide event moved most of the model at once: notable module candidates of
+    any category whose change began within ``ONSET_TOLERANCE_SAMPLES`` of its onset are
+    members of it, not findings of their own. They stay listed, not notable, with the
+    event's onset under ``evidence.part_of_model_wide_event``; their categories are
+    re-ordered (notable first)."""
+    onsets = sorted(
+        {
+            c.onset
+            for candidates in ranked.values()
+            for c in candidates
+            if c.model_wide is not None and c.notable and c.onset is not None
+        }
+    )
+    if not onsets:
+        return
+    for category, candidates in ranked.items():
+        if not RULES[category].model_wide:
+            continue
+        changed = False
+        for c in candidates:
+            if c.model_wide is not None or not c.notable or c.onset is None:
+                continue
+            event = next(
+                (o for o in onsets if abs(o - c.onset) <= ONSET_TOLERANCE_SAMPLES), None
+            )
+            if event is not None:
+                c.notable = False
+                c.evidence["part_of_model_wide_event"] = {"onset_sample": event}
+                changed = True
+        if changed:
+            candidates.sort(key=lambda c: not c.notable)

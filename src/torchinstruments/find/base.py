@@ -3,31 +3,61 @@
 A rule turns tracked series into :class:`Candidate` objects, each with a ranking basis
 (a named score, higher is stronger) and a ``notable`` flag (above the rule's stated noise
 floor). :func:`rank_candidates` then orders them deterministically and folds echoes into
-their origin: notable candidates whose change began at the same sample form a group; the
-origin is the earliest module in forward call order for activations and the latest for
-output gradients (a fault propagates forward through activations and backward through
-gradients), and the others are listed in the origin's evidence instead of being returned
-as findings of their own.
+their origin: notable candidates of one signal whose change began at about the same
+sample form a group. A fault propagates forward through activations and backward
+through gradients, so the group is laid out in propagation order (forward order for
+activations, reverse forward order for output gradients) and the origin is where the
+profile of change begins: the first member whose step, in its own noise units (residual
+spreads), is at least ``ORIGIN_SHARE`` of the group's largest. A member before it that
+moved far less is an echo carried upstream by the optimizer between samples (an update
+driven by the faulty module's gradients), not the start. The others are listed in the
+origin's evidence instead of being returned as findings of their own.
+
+A group whose members span at least ``MODEL_WIDE_SHARE`` of the modules observed for
+that signal is a model-wide event (module ``<model>``): a run-level cause (learning rate
+or schedule, optimizer state, data, loss scale) moved most of the model at once, and no
+member module is named as its origin.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..series import GRAD_OUTPUT, TensorSeries
-from ..track import SeriesTracker
+from ..track import ChangePoint, SeriesTracker
 
-__all__ = ["Candidate", "display_module", "format_value", "rank_candidates"]
+__all__ = [
+    "MODEL",
+    "Candidate",
+    "display_module",
+    "format_value",
+    "rank_candidates",
+    "step_size",
+]
 
 #: Changes whose onsets differ by at most this many samples belong to one group.
 ONSET_TOLERANCE_SAMPLES = 5
+#: Least step of a group member, as a share of the group's largest (both in residual
+#: spreads), for the member to be where the profile of change begins.
+ORIGIN_SHARE = 0.25
+#: Least share of the observed modules (of one signal) in one group that makes it a
+#: model-wide event.
+MODEL_WIDE_SHARE = 0.5
+#: Module name of a model-wide event.
+MODEL = "<model>"
 
 
 def display_module(name: str) -> str:
     """Module name as shown in reports: the root ``""`` is ``<root>``."""
     return name if name else "<root>"
+
+
+def step_size(candidate: Candidate) -> float:
+    """``|step|`` of the candidate's change in residual spreads (0 without a change)."""
+    change = candidate.change
+    return abs(change.step_z) if change is not None else 0.0
 
 
 def format_value(value: float) -> str:
@@ -62,6 +92,10 @@ class Candidate:
             ``tracker`` (output gradients are ranked on ``rms_to_root``).
         echoes: candidates folded into this one by :func:`rank_candidates`.
         group_score: strongest score in this candidate's echo group.
+        change: the change point the candidate rests on, if any (on the judged tracker).
+        model_wide: for the origin of a model-wide group: the share of observed modules
+            (of its signal) in the group; None otherwise. Such a candidate is reported
+            as module ``<model>``.
     """
 
     category: str
@@ -78,6 +112,8 @@ class Candidate:
     basis_tracker: SeriesTracker | None = None
     echoes: list[Candidate] = field(default_factory=list)
     group_score: float = 0.0
+    change: ChangePoint | None = None
+    model_wide: float | None = None
 
     @property
     def judged(self) -> SeriesTracker:
@@ -112,18 +148,36 @@ def _ordering_onset(candidate: Candidate, onset_tolerance: int) -> float:
     return candidate.onset
 
 
+def _profile_origin(group: list[Candidate]) -> Candidate:
+    """The member where the profile of change begins (see the module docstring); the
+    group is in propagation order. Candidates without a change point (non-finite values,
+    whose onset is exact) keep the plain propagation order."""
+    largest = max(step_size(c) for c in group)
+    if largest <= 0.0:
+        return group[0]
+    for candidate in group:
+        if candidate.change is None or step_size(candidate) >= ORIGIN_SHARE * largest:
+            return candidate
+    return group[0]
+
+
 def rank_candidates(
-    candidates: Sequence[Candidate], onset_tolerance: int = ONSET_TOLERANCE_SAMPLES
+    candidates: Sequence[Candidate],
+    onset_tolerance: int = ONSET_TOLERANCE_SAMPLES,
+    modules_observed: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
     """Fold echoes into origins and order candidates, strongest first.
 
     Notable candidates of one signal whose onsets lie within ``onset_tolerance`` samples
-    of the group's earliest onset form a group (0: the same sample only).
+    of the group's earliest onset form a group (0: the same sample only). The origin of
+    a group is where its profile of change begins (module docstring); with
+    ``modules_observed`` (modules observed per signal), a group that spans at least
+    ``MODEL_WIDE_SHARE`` of them is model-wide (its origin's ``model_wide`` is set).
 
     Order: notable before not notable; notable with a detected onset before notable
     without; earlier onsets first; then groups by their strongest score; within a group
-    the origin (see module docstring); ties by (module, call index, signal, tensor path,
-    metric), so the same run always gives the same order.
+    the origin; ties by (module, call index, signal, tensor path, metric), so the same
+    run always gives the same order.
     """
     notable = [c for c in candidates if c.notable and c.onset is not None]
     others = [c for c in candidates if not (c.notable and c.onset is not None)]
@@ -139,11 +193,15 @@ def rank_candidates(
     origins: list[Candidate] = []
     for group in groups:
         group.sort(key=_origin_order)
-        origin = group[0]
+        origin = _profile_origin(group)
         # Another metric of the origin's own series is the same tensor, not an echo.
-        echoes = [c for c in group[1:] if c.series is not origin.series]
+        echoes = [c for c in group if c is not origin and c.series is not origin.series]
         origin.echoes = sorted(echoes, key=lambda c: (-c.score, c.sort_key))
         origin.group_score = max(c.score for c in group)
+        observed = (modules_observed or {}).get(origin.series.signal, 0)
+        members = {c.series.module for c in group}
+        if observed >= 4 and len(members) >= MODEL_WIDE_SHARE * observed:
+            origin.model_wide = len(members) / observed
         origins.append(origin)
     for candidate in others:
         candidate.group_score = candidate.score

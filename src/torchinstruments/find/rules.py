@@ -17,7 +17,14 @@ from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import ChangePoint, SeriesTracker
 from .base import ONSET_TOLERANCE_SAMPLES, Candidate, display_module, format_value
 
-__all__ = ["CATEGORIES", "RULES", "NonFiniteBetweenSamples", "Rule", "RuleContext"]
+__all__ = [
+    "CATEGORIES",
+    "RULES",
+    "NonFiniteBetweenSamples",
+    "Rule",
+    "RuleContext",
+    "model_wide_texts",
+]
 
 CATEGORIES: tuple[str, ...] = (
     "non_finite",
@@ -30,16 +37,17 @@ CATEGORIES: tuple[str, ...] = (
     "oscillation",
 )
 
-#: Least size of a notable shift or step, in standard deviations of the reference
-#: (the warm-up baseline or the segment before the step).
+#: Least size of a notable step, in residual spreads of the series' own trend at the
+#: step's start (see :class:`~torchinstruments.track.SeriesTracker`).
 SHIFT_Z_NOTABLE = 6.0
-#: Least increase of the zero fraction (a fraction of elements) that is notable.
-ZERO_FRACTION_NOTABLE = 0.25
+#: Least change of the zero fraction (a fraction of elements, up or down) in one step
+#: that is notable.
+ZERO_FRACTION_NOTABLE = 0.1
 #: Least factor (up or down) of a notable abrupt scale step.
-STEP_FACTOR_NOTABLE = 2.0
-#: Least factor (up or down) of a notable end-to-end scale drift without one large step
-#: (healthy training moves logits and gradients several-fold, gradually).
-DRIFT_FACTOR_NOTABLE = 16.0
+STEP_FACTOR_NOTABLE = 1.3
+#: Least rise of excess kurtosis, and least factor of the tail ratio, in one notable step.
+KURTOSIS_STEP_NOTABLE = 3.0
+TAIL_RATIO_FACTOR_NOTABLE = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +113,31 @@ def _keep_fixed(text: str) -> str:
     return f"{text} Keep seed, data order and precision fixed so the runs compare."
 
 
+def model_wide_texts(c: Candidate, forward: int | None) -> tuple[str, str]:
+    """Interpretation and next experiment of a model-wide event (``c.model_wide`` set by
+    :func:`~torchinstruments.find.rank_candidates`; ``forward``: training forward of its
+    onset, if known)."""
+    change = c.change
+    share = c.model_wide or 0.0
+    when = f"sample {c.onset}" + (f" (training forward {forward})" if forward is not None else "")
+    measure = c.metric if c.judged is c.tracker else RMS_TO_ROOT
+    size = f" ({format_value(abs(change.step_z))} residual spreads)" if change is not None else ""
+    interpretation = (
+        f"Model-wide: {len(c.echoes) + 1} modules, {format_value(share * 100)}% of those "
+        f"observed, changed their {c.series.signal}.{measure} at about {when}; the first in "
+        f"propagation order is {display_module(c.series.module)}{size}. A change that moves "
+        "most of the model at once has a run-level cause, not a module: the learning rate "
+        "or its schedule, the optimizer state, the data, or the loss scale."
+    )
+    experiment = _keep_fixed(
+        f"Check what changed for the whole run at {when}: the learning rate and its "
+        "schedule, the optimizer state (a reset, changed betas, momentum or weight decay), "
+        "the data (a new shard, preprocessing) and the loss scale; rerun to just past it "
+        "with each restored in turn."
+    )
+    return interpretation, experiment
+
+
 class Rule:
     """Base class: a category, the series it reads, and its texts.
 
@@ -116,6 +149,9 @@ class Rule:
     metrics: tuple[str, ...] = ("rms",)
     #: Samples between onsets that still count as "the same samples" for echoes.
     onset_tolerance = ONSET_TOLERANCE_SAMPLES
+    #: A group that spans most of the model is a model-wide event (not for values that
+    #: propagate everywhere by nature, such as NaN, whose origin forward order shows).
+    model_wide = True
     signals: tuple[str, ...] = (ACTIVATION, GRAD_OUTPUT)
 
     def candidates(self, series: Iterable[TensorSeries], context: RuleContext) -> list[Candidate]:
@@ -179,12 +215,19 @@ def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[s
         return {}
     return {
         "step_start_sample": change.start_sample,
+        "step_start_forward": change.start_forward,
         "step_alarm_sample": change.alarm_sample,
-        "step_level_before": tracker.level(change.level_before),
+        "step_trend_forecast": tracker.level(change.level_before),
         "step_level_after": tracker.level(change.level_after),
-        "step_in_std_before": change.step_z,
+        "step_in_residual_spreads": change.step_z,
         "step_confirmed": change.confirmed,
+        "trend_slope_before_per_forward": change.slope_before,
     }
+
+
+def _first_largest_of(changes: list[ChangePoint]) -> ChangePoint | None:
+    """The change with the largest ``|step|`` (the first of equals), or None."""
+    return max(changes, key=lambda c: abs(c.step), default=None)
 
 
 def _scale_evidence(tracker: SeriesTracker) -> dict[str, object]:
@@ -206,19 +249,19 @@ def _scale_evidence(tracker: SeriesTracker) -> dict[str, object]:
 class _ScaleRule(Rule):
     """Shared logic of the two scale categories (activation and output-gradient RMS).
 
-    Ranking basis ``abs_log_ratio_to_baseline``: ``|ln(fast EMA / warm-up baseline)|``
-    (relative movement). Output gradients are judged on ``rms_to_root``, the module's
-    gradient RMS divided by the root output's (the loss gradient) in the same sample, so
-    that loss scaling, a changed loss reduction and the loss shrinking as the model fits
-    cancel; the root's own output gradient is that reference and ranks last (score 0).
+    Ranking basis ``abs_log_step``: ``|ln(level after / trend forecast)|`` of the first
+    notable step, else of the largest step that was not transient (0 without one).
+    Output gradients are judged on ``rms_to_root``, the module's gradient RMS divided by
+    the root output's (the loss gradient) in the same sample, so that loss scaling, a
+    changed loss reduction and the loss shrinking as the model fits cancel; the root's own
+    output gradient is that reference and ranks last (score 0).
 
-    Noise floor: notable when warm-up is complete and either one abrupt step (a CUSUM
-    change point) moved the level by at least ``STEP_FACTOR_NOTABLE`` (2x) and 6
-    standard deviations of the segment before it, or, for activations only, the
-    end-to-end movement reached ``DRIFT_FACTOR_NOTABLE`` (16x) and 6 baseline standard
-    deviations. Gradual drift of output gradients is never notable on its own: relative to
-    the loss gradient, healthy runs drift by orders of magnitude as the loss shrinks.
-    The onset used to group echoes is the alarm of the first notable step.
+    Noise floor: notable when one abrupt departure from the series' own trend (a CUSUM
+    change point on trend residuals, armed after warm-up, see
+    :class:`~torchinstruments.track.SeriesTracker`) moved the level by at least
+    ``STEP_FACTOR_NOTABLE`` (1.3x) and ``SHIFT_Z_NOTABLE`` (6) residual spreads, and the
+    values after it did not return to the old trend. Smooth drift of any size is followed
+    by the trend and is never notable on its own. The onset is the step's first sample.
     """
 
     def judge(
@@ -239,42 +282,40 @@ class _ScaleRule(Rule):
                 metric=metric,
                 tracker=tracker,
                 score=0.0,
-                basis="abs_log_ratio_to_baseline_net_of_loss_gradient",
+                basis="abs_log_step_net_of_loss_gradient",
                 notable=False,
                 direction=1 if tracker.shift > 0 else -1,
                 onset=None,
                 position=position,
                 evidence=evidence,
             )
-        basis = "abs_log_ratio_to_baseline"
+        basis = "abs_log_step"
         if judged is not tracker:
             basis += "_net_of_loss_gradient"
             evidence["net_of_loss_gradient"] = _scale_evidence(judged)
-        shift = judged.shift
         change = judged.first_change(
             min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
         )
-        by_step = change is not None
-        by_drift = (
-            series.signal == ACTIVATION
-            and abs(shift) >= math.log(DRIFT_FACTOR_NOTABLE)
-            and abs(judged.shift_z) >= SHIFT_Z_NOTABLE
-        )
+        notable = change is not None
         if change is not None:
             evidence["first_notable_step"] = _step_evidence(change, judged)
+        else:
+            change = judged.strongest_change
+        step = change.step if change is not None else 0.0
         return Candidate(
             category=self.category,
             series=series,
             metric=metric,
             tracker=tracker,
-            score=abs(shift),
+            score=abs(step),
             basis=basis,
-            notable=judged.warmup_complete and (by_step or by_drift),
-            direction=1 if shift > 0 else -1,
-            onset=change.alarm_sample if by_step and change is not None else None,
+            notable=notable,
+            direction=1 if step > 0 else -1,
+            onset=change.start_sample if notable and change is not None else None,
             position=position,
             evidence=evidence,
             basis_tracker=judged,
+            change=change,
         )
 
     def interpretation(self, c: Candidate) -> str:
@@ -284,34 +325,31 @@ class _ScaleRule(Rule):
                 f"{_where(c)} went from {_span(c)}. This is the loss gradient itself, the "
                 f"reference that other output gradients are measured against."
             )
-        verb = "rose" if c.direction > 0 else "fell"
-        latest = c.tracker.latest
-        if c.direction < 0 and latest is not None and latest.value == 0.0:
-            # A ratio to exact zeros (kept as 1e-30 in log space) means nothing.
-            text = (
-                f"{_where(c)} fell to exactly 0 ({format_value(abs(t.shift_z))} baseline "
-                f"standard deviations below the warm-up baseline{_net_measure(c)}); raw "
-                f"values went from {_span(c)}."
+        change = c.change
+        measure = (
+            f"{RMS_TO_ROOT} (its RMS over the loss gradient's)" if t is not c.tracker else c.metric
+        )
+        if change is None:
+            return (
+                f"{_where(c)} followed its own trend{_net(c.series)} with no abrupt step; "
+                f"raw values went from {_span(c)}."
             )
+        verb = "stepped up" if change.step > 0 else "stepped down"
+        net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
+        text = (
+            f"{_where(c)} {verb}{net} from sample {change.start_sample}: its "
+            f"{measure} was {format_value(t.level(change.level_after))} where its own "
+            f"trend forecast {format_value(t.level(change.level_before))}"
+        )
+        if t.log_scale and t.level(change.level_after) > 0.0:
+            text += f" ({format_value(math.exp(abs(change.step)))}x"
         else:
-            text = (
-                f"{_where(c)} {verb}{_net(c.series)}: its fast EMA{_net_measure(c)} is "
-                f"{format_value(math.exp(abs(t.shift)))}x "
-                f"{'above' if c.direction > 0 else 'below'} the warm-up baseline "
-                f"({format_value(abs(t.shift_z))} baseline standard deviations); raw values "
-                f"went from {_span(c)}."
-            )
-        change = t.strongest_change
-        if change is not None:
-            measure = (
-                f"of {RMS_TO_ROOT} (its RMS over the loss gradient's)"
-                if t is not c.tracker
-                else f"of {c.metric}"
-            )
-            text += (
-                f" Largest step {measure}: {format_value(t.level(change.level_before))} to "
-                f"{format_value(t.level(change.level_after))} from sample {change.start_sample}."
-            )
+            text += " ("
+        text += (
+            f"{', ' if text.endswith('x') else ''}{format_value(abs(change.step_z))} residual "
+            f"spreads){'' if change.confirmed else ', not yet confirmed by later samples'}. "
+            f"Raw values went from {_span(c)}."
+        )
         return text
 
 
@@ -340,7 +378,7 @@ class GradientScaleChange(_ScaleRule):
     """``gradient_scale_change``: output-gradient RMS moved, net of the loss gradient.
 
     A factor that rescaled every output gradient at once (loss scaling, a changed loss
-    reduction) is reported as one ``<all>`` finding; module findings are net of it.
+    reduction) is reported as one ``<model>`` finding; module findings are net of it.
     """
 
     category = "gradient_scale_change"
@@ -364,13 +402,15 @@ class HeavyTailGrowth(Rule):
     """``heavy_tail_growth``: a few elements grew large relative to the rest.
 
     Metrics: ``excess_kurtosis`` and ``tail_ratio`` (max_abs / rms). Ranking basis
-    ``tail_shift_in_baseline_std``: increase of the fast EMA over the warm-up baseline in
-    baseline standard deviations (log units for ``tail_ratio``). Activations only:
-    output-gradient tails follow the per-example losses (as easy examples are fitted,
-    a few hard ones carry the whole gradient), which the report cannot tell from a
-    fault. Noise floor: notable when warm-up is complete,
-    the increase exceeds 6 baseline standard deviations and it is large in absolute
-    terms (excess kurtosis up by at least 3, or tail ratio up by at least 1.5x).
+    ``tail_step_in_residual_spreads``: the rising step (a departure from the series' own
+    trend, see :class:`~torchinstruments.track.SeriesTracker`) in residual spreads: the
+    first notable one, else the largest. Activations only: output-gradient tails follow
+    the per-example losses (as easy examples are fitted, a few hard ones carry the whole
+    gradient), which the report cannot tell from a fault. Noise floor: notable when one
+    rising step, not transient, is at least ``SHIFT_Z_NOTABLE`` (6) residual spreads and
+    large in absolute terms (excess kurtosis up by ``KURTOSIS_STEP_NOTABLE``, 3, or tail
+    ratio up ``TAIL_RATIO_FACTOR_NOTABLE``, 1.5x). Kurtosis that climbs steadily as
+    features specialise (1 to 20 in early training is common) is trend, not a finding.
     """
 
     category = "heavy_tail_growth"
@@ -385,43 +425,46 @@ class HeavyTailGrowth(Rule):
         position: int,
         context: RuleContext,
     ) -> Candidate | None:
-        shift = tracker.shift
-        evidence: dict[str, object] = {}
-        if shift <= 0:
-            return None
-        z = shift / tracker.baseline_std
-        large = shift >= (math.log(1.5) if metric == "tail_ratio" else 3.0)
-        change = tracker.strongest_change
-        evidence.update(
-            {
-                "baseline": tracker.level(tracker.baseline_mean),
-                "fast_ema": tracker.level(tracker.ema_fast),
-                "increase_over_baseline": shift,
-                "shift_in_baseline_std": z,
-                "cusum_peak": tracker.cusum_peak,
-                **_step_evidence(change, tracker),
-            }
+        least = (
+            math.log(TAIL_RATIO_FACTOR_NOTABLE) if metric == "tail_ratio" else KURTOSIS_STEP_NOTABLE
         )
-        notable = tracker.warmup_complete and z >= SHIFT_Z_NOTABLE and large
-        first = tracker.first_change(min_abs_step=0.0, min_abs_step_z=SHIFT_Z_NOTABLE)
+        rising = [c for c in tracker.changes if c.step > 0 and not c.transient]
+        first = next((c for c in rising if c.step >= least and c.step_z >= SHIFT_Z_NOTABLE), None)
+        change = first if first is not None else _first_largest_of(rising)
+        if change is None:
+            return None
+        evidence: dict[str, object] = {
+            "baseline": tracker.level(tracker.baseline_mean),
+            "fast_ema": tracker.level(tracker.ema_fast),
+            "increase_over_baseline": tracker.shift,
+            "cusum_peak": tracker.cusum_peak,
+            **_step_evidence(change, tracker),
+        }
         return Candidate(
             category=self.category,
             series=series,
             metric=metric,
             tracker=tracker,
-            score=z,
-            basis="tail_shift_in_baseline_std",
-            notable=notable,
+            score=change.step_z,
+            basis="tail_step_in_residual_spreads",
+            notable=first is not None,
             direction=1,
-            onset=first.alarm_sample if notable and first is not None else None,
+            onset=first.start_sample if first is not None else None,
             position=position,
             evidence=evidence,
+            change=change,
         )
 
     def interpretation(self, c: Candidate) -> str:
+        change = c.change
+        assert change is not None
+        t = c.tracker
         return (
-            f"{_where(c)} grew from {_span(c)}: the largest elements moved away from the "
-            f"bulk ({format_value(c.score)} baseline standard deviations above warm-up)."
+            f"{_where(c)} stepped up from sample {change.start_sample}: "
+            f"{format_value(t.level(change.level_after))} where its own trend forecast "
+            f"{format_value(t.level(change.level_before))} ({format_value(c.score)} residual "
+            f"spreads): the largest elements moved away from the bulk. Raw values went from "
+            f"{_span(c)}."
         )
 
     def next_experiment(self, c: Candidate) -> str:
@@ -457,6 +500,7 @@ class NonFinite(Rule):
     category = "non_finite"
     metrics = ("nonfinite_fraction",)
     onset_tolerance = 0
+    model_wide = False
 
     def judge(
         self,
@@ -585,14 +629,17 @@ class NonFinite(Rule):
 
 
 class ZeroFractionGrowth(Rule):
-    """``zero_fraction_growth``: more exact zeros than during warm-up (dying units).
+    """``zero_fraction_growth``: the share of exact zeros stepped (dying units, or units
+    that stopped rectifying).
 
-    Ranking basis ``zero_fraction_increase`` (fast EMA minus baseline, a fraction).
-    Candidates: increases of at least 0.01. Noise floor: notable when warm-up is
-    complete, the increase is at least ``ZERO_FRACTION_NOTABLE`` (0.25) and at least 6
-    baseline standard deviations (floor 0.005): ReLU zero fractions creep up by 0.1 or so
-    in healthy training, while a dying layer jumps. The root's output gradient (the loss
-    gradient) is not a candidate.
+    Ranking basis ``abs_zero_fraction_step``: the size of a step of the zero fraction
+    away from its own trend (a fraction of elements, up or down; see
+    :class:`~torchinstruments.track.SeriesTracker`): the first notable one, else the
+    largest. Noise floor: notable when one step, not transient, moved it by at least
+    ``ZERO_FRACTION_NOTABLE`` (0.1) and ``SHIFT_Z_NOTABLE`` (6) residual spreads (floor
+    0.005). ReLU zero fractions creep by 0.1 or so in healthy training, which the trend
+    follows; a dying layer jumps up, an activation that no longer rectifies drops. The
+    root's output gradient (the loss gradient) is not a candidate.
     """
 
     category = "zero_fraction_growth"
@@ -606,43 +653,53 @@ class ZeroFractionGrowth(Rule):
         position: int,
         context: RuleContext,
     ) -> Candidate | None:
-        shift = tracker.shift
-        if shift < 0.01 or (series.signal == GRAD_OUTPUT and series.module == ""):
+        if series.signal == GRAD_OUTPUT and series.module == "":
             return None
-        notable = (
-            tracker.warmup_complete
-            and shift >= ZERO_FRACTION_NOTABLE
-            and tracker.shift_z >= SHIFT_Z_NOTABLE
+        first = tracker.first_change(
+            min_abs_step=ZERO_FRACTION_NOTABLE, min_abs_step_z=SHIFT_Z_NOTABLE
         )
-        change = tracker.strongest_change
+        change = first if first is not None else tracker.strongest_change
+        if change is None or abs(change.step) < 0.01:
+            return None
         return Candidate(
             category=self.category,
             series=series,
             metric=metric,
             tracker=tracker,
-            score=shift,
-            basis="zero_fraction_increase",
-            notable=notable,
-            direction=1,
-            onset=change.alarm_sample if notable and change is not None else None,
+            score=abs(change.step),
+            basis="abs_zero_fraction_step",
+            notable=first is not None,
+            direction=1 if change.step > 0 else -1,
+            onset=first.start_sample if first is not None else None,
             position=position,
             evidence={
                 "baseline": tracker.baseline_mean,
                 "fast_ema": tracker.ema_fast,
-                "shift_in_baseline_std": tracker.shift_z,
                 **_step_evidence(change, tracker),
             },
+            change=change,
         )
 
     def interpretation(self, c: Candidate) -> str:
-        t = c.tracker
+        change = c.change
+        assert change is not None
+        verb = "rose" if change.step > 0 else "fell"
         return (
-            f"{_where(c)} rose from {_span(c)}: {format_value(t.shift * 100)} percentage "
-            f"points more exact zeros than during warm-up."
+            f"{_where(c)} {verb} abruptly from sample {change.start_sample}: "
+            f"{format_value(change.level_after)} where its own trend forecast "
+            f"{format_value(change.level_before)} ({format_value(abs(change.step) * 100)} "
+            f"percentage points, {format_value(abs(change.step_z))} residual spreads). Raw "
+            f"values went from {_span(c)}."
         )
 
     def next_experiment(self, c: Candidate) -> str:
         module = display_module(c.series.module)
+        if c.direction < 0:
+            return _keep_fixed(
+                f"Check whether {module} (or the activation just before it) still "
+                f"rectifies: compare its activation function and the input it gets with "
+                f"the baseline run, at this module only."
+            )
         return _keep_fixed(
             f"Look for dying units feeding {module}: compare the preceding layer's bias "
             f"and input scale with the baseline, and rerun with a lower learning rate "
@@ -651,14 +708,15 @@ class ZeroFractionGrowth(Rule):
 
 
 class RegimeChange(Rule):
-    """``regime_change``: an abrupt, persistent level shift found by CUSUM.
+    """``regime_change``: an abrupt, persistent departure from the series' own trend.
 
-    Two-sided CUSUM on the RMS (``rms_to_root`` for output gradients), in standard
-    deviations of the current segment, with allowance k and threshold h from
-    :class:`~torchinstruments.TrackConfig` (Page 1954; k = 0.5, h = 5 by default); the
-    detector re-arms after each alarm. Ranking basis ``largest_step_in_std_before``:
-    the largest step's size in standard deviations of the segment before it. Noise
-    floor: notable when that step is at least 1.5x and 8 standard deviations.
+    Two-sided CUSUM on the trend residuals of the RMS (``rms_to_root`` for output
+    gradients), in residual spreads, with allowance k and threshold h from
+    :class:`~torchinstruments.TrackConfig` (Page 1954; k = 0.5, h = 5 by default; see
+    :class:`~torchinstruments.track.SeriesTracker`); the detector re-anchors after each
+    alarm. Ranking basis ``largest_step_in_residual_spreads``: the largest step that was
+    not transient, in residual spreads at its start. Noise floor: notable when that
+    step is at least 1.5x and 8 residual spreads.
     """
 
     category = "regime_change"
@@ -675,43 +733,40 @@ class RegimeChange(Rule):
         change = judged.strongest_change if judged is not None else None
         if judged is None or change is None:
             return None
-        notable = (
-            judged.warmup_complete
-            and abs(change.step) >= math.log(1.5)
-            and abs(change.step_z) >= 8.0
-        )
+        notable = abs(change.step) >= math.log(1.5) and abs(change.step_z) >= 8.0
         return Candidate(
             category=self.category,
             series=series,
             metric=metric,
             tracker=tracker,
             score=abs(change.step_z),
-            basis="largest_step_in_std_before"
+            basis="largest_step_in_residual_spreads"
             + ("_net_of_loss_gradient" if judged is not tracker else ""),
             notable=notable,
             direction=1 if change.step > 0 else -1,
-            onset=change.alarm_sample,
+            onset=change.start_sample,
             position=position,
             evidence={"level_changes": judged.change_count, **_step_evidence(change, judged)},
             basis_tracker=judged,
+            change=change,
         )
 
     def interpretation(self, c: Candidate) -> str:
         t = c.judged
-        change = t.strongest_change
+        change = c.change
         assert change is not None
         return (
-            f"{_where(c)}{_net(c.series)}{',' if _net(c.series) else ''} changed level "
+            f"{_where(c)}{_net(c.series)}{',' if _net(c.series) else ''} left its own trend "
             f"{'upwards' if c.direction > 0 else 'downwards'} from sample {change.start_sample} "
-            f"(CUSUM alarm at sample {change.alarm_sample}): from "
-            f"{format_value(t.level(change.level_before))} to "
-            f"{format_value(t.level(change.level_after))}, "
-            f"{format_value(abs(change.step_z))} standard deviations of the level before."
+            f"(CUSUM alarm at sample {change.alarm_sample}): "
+            f"{format_value(t.level(change.level_after))} where the trend forecast "
+            f"{format_value(t.level(change.level_before))}, "
+            f"{format_value(abs(change.step_z))} residual spreads."
         )
 
     def next_experiment(self, c: Candidate) -> str:
         module = display_module(c.series.module)
-        change = c.judged.strongest_change
+        change = c.change
         sample = change.start_sample if change is not None else "?"
         return _keep_fixed(
             f"Find what changed near sample {sample} (a schedule step, a data shard, a "
@@ -724,10 +779,12 @@ class RelativeVolatility(Rule):
     """``relative_volatility``: sample-to-sample changes grew relative to warm-up.
 
     On the RMS (``rms_to_root`` for output gradients; the root's own output gradient is
-    not a candidate). Ranking basis ``volatility_ratio``: EMA volatility of log changes
-    divided by the warm-up volatility (floored at 0.05). Noise floor: notable when
-    warm-up is complete, the ratio is at least 4 and the volatility at least 0.25 (about
-    28% per sample).
+    not a candidate). Ranking basis ``volatility_ratio``: the EMA root mean square of
+    trend-forecast residuals (their excess over drift, clipped at ``RESIDUAL_CLIP``
+    spreads so that one step weighs little; see
+    :class:`~torchinstruments.track.SeriesTracker`) divided by the same over warm-up
+    (floored at 0.05). Noise floor: notable when warm-up is complete, the ratio is at
+    least 4 and the volatility at least 0.25 (about 28% per sample, in log units).
     """
 
     category = "relative_volatility"
