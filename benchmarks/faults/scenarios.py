@@ -14,7 +14,9 @@ Each scenario states its ground truth:
   Exact names are used when the fault sits on one module's parameters or output; a
   block prefix when the fault changes the block's structure (a removed normalization, a
   scaled residual branch, a ReLU killed by the bias before it) and several of its leaves
-  are equally fair answers. ``None``: scored on category only (learning rate).
+  are equally fair answers. A raised learning rate has no origin module: it moves the
+  whole model at once, and the report must say so with a model-wide finding (module
+  ``<model>``). ``None``: scored on category only.
 - ``expected``: the categories in which the fault should be reported.
 
 The training loop skips the optimizer step when a gradient is not finite (a common
@@ -325,7 +327,16 @@ GRAD = ("gradient_scale_change", "regime_change")
 RESIDUAL = ("activation_scale_drift", "gradient_scale_change")
 TAIL = ("heavy_tail_growth", "activation_scale_drift")
 NAN = ("non_finite",)
-UNSTABLE = ("relative_volatility", "oscillation", "regime_change")
+#: A raised learning rate moves the whole model at once: a model-wide event, reported as
+#: module ``<model>`` in any of the categories it moves.
+MODEL = "<model>"
+MODEL_WIDE = (
+    "activation_scale_drift",
+    "gradient_scale_change",
+    "regime_change",
+    "relative_volatility",
+    "oscillation",
+)
 
 SCENARIOS: tuple[Scenario, ...] = (
     # MLP: stem, blocks.0 .. blocks.5, head_norm, head
@@ -346,7 +357,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("mlp_input_x10", "mlp", InputScale(10.0), 0.43, ("stem",), SCALE),
     Scenario("mlp_nan_b5", "mlp", NanOutput("blocks.5.fc2"), 0.67, ("blocks.5.fc2",), NAN),
     Scenario("mlp_backward_b0", "mlp", BackwardOnly("blocks.0"), 0.4, ("blocks.0.fc2",), GRAD),
-    Scenario("mlp_lr_x8", "mlp", LearningRate(8.0), 0.53, None, UNSTABLE),
+    Scenario("mlp_lr_x8", "mlp", LearningRate(8.0), 0.53, (MODEL,), MODEL_WIDE),
     # CNN: stem, blocks.0 .. blocks.3, head
     Scenario("cnn_clean", "cnn", quick=True),
     Scenario("cnn_drop_bn_b0", "cnn", NormRemoved("blocks.0", "bn1"), 0.5, ("blocks.0.",), SCALE),
@@ -426,7 +437,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         ("blocks.3.",),
         SCALE,
     ),
-    Scenario("tfm_lr_x10", "transformer", LearningRate(10.0), 0.5, None, UNSTABLE),
+    Scenario("tfm_lr_x10", "transformer", LearningRate(10.0), 0.5, (MODEL,), MODEL_WIDE),
 )
 
 assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)

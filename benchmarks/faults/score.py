@@ -39,14 +39,57 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from .scenarios import RunResult, Scenario
+from typing import Any, Protocol
 
 __all__ = ["ScenarioScore", "Totals", "format_table", "on_origin", "score", "totals"]
 
 #: Findings named per scenario in the diagnosis of a miss.
 DIAGNOSIS_FINDINGS = 3
+
+
+class DescribedFault(Protocol):
+    """What :func:`score` reads of a fault: its one-line description."""
+
+    def describe(self) -> str: ...
+
+
+class ScoredScenario(Protocol):
+    """What :func:`score` reads of a scenario (``benchmarks.faults.scenarios.Scenario``,
+    ``benchmarks.real_faults.scenarios.Scenario``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def family(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def origin(self) -> tuple[str, ...] | None: ...
+    @property
+    def expected(self) -> tuple[str, ...]: ...
+    @property
+    def control(self) -> bool: ...
+    @property
+    def fault(self) -> DescribedFault | None: ...
+
+
+class ScoredRun(Protocol):
+    """What :func:`score` reads of a finished run (``RunResult`` of either benchmark)."""
+
+    @property
+    def fault_step(self) -> int | None: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def loss_before(self) -> float: ...
+    @property
+    def loss_end(self) -> float: ...
+    @property
+    def nonfinite_losses(self) -> int: ...
+    @property
+    def skipped_updates(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
 
 
 def on_origin(module: str, origin: tuple[str, ...]) -> bool:
@@ -139,14 +182,14 @@ class ScenarioScore:
         return data
 
 
-def _is_hit(finding: dict[str, Any], scenario: Scenario) -> bool:
+def _is_hit(finding: dict[str, Any], scenario: ScoredScenario) -> bool:
     if scenario.origin is None:
         return finding.get("category") in scenario.expected
     return on_origin(str(finding.get("module")), scenario.origin)
 
 
 def score(
-    scenario: Scenario, report: dict[str, Any], run: RunResult | None = None
+    scenario: ScoredScenario, report: dict[str, Any], run: ScoredRun | None = None
 ) -> ScenarioScore:
     """Score one report against its scenario (see the module docstring)."""
     findings: list[dict[str, Any]] = list(report.get("findings", []))

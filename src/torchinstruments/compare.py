@@ -351,6 +351,7 @@ class _Series:
     baseline_std: float | None
     volatility: float | None
     first_nonzero_sample: int | None
+    residual_spread: float | None = None
 
     def compared(self, value: float) -> float:
         """``value`` in compared units: natural log for scale metrics."""
@@ -453,6 +454,7 @@ def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, _Series]
         baseline_std=_float_or_none(row.get("baseline_std")),
         volatility=_float_or_none(row.get("volatility")),
         first_nonzero_sample=first_nonzero if _is_int(first_nonzero) else None,
+        residual_spread=_float_or_none(row.get("residual_spread")),
     )
 
 
@@ -780,15 +782,41 @@ class _Noise:
     parts: dict[str, float]
 
 
-def _noise(series: _Series, metric: str) -> _Noise:
-    """The run-to-run noise of one baseline series, in compared units."""
-    compared = [series.compared(v) for v in series.values]
-    steps = sorted(abs(b - a) for a, b in itertools.pairwise(compared))
+def _detrended_spread(times: Sequence[int], values: Sequence[float]) -> float:
+    """Robust per-point noise of a trending series: the median absolute deviation of each
+    point from the straight line through its two neighbours (at their own times), scaled
+    to a standard deviation (``MAD_TO_STD``) and divided by sqrt(1.5), the deviation's
+    standard deviation in units of the points' own for independent noise at even
+    spacing. A smooth trend of any slope leaves it small, where differences between
+    consecutive points would grow with the slope."""
+    deviations: list[float] = []
+    for i in range(1, len(values) - 1):
+        t0, t1, t2 = times[i - 1], times[i], times[i + 1]
+        if t2 == t0:
+            continue
+        line = values[i - 1] + (values[i + 1] - values[i - 1]) * (t1 - t0) / (t2 - t0)
+        deviations.append(abs(values[i] - line))
+    if not deviations:
+        return 0.0
+    return MAD_TO_STD * statistics.median(deviations) / math.sqrt(1.5)
+
+
+def _noise(series: _Series, metric: str, times: Sequence[int], values: Sequence[float]) -> _Noise:
+    """The run-to-run noise of one baseline series, in compared units: the largest of a
+    floor, the series' own trend-residual spread, its residual volatility and the
+    detrended spread of the compared points (``times`` in the comparison's axis, values
+    in compared units). All but the floor follow a trend, so that a series that drifts
+    steeply in early training does not hide a later step behind an inflated spread
+    (files without a residual spread fall back on the warm-up standard deviation)."""
     parts = {
         "floor": noise_floor(metric, log_scale=series.log_scale),
-        "warmup_std": series.baseline_std or 0.0,
+        "residual_spread": (
+            series.residual_spread
+            if series.residual_spread is not None
+            else series.baseline_std or 0.0
+        ),
         "volatility": series.volatility or 0.0,
-        "point_spread": MAD_TO_STD * statistics.median(steps) if steps else 0.0,
+        "point_spread": _detrended_spread(times, values),
     }
     basis = max(parts, key=lambda k: parts[k])
     return _Noise(parts[basis], basis, parts)
@@ -873,7 +901,7 @@ def _compare_values(
     common = sorted(points_b.keys() & points_c.keys())
     if not common:
         return None
-    noise = _noise(base, key[4])
+    noise = _noise(base, key[4], common, [base.compared(points_b[k]) for k in common])
     departures = [
         (base.compared(points_c[k]) - base.compared(points_b[k])) / noise.sigma for k in common
     ]

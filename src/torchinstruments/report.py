@@ -30,7 +30,7 @@ from .find import (
     model_wide_texts,
     run_rules,
 )
-from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES
+from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early
 from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, RMS_TO_ROOT, forward_positions
 from .track import SeriesPoint
 
@@ -69,7 +69,8 @@ Rules for your answer:
    the values (first, latest, min, max with their sample indices) from the report.
 2. Separate measurement (what the numbers show) from mechanism (why it might happen);
    label mechanisms as hypotheses.
-3. Treat findings with "warmup_complete": false, or "notable": false, as weak evidence.
+3. Treat findings with "warmup_complete": false, "early_in_run": true (the series'
+   reference was still young), or "notable": false, as weak evidence.
 4. A finding's "evidence.echoes" are modules that changed at the same samples downstream
    (activations) or upstream (gradients) of it: prefer the finding itself as the origin.
 5. Do not infer anything about losses, labels, optimizer updates, inputs or parameter
@@ -211,6 +212,7 @@ def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> di
         "max": _point(t.max),
         "warmup_complete": t.warmup_complete,
         "warmup_end_sample": t.warmup_end_sample,
+        "early_in_run": c.notable and is_early(c),
         "change_sample": c.onset,
         "change_forward": observer.sample_forwards.forward(c.onset),
         "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
@@ -417,6 +419,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
             key=lambda item: (
                 not item[1]["notable"],
                 item[1].get("change_sample") is None,
+                item[1].get("early_in_run", False),
                 (item[1].get("change_sample") or 0)
                 + (ONSET_TOLERANCE_SAMPLES if item[1]["signal"] == GRAD_OUTPUT else 0),
                 item[0],
@@ -991,6 +994,7 @@ def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[
         "ema_fast": _round(tracker.level(tracker.ema_fast)),
         "baseline": _round(tracker.level(tracker.baseline_mean)),
         "baseline_std": _round(tracker.baseline_std),
+        "residual_spread": _round(tracker.spread),
         "volatility": _round(tracker.volatility),
         "log_scale": tracker.log_scale,
         "min": {"sample": low.sample, "value": _round(low.value)},

@@ -156,6 +156,8 @@ class ChangePoint:
         transient: a value after the alarm returned to the old trend.
         start_forward, alarm_forward: training forwards of those samples.
         slope_before: the trend's slope before the change, per training forward.
+        reference_count: values the series had seen before the alarm (how much its
+            reference rests on).
     """
 
     start_sample: int
@@ -168,6 +170,7 @@ class ChangePoint:
     start_forward: int = -1
     alarm_forward: int = -1
     slope_before: float = 0.0
+    reference_count: int = 0
     _after_count: int = 1
 
     @property
@@ -568,6 +571,7 @@ class SeriesTracker:
                 start_forward=start_forward,
                 alarm_forward=forward,
                 slope_before=slope,
+                reference_count=self.count - 1,
             )
             self.change_count += 1
             self.latest_change = change

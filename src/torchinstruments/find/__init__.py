@@ -70,9 +70,11 @@ def run_rules(
     )
     if root_gradients:
         context.root_gradient = dict(root_gradients[0].trackers)
+    # Model-wide events are judged on activations only: a change at one module alters
+    # the output gradients of every module before it (and the loss landscape of all), so
+    # gradients that move everywhere at once are no sign of a run-level cause.
     modules_observed = {
-        signal: len({s.module for s in items if s.signal == signal and s.module != ""})
-        for signal in (ACTIVATION, GRAD_OUTPUT)
+        ACTIVATION: len({s.module for s in items if s.signal == ACTIVATION and s.module != ""})
     }
     ranked = {
         category: rank_candidates(
@@ -109,9 +111,7 @@ def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
         for c in candidates:
             if c.model_wide is not None or not c.notable or c.onset is None:
                 continue
-            event = next(
-                (o for o in onsets if abs(o - c.onset) <= ONSET_TOLERANCE_SAMPLES), None
-            )
+            event = next((o for o in onsets if abs(o - c.onset) <= ONSET_TOLERANCE_SAMPLES), None)
             if event is not None:
                 c.notable = False
                 c.evidence["part_of_model_wide_event"] = {"onset_sample": event}

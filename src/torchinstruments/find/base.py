@@ -13,10 +13,11 @@ moved far less is an echo carried upstream by the optimizer between samples (an 
 driven by the faulty module's gradients), not the start. The others are listed in the
 origin's evidence instead of being returned as findings of their own.
 
-A group whose members span at least ``MODEL_WIDE_SHARE`` of the modules observed for
-that signal is a model-wide event (module ``<model>``): a run-level cause (learning rate
-or schedule, optimizer state, data, loss scale) moved most of the model at once, and no
-member module is named as its origin.
+A group of activation changes whose members span at least ``MODEL_WIDE_SHARE`` of the
+modules observed is a model-wide event (module ``<model>``): a run-level cause (learning
+rate or schedule, optimizer state, data, loss scale) moved most of the model at once, and
+no member module is named as its origin. (Output gradients are not used for this: a
+change at one module moves the gradients of every module before it.)
 """
 
 from __future__ import annotations
@@ -47,11 +48,25 @@ ORIGIN_SHARE = 0.25
 MODEL_WIDE_SHARE = 0.5
 #: Module name of a model-wide event.
 MODEL = "<model>"
+#: A change is early (weak) when its series had seen fewer than this many warm-ups of
+#: values before the alarm: the trend and spread of early training are still settling.
+EARLY_REFERENCE_FACTOR = 1.5
 
 
 def display_module(name: str) -> str:
     """Module name as shown in reports: the root ``""`` is ``<root>``."""
     return name if name else "<root>"
+
+
+def is_early(candidate: Candidate) -> bool:
+    """The candidate's change came while its series' reference was young: fewer than
+    ``EARLY_REFERENCE_FACTOR`` times the warm-up length of values before the alarm. Such
+    a change is weak evidence and never heads a category over a later one."""
+    change = candidate.change
+    if change is None:
+        return False
+    warmup = candidate.judged.config.warmup_samples
+    return change.reference_count < EARLY_REFERENCE_FACTOR * warmup
 
 
 def step_size(candidate: Candidate) -> float:
@@ -175,7 +190,8 @@ def rank_candidates(
     ``MODEL_WIDE_SHARE`` of them is model-wide (its origin's ``model_wide`` is set).
 
     Order: notable before not notable; notable with a detected onset before notable
-    without; earlier onsets first; then groups by their strongest score; within a group
+    without; changes that are not early (:func:`is_early`) before early ones; earlier
+    onsets first; then groups by their strongest score; within a group
     the origin; ties by (module, call index, signal, tensor path, metric), so the same
     run always gives the same order.
     """
@@ -213,6 +229,7 @@ def rank_candidates(
         key=lambda c: (
             not c.notable,
             c.onset is None,
+            c.notable and is_early(c),
             _ordering_onset(c, onset_tolerance),
             -c.group_score,
             _origin_order(c),

@@ -222,6 +222,7 @@ def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[s
         "step_in_residual_spreads": change.step_z,
         "step_confirmed": change.confirmed,
         "trend_slope_before_per_forward": change.slope_before,
+        "values_before_step": change.reference_count,
     }
 
 
