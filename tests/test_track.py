@@ -450,10 +450,10 @@ def test_a_value_that_returns_to_the_old_trend_is_transient():
 def test_a_change_is_confirmed_by_the_values_after_it():
     t = make(warmup=4, k=2.5, h=5.0, noise_floor=0.1)
     feed(t, [1.0] * 6)
-    feed(t, [3.0, 3.0], first_sample=6)
+    t.update(6, 3.0)
     change = t.latest_change
-    assert change is not None and not change.confirmed  # CONFIRM_SAMPLES = 2 after it
-    t.update(8, 3.05)
+    assert change is not None and not change.confirmed  # CONFIRM_SAMPLES = 1 after it
+    t.update(7, 3.05)
     assert change.confirmed and not change.transient
     assert t.change_count == 1
 

@@ -62,8 +62,10 @@ DRIFT_TOLERANCE = 0.5
 #: Residuals past this many spreads are clipped (Huber) where they update the level, the
 #: slope and the spread once the reference is trusted, so that a step is not absorbed at once.
 RESIDUAL_CLIP = 3.0
-#: Values after an alarm that confirm a change (or find it transient).
-CONFIRM_SAMPLES = 2
+#: Values after an alarm that confirm a change (or find it transient). One: the old
+#: trend extrapolated further is no yardstick (a fault changes the dynamics after it),
+#: and a spike returns at the next sample.
+CONFIRM_SAMPLES = 1
 #: A change whose value returns within this share of its step of the old trend is transient.
 REVERT_SHARE = 0.5
 
@@ -148,9 +150,9 @@ class ChangePoint:
         alarm_sample: the sample at which CUSUM crossed its threshold.
         level_before: the trend's forecast for ``start_sample``, from the values before.
         std_before: the residual spread at ``start_sample``.
-        level_after: mean of the values from ``start_sample`` to the alarm, each carried
-            back to the forward of ``start_sample`` along the trend's slope before the
-            change.
+        level_after: the value at ``start_sample``. The step is what the series did
+            between two samples: a change that builds up over several samples (a curve
+            that accelerates) has a small first step however far it goes.
         confirmed: the ``CONFIRM_SAMPLES`` values after the alarm stayed away from the
             old trend (by more than ``REVERT_SHARE`` of the step).
         transient: a value after the alarm returned to the old trend.
@@ -545,20 +547,11 @@ class SeriesTracker:
     def _alarm(self, sample: int, forward: int, v: float, runup: list[_RunupEntry]) -> None:
         """Record a change at ``sample`` that began within ``runup``, then re-anchor the
         trend on ``v`` with the slope from before the run-up."""
-        start = _change_start(runup)
-        start_sample, start_forward, _, forecast, spread, slope, _ = start
-        # The level after: the run-up's values from the start on, each carried back to
-        # the start's forward along the slope from before the change.
-        values = [
-            entry[6] - slope * (entry[1] - start_forward)
-            for entry in runup
-            if entry[0] >= start_sample
-        ]
-        after = sum(values) / len(values)
+        start_sample, start_forward, _, forecast, spread, slope, after = _change_start(runup)
         pending = self._pending_change
         if pending is not None and (after - pending.level_before) * pending.step > 0.0:
-            # The same departure, still growing while it is confirmed: one change.
-            pending.level_after = v - pending.slope_before * (forward - pending.start_forward)
+            # The same departure, still growing while it is confirmed: one change (its
+            # step stays what happened at its first sample).
             pending.alarm_sample = sample
             pending.alarm_forward = forward
         else:
