@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 
 from torchinstruments.config import TrackConfig
 from torchinstruments.find import CATEGORIES, RULES, Candidate, run_rules
+from torchinstruments.find.base import ORIGIN_SHARE, is_early
 from torchinstruments.reduce import cpu_statistics, finish_statistics
 from torchinstruments.series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 
@@ -386,3 +388,68 @@ def test_order_does_not_depend_on_input_order():
     shuffled = list(series)
     random.Random(5).shuffle(shuffled)
     assert summary(run_rules(series)) == summary(run_rules(shuffled))
+
+
+# ---------------------------------------------------------------- (f) profile, model-wide
+
+
+def test_origin_is_where_the_profile_of_change_begins():
+    """A small move upstream at the same sample (the optimizer carried the fault back
+    between samples) is an echo: the origin is the first module whose step is at least
+    ORIGIN_SHARE of the group's largest, in residual spreads."""
+    series = [
+        stepped_activation("z_attention", 1, 1.35, seed=41),  # about 15 spreads
+        stepped_activation("m_fc", 2, 8.0, seed=42),  # about 100 spreads
+        stepped_activation("a_after", 3, 8.0, seed=43),
+    ]
+    drift = notable(run_rules(series)["activation_scale_drift"])
+    assert names(drift) == ["m_fc"]
+    steps = {e.series.module: abs(e.change.step_z) for e in drift[0].echoes if e.change}
+    assert set(steps) == {"z_attention", "a_after"}
+    assert steps["z_attention"] < ORIGIN_SHARE * abs(drift[0].change.step_z)
+
+
+def test_most_modules_moving_at_once_is_one_model_wide_event():
+    series = [stepped_activation(f"block{i}", i, 3.0, seed=50 + i) for i in range(8)]
+    series.append(quiet_activation("head", 9, seed=60))
+    series.append(root_gradient(seed=61))
+    series.append(stepped_gradient("block7", 3.0, seed=62))
+    found = run_rules(series)
+    drift = notable(found["activation_scale_drift"])
+    assert len(drift) == 1
+    event = drift[0]
+    assert event.model_wide == 8 / 9
+    assert len(event.echoes) == 7
+    assert event.series.module == "block0"  # first in forward order, values shown
+    # The gradient step at the same samples is a member, not a finding of its own.
+    gradient = next(c for c in found["gradient_scale_change"] if c.series.module == "block7")
+    assert not gradient.notable
+    assert gradient.evidence["part_of_model_wide_event"] == {"onset_sample": STEP_AT}
+    # One module out of nine is a module finding, not model-wide.
+    quiet = [quiet_activation(f"block{i}", i, seed=50 + i) for i in range(1, 9)]
+    alone = run_rules([stepped_activation("block0", 0, 3.0, seed=50), *quiet])
+    assert [c.model_wide for c in notable(alone["activation_scale_drift"])] == [None]
+
+
+def test_zero_fraction_counts_in_both_directions():
+    """An activation that stops rectifying loses its zeros: a step down is notable."""
+    rng = random.Random(70)
+    falling = new_series("act", 1)
+    for sample in range(SAMPLES):
+        level = 0.0 if sample >= STEP_AT else 0.5
+        falling.update(CONFIG, sample, {"zero_fraction": max(0.0, level + rng.gauss(0, 0.002))})
+    found = notable(run_rules([falling])["zero_fraction_growth"])
+    assert names(found) == ["act"]
+    assert found[0].direction == -1 and found[0].onset == STEP_AT
+    assert found[0].score == pytest.approx(0.5, abs=0.01)
+    assert "fell abruptly from sample 40" in RULES["zero_fraction_growth"].interpretation(found[0])
+
+
+def test_an_early_change_never_heads_its_category():
+    """A change while the reference is young (fewer than 1.5 warm-ups of values) is
+    listed after a later one."""
+    early = stepped_activation("a_early", 1, 4.0, seed=80, step_at=26)
+    late = stepped_activation("z_late", 2, 4.0, seed=81, step_at=50)
+    drift = notable(run_rules([early, late])["activation_scale_drift"])
+    assert names(drift) == ["z_late", "a_early"]
+    assert [is_early(c) for c in drift] == [False, True]

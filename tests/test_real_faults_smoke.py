@@ -20,8 +20,8 @@ pytest.importorskip("timm")
 pytest.importorskip("accelerate")
 pytest.importorskip("torchvision")
 
-from benchmarks.real_faults.__main__ import REPORT_MAX_BYTES, main  # noqa: E402
-from benchmarks.real_faults.scenarios import SCENARIOS  # noqa: E402
+from benchmarks.real_faults.__main__ import REPORT_MAX_BYTES, main
+from benchmarks.real_faults.scenarios import SCENARIOS
 
 TOTAL = re.compile(
     r"^TOTAL faults=(\d+) hit@1=\S+ hit@3=\S+ MRR=\S+ "
@@ -34,7 +34,9 @@ COMPARE = re.compile(
 )
 
 
-def test_quick_real_fault_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quick_real_fault_benchmark_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     results = tmp_path / "real_faults.json"
     keep = tmp_path / "runs"
     threads = torch.get_num_threads()

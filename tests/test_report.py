@@ -286,3 +286,38 @@ def test_index_names_the_process_in_standard_terms(tmp_path: Path) -> None:
     assert f"Distributed rank 3 (world size 8); {forwards} training root forwards" in (
         render_markdown(report)
     )
+
+
+def test_a_notable_step_carries_its_cross_section(tmp_path: Path) -> None:
+    """At the step's sample, the finding's module and its forward-order neighbours, each
+    against its own trend: the module before it did not move (ratio about 1), the
+    faulty one moved about 4x, and it is marked as the finding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(90):
+        if step == 60:
+            with torch.no_grad():
+                model[1].weight.mul_(4.0)
+        x = torch.randn(32, 8, generator=generator)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    finding = next(
+        f
+        for f in report["findings"]
+        if f["category"] == "activation_scale_drift" and f["notable"]
+    )
+    assert finding["module"] == "1"
+    assert finding["change_sample"] == 60 and finding["change_forward"] == 60
+    rows = finding["evidence"]["cross_section"]
+    assert [r["module"] for r in rows] == ["0", "1", "2", "3", "<root>"]  # forward order
+    by_module = {r["module"]: r for r in rows}
+    assert by_module["1"]["this_finding"] is True
+    assert by_module["1"]["ratio"] == pytest.approx(4.0, rel=0.1)
+    assert by_module["0"]["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert abs(by_module["0"]["in_spreads"]) < 3 < by_module["1"]["in_spreads"]

@@ -336,7 +336,7 @@ def test_trend_forecasts_follow_the_documented_recurrences():
         t.update(sample, value, forward)
         departure = t.departure_at(sample)
         assert departure is not None
-        forecast, spread, z = expected[sample]
+        forecast, spread, _z = expected[sample]
         assert departure.forward == forward
         assert departure.forecast == pytest.approx(forecast, rel=EXACT)
         assert departure.spread == pytest.approx(spread, rel=EXACT)
@@ -392,7 +392,7 @@ def test_a_step_alarms_where_it_is_with_the_trend_forecast_as_level_before():
     assert alarm == step_at
     assert t.change_count == 1
     change = t.changes[0]
-    forecast, spread, z = expected[step_at]
+    forecast, spread, _z = expected[step_at]
     assert (change.start_sample, change.alarm_sample) == (step_at, step_at)
     assert (change.start_forward, change.alarm_forward) == (forwards[step_at],) * 2
     assert change.level_before == pytest.approx(forecast, rel=EXACT)
@@ -590,3 +590,22 @@ def test_a_constant_run_takes_the_short_update_with_the_same_state(
         full.update(sample, value)
         assert _state(short) == _state(full), f"after sample {sample}"
     assert short._constant == (len(set(values)) == 1)
+
+
+def test_an_accelerating_curve_is_one_change_with_a_small_first_step():
+    """Position-embedding kurtosis in a clean GPT-2: flat, then x4 per sample for a few
+    samples, then flat again. Each sample's departure is large, but the change builds
+    up over samples: one change, dated where its run-up has a quarter of its largest
+    excess (sample 31: 1.6 against a forecast of 0.29 after 0.35 at sample 30), whose
+    step is that sample's (1.31), not the 28 it reaches."""
+    t = make(warmup=24, k=2.5, h=5.0, noise_floor=0.1)
+    values = [0.05] * 30 + [0.35, 1.6, 6.2, 16.0, 26.0, 28.5, 29.0, 29.0, 29.2]
+    feed(t, values)
+    assert t.change_count == 1, t.changes
+    change = t.changes[0]
+    assert change.start_sample == 31
+    # Sample 30: level 0.05 + 0.5 * 0.3 = 0.2, slope 0.3 * 0.3 = 0.09: forecast 0.29.
+    assert change.level_before == pytest.approx(0.29, rel=1e-9)
+    assert change.level_after == 1.6
+    assert change.step == pytest.approx(1.31, rel=1e-9)
+    assert change.alarm_sample > change.start_sample

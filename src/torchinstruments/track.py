@@ -548,12 +548,18 @@ class SeriesTracker:
         """Record a change at ``sample`` that began within ``runup``, then re-anchor the
         trend on ``v`` with the slope from before the run-up."""
         start_sample, start_forward, _, forecast, spread, slope, after = _change_start(runup)
-        pending = self._pending_change
-        if pending is not None and (after - pending.level_before) * pending.step > 0.0:
-            # The same departure, still growing while it is confirmed: one change (its
-            # step stays what happened at its first sample).
-            pending.alarm_sample = sample
-            pending.alarm_forward = forward
+        latest = self.latest_change
+        if (
+            latest is not None
+            and not latest.transient
+            and start_sample <= latest.alarm_sample + 1
+            and (after - forecast) * latest.step > 0.0
+        ):
+            # The same departure, still growing from one sample to the next (a curve
+            # that accelerates): one change, whose step stays what happened at its
+            # first sample.
+            latest.alarm_sample = sample
+            latest.alarm_forward = forward
         else:
             change = ChangePoint(
                 start_sample=start_sample,

@@ -73,8 +73,18 @@ def run_rules(
     # Model-wide events are judged on activations only: a change at one module alters
     # the output gradients of every module before it (and the loss landscape of all), so
     # gradients that move everywhere at once are no sign of a run-level cause.
+    observed = [s for s in items if s.signal == ACTIVATION and s.module != ""]
     modules_observed = {
-        ACTIVATION: len({s.module for s in items if s.signal == ACTIVATION and s.module != ""})
+        ACTIVATION: (
+            len({s.module for s in observed}),
+            min(
+                (
+                    context.positions.get((s.module, s.call_index, s.tensor_path), 0)
+                    for s in observed
+                ),
+                default=0,
+            ),
+        )
     }
     ranked = {
         category: rank_candidates(

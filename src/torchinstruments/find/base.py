@@ -14,9 +14,11 @@ driven by the faulty module's gradients), not the start. The others are listed i
 origin's evidence instead of being returned as findings of their own.
 
 A group of activation changes whose members span at least ``MODEL_WIDE_SHARE`` of the
-modules observed is a model-wide event (module ``<model>``): a run-level cause (learning
-rate or schedule, optimizer state, data, loss scale) moved most of the model at once, and
-no member module is named as its origin. (Output gradients are not used for this: a
+modules observed, the first module in forward order among them, is a model-wide event
+(module ``<model>``): a run-level cause (learning rate or schedule, optimizer state,
+data, loss scale) moved most of the model at once, and no member module is named as its
+origin. A change that begins after modules that stayed put starts at a module, however
+far downstream it spreads. (Output gradients are not used for this: a
 change at one module moves the gradients of every module before it.)
 """
 
@@ -179,15 +181,18 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
 def rank_candidates(
     candidates: Sequence[Candidate],
     onset_tolerance: int = ONSET_TOLERANCE_SAMPLES,
-    modules_observed: Mapping[str, int] | None = None,
+    modules_observed: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[Candidate]:
     """Fold echoes into origins and order candidates, strongest first.
 
     Notable candidates of one signal whose onsets lie within ``onset_tolerance`` samples
     of the group's earliest onset form a group (0: the same sample only). The origin of
-    a group is where its profile of change begins (module docstring); with
-    ``modules_observed`` (modules observed per signal), a group that spans at least
-    ``MODEL_WIDE_SHARE`` of them is model-wide (its origin's ``model_wide`` is set).
+    a group is where its profile of change begins (module docstring). With
+    ``modules_observed`` (per signal: the number of modules observed and the least
+    forward position among them), a group is model-wide (its origin's ``model_wide`` is
+    set) when it spans at least ``MODEL_WIDE_SHARE`` of them and includes the first
+    module in forward order: a change that begins after modules that stayed put starts
+    at a module, however far downstream it spreads.
 
     Order: notable before not notable; notable with a detected onset before notable
     without; changes that are not early (:func:`is_early`) before early ones; earlier
@@ -214,9 +219,13 @@ def rank_candidates(
         echoes = [c for c in group if c is not origin and c.series is not origin.series]
         origin.echoes = sorted(echoes, key=lambda c: (-c.score, c.sort_key))
         origin.group_score = max(c.score for c in group)
-        observed = (modules_observed or {}).get(origin.series.signal, 0)
+        observed, first_position = (modules_observed or {}).get(origin.series.signal, (0, 0))
         members = {c.series.module for c in group}
-        if observed >= 4 and len(members) >= MODEL_WIDE_SHARE * observed:
+        if (
+            observed >= 4
+            and len(members) >= MODEL_WIDE_SHARE * observed
+            and min(c.position for c in group) <= first_position
+        ):
             origin.model_wide = len(members) / observed
         origins.append(origin)
     for candidate in others:
