@@ -35,7 +35,7 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     # The documented finding keys, as for module findings.
     module_finding = next(f for f in report["findings"] if f["module"] != "<model>")
     assert set(module_finding) <= set(event) | {"call_index", "tensor_path"}
-    assert event["change_sample"] == event["evidence"]["step_alarm_sample"]
+    assert event["change_sample"] == event["evidence"]["step_start_sample"]
     assert event["change_forward"] == event["change_sample"]  # sampling=1
     assert event["warmup_end_sample"] is not None and event["history"] == []
 

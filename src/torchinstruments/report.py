@@ -333,6 +333,7 @@ def _model_wide_header() -> dict[str, Any]:
         "tensor_path": None,
         "not_applicable": "call_index and tensor_path: a model-wide event has neither",
         "warmup_end_sample": None,
+        "early_in_run": False,
         "change_sample": None,
         "change_forward": None,
         "history": [],

@@ -226,6 +226,18 @@ def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[s
     }
 
 
+def _large_tail_step(metric: str, change: ChangePoint) -> bool:
+    """A tail step large in absolute terms: the tail ratio up ``TAIL_RATIO_FACTOR_NOTABLE``
+    (1.5x); excess kurtosis up ``KURTOSIS_STEP_NOTABLE`` (3) and the kurtosis itself
+    (excess + 3, a ratio of moments whose fluctuations are relative) up 1.5x too."""
+    if metric == "tail_ratio":
+        return change.step >= math.log(TAIL_RATIO_FACTOR_NOTABLE)
+    before = change.level_before + 3.0
+    return change.step >= KURTOSIS_STEP_NOTABLE and (
+        before <= 0.0 or (change.level_after + 3.0) / before >= TAIL_RATIO_FACTOR_NOTABLE
+    )
+
+
 def _first_largest_of(changes: list[ChangePoint]) -> ChangePoint | None:
     """The change with the largest ``|step|`` (the first of equals), or None."""
     return max(changes, key=lambda c: abs(c.step), default=None)
@@ -409,8 +421,8 @@ class HeavyTailGrowth(Rule):
     the per-example losses (as easy examples are fitted, a few hard ones carry the whole
     gradient), which the report cannot tell from a fault. Noise floor: notable when one
     rising step, not transient, is at least ``SHIFT_Z_NOTABLE`` (6) residual spreads and
-    large in absolute terms (excess kurtosis up by ``KURTOSIS_STEP_NOTABLE``, 3, or tail
-    ratio up ``TAIL_RATIO_FACTOR_NOTABLE``, 1.5x). Kurtosis that climbs steadily as
+    large in absolute terms (excess kurtosis up by ``KURTOSIS_STEP_NOTABLE``, 3, and the
+    kurtosis up 1.5x; or tail ratio up ``TAIL_RATIO_FACTOR_NOTABLE``, 1.5x). Kurtosis that climbs steadily as
     features specialise (1 to 20 in early training is common) is trend, not a finding.
     """
 
@@ -426,11 +438,11 @@ class HeavyTailGrowth(Rule):
         position: int,
         context: RuleContext,
     ) -> Candidate | None:
-        least = (
-            math.log(TAIL_RATIO_FACTOR_NOTABLE) if metric == "tail_ratio" else KURTOSIS_STEP_NOTABLE
-        )
         rising = [c for c in tracker.changes if c.step > 0 and not c.transient]
-        first = next((c for c in rising if c.step >= least and c.step_z >= SHIFT_Z_NOTABLE), None)
+        first = next(
+            (c for c in rising if _large_tail_step(metric, c) and c.step_z >= SHIFT_Z_NOTABLE),
+            None,
+        )
         change = first if first is not None else _first_largest_of(rising)
         if change is None:
             return None
