@@ -315,7 +315,8 @@ class SeriesTracker:
         self._cusum_neg = 0.0
         self._runup_pos: list[_RunupEntry] = []
         self._runup_neg: list[_RunupEntry] = []
-        self._recent: deque[Departure] = deque(maxlen=RECENT_POINTS)
+        # Plain tuples (sample, forward, forecast, value, spread): built on every update.
+        self._recent: deque[tuple[int, int, float, float, float]] = deque(maxlen=RECENT_POINTS)
         self.cusum_peak = 0.0
         self._pending_change: ChangePoint | None = None
         self._changes: list[ChangePoint] = []
@@ -461,7 +462,7 @@ class SeriesTracker:
             self._level = v
             self._slope = 0.0
             self._forward = forward
-            self._recent.append(Departure(sample, forward, v, v, self._noise_floor))
+            self._recent.append((sample, forward, v, v, self._noise_floor))
             return
         gap = forward - self._forward
         if gap < 1:
@@ -481,7 +482,7 @@ class SeriesTracker:
         spread = self._spread * root_gap
         if spread < self._noise_floor:
             spread = self._noise_floor
-        self._recent.append(Departure(sample, forward, forecast, v, spread))
+        self._recent.append((sample, forward, forecast, v, spread))
         armed = count > self._warmup
         used = excess
         if armed:
@@ -638,9 +639,9 @@ class SeriesTracker:
             forward = self._forward if sample == self._latest_sample else -1
             return Departure(sample, forward, v, v, self._noise_floor)
         for point in reversed(self._recent):
-            if point.sample == sample:
-                return point
-            if point.sample < sample:
+            if point[0] == sample:
+                return Departure(*point)
+            if point[0] < sample:
                 break
         return None
 
@@ -695,7 +696,7 @@ class SeriesTracker:
         forwards: an EMA of ``MAD_TO_STD * |residual| / sqrt(gap)``)."""
         if self._constant or not self._recent:
             return self._noise_floor
-        return self._recent[-1].spread
+        return self._recent[-1][4]
 
     @property
     def cusum_positive(self) -> float:
