@@ -30,7 +30,7 @@ from .find import (
     model_wide_texts,
     run_rules,
 )
-from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early
+from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early, step_size
 from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, RMS_TO_ROOT, forward_positions
 from .track import SeriesPoint
 
@@ -215,6 +215,9 @@ def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> di
         "early_in_run": c.notable and is_early(c),
         "change_sample": c.onset,
         "change_forward": observer.sample_forwards.forward(c.onset),
+        "change_in_residual_spreads": (
+            max([step_size(c), *(step_size(e) for e in c.echoes)]) if c.change is not None else None
+        ),
         "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
         "evidence": evidence,
         "interpretation": interpretation,
@@ -415,7 +418,9 @@ def build_report(observer: Observer) -> dict[str, Any]:
             if level < len(per_category[category])
         ]
         # Within a round: notable first, then the earliest detected change, so the list
-        # reads in the order things happened; ties keep the fixed category order.
+        # reads in the order things happened; at the same sample the category whose
+        # change is largest in its own noise units (residual spreads) first, as the
+        # origin of a group is chosen; ties keep the fixed category order.
         round_items.sort(
             key=lambda item: (
                 not item[1]["notable"],
@@ -423,6 +428,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                 item[1].get("early_in_run", False),
                 (item[1].get("change_sample") or 0)
                 + (ONSET_TOLERANCE_SAMPLES if item[1]["signal"] == GRAD_OUTPUT else 0),
+                -(item[1].get("change_in_residual_spreads") or 0.0),
                 item[0],
             )
         )

@@ -66,8 +66,12 @@ RESIDUAL_CLIP = 3.0
 #: trend extrapolated further is no yardstick (a fault changes the dynamics after it),
 #: and a spike returns at the next sample.
 CONFIRM_SAMPLES = 1
-#: A change whose value returns within this share of its step of the old trend is transient.
-REVERT_SHARE = 0.5
+#: A change whose next value returns to the old trend, within this share of its step (or
+#: within ``REVERT_SPREADS`` spreads), is transient: a spike, not a change. A fault that
+#: the optimizer partly compensates (a weight scaled down regrows behind a BatchNorm)
+#: stays a change.
+REVERT_SHARE = 0.2
+REVERT_SPREADS = 3.0
 
 
 #: A CUSUM run-up entry: (sample, forward, excess residual in spreads, forecast, spread,
@@ -154,7 +158,8 @@ class ChangePoint:
             between two samples: a change that builds up over several samples (a curve
             that accelerates) has a small first step however far it goes.
         confirmed: the ``CONFIRM_SAMPLES`` values after the alarm stayed away from the
-            old trend (by more than ``REVERT_SHARE`` of the step).
+            old trend (by more than ``REVERT_SHARE`` of the step and ``REVERT_SPREADS``
+            spreads).
         transient: a value after the alarm returned to the old trend.
         start_forward, alarm_forward: training forwards of those samples.
         slope_before: the trend's slope before the change, per training forward.
@@ -587,7 +592,8 @@ class SeriesTracker:
         """A value after an alarm: confirm the change, or find it transient (returns
         True: the value is back on the trend from before the change)."""
         after = v - pending.slope_before * (forward - pending.start_forward)
-        if abs(after - pending.level_before) < REVERT_SHARE * abs(pending.step):
+        back = abs(after - pending.level_before)
+        if back < REVERT_SHARE * abs(pending.step) or back < REVERT_SPREADS * pending.std_before:
             pending.transient = True
             self._pending_change = None
             return True

@@ -422,8 +422,9 @@ class HeavyTailGrowth(Rule):
     gradient), which the report cannot tell from a fault. Noise floor: notable when one
     rising step, not transient, is at least ``SHIFT_Z_NOTABLE`` (6) residual spreads and
     large in absolute terms (excess kurtosis up by ``KURTOSIS_STEP_NOTABLE``, 3, and the
-    kurtosis up 1.5x; or tail ratio up ``TAIL_RATIO_FACTOR_NOTABLE``, 1.5x). Kurtosis that climbs steadily as
-    features specialise (1 to 20 in early training is common) is trend, not a finding.
+    kurtosis up 1.5x; or tail ratio up ``TAIL_RATIO_FACTOR_NOTABLE``, 1.5x). Kurtosis
+    that climbs steadily as features specialise (1 to 20 in early training is common) is
+    trend, not a finding.
     """
 
     category = "heavy_tail_growth"
