@@ -303,6 +303,7 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
                 "warmup_end_sample": tracker.warmup_end_sample,
                 "change_sample": change.start_sample,
                 "change_forward": observer.sample_forwards.forward(change.start_sample),
+                "change_in_residual_spreads": abs(change.step_z),
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
                     "factor": factor,
@@ -337,6 +338,7 @@ def _model_wide_header() -> dict[str, Any]:
         "not_applicable": "call_index and tensor_path: a model-wide event has neither",
         "warmup_end_sample": None,
         "early_in_run": False,
+        "change_in_residual_spreads": None,
         "change_sample": None,
         "change_forward": None,
         "history": [],
