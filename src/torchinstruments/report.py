@@ -608,6 +608,13 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observ
     top = next(f for f in findings if f["notable"]) if any(f["notable"] for f in findings) else None
     if top is None:
         return f"{notable} notable finding(s); none fit within the byte limit."
+    if top["module"] == MODEL:
+        share = (top.get("evidence") or {}).get("model_wide", {}).get("share_of_modules")
+        moved = f", {format_value(share * 100)}% of the observed modules" if share else ""
+        return (
+            f"{notable} notable finding(s); the earliest is a model-wide event in "
+            f"{top['category']} (`{MODEL}`{moved}, {top['signal']}.{top['metric']})."
+        )
     return (
         f"{notable} notable finding(s); the earliest is {top['category']} at "
         f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']})."

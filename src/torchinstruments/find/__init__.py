@@ -100,8 +100,9 @@ def run_rules(
 
 def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
     """A model-wide event moved most of the model at once: notable module candidates of
-    any category whose change began within ``ONSET_TOLERANCE_SAMPLES`` of its onset are
-    members of it, not findings of their own. They stay listed, not notable, with the
+    any category whose change began within ``ONSET_TOLERANCE_SAMPLES`` of its onset, and
+    notable candidates without an onset (volatility, oscillation), are members of it, not
+    findings of their own. They stay listed, not notable, with the
     event's onset under ``evidence.part_of_model_wide_event``; their categories are
     re-ordered (notable first)."""
     onsets = sorted(
@@ -119,9 +120,15 @@ def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
             continue
         changed = False
         for c in candidates:
-            if c.model_wide is not None or not c.notable or c.onset is None:
+            if c.model_wide is not None or not c.notable:
                 continue
-            event = next((o for o in onsets if abs(o - c.onset) <= ONSET_TOLERANCE_SAMPLES), None)
+            # Without an onset (volatility, oscillation) a notable candidate is taken as
+            # a consequence of the earliest event: the whole model moved at once.
+            event = (
+                onsets[0]
+                if c.onset is None
+                else next((o for o in onsets if abs(o - c.onset) <= ONSET_TOLERANCE_SAMPLES), None)
+            )
             if event is not None:
                 c.notable = False
                 c.evidence["part_of_model_wide_event"] = {"onset_sample": event}
