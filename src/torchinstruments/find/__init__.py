@@ -116,8 +116,8 @@ def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
     if not onsets:
         return
     for category, candidates in ranked.items():
-        if not RULES[category].model_wide:
-            continue
+        if category == "non_finite":
+            continue  # NaN propagates everywhere by nature; forward order shows its origin
         changed = False
         for c in candidates:
             if c.model_wide is not None or not c.notable:

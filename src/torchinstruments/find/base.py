@@ -13,8 +13,10 @@ moved far less is an echo carried upstream by the optimizer between samples (an 
 driven by the faulty module's gradients), not the start. The others are listed in the
 origin's evidence instead of being returned as findings of their own.
 
-A group of activation changes whose members span at least ``MODEL_WIDE_SHARE`` of the
-modules observed, the first module in forward order among them, is a model-wide event
+A group of activation changes at whose onset at least ``MODEL_WIDE_SHARE`` of the
+observed modules moved (members, or modules that departed from their trends by 3
+residual spreads, below a finding's floor), the modules before it included, is a
+model-wide event
 (module ``<model>``): a run-level cause (learning rate or schedule, optimizer state,
 data, loss scale) moved most of the model at once, and no member module is named as its
 origin. A change that begins after modules that stayed put starts at a module, however
@@ -50,6 +52,9 @@ ORIGIN_SHARE = 0.25
 MODEL_WIDE_SHARE = 0.5
 #: Module name of a model-wide event.
 MODEL = "<model>"
+#: Departure from its own trend, in residual spreads, at a group's onset, of a module
+#: that is not a member, that counts as having moved with the group.
+UPSTREAM_DEPARTURE_SPREADS = 3.0
 #: A change is early (weak) when its series had seen fewer than this many warm-ups of
 #: values before the alarm: the trend and spread of early training are still settling.
 EARLY_REFERENCE_FACTOR = 1.5
@@ -178,6 +183,42 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
     return group[0]
 
 
+def _model_wide_share(
+    group: list[Candidate], candidates: Sequence[Candidate], first_position: int
+) -> float | None:
+    """The cross-section of a group at its onset: the share of observed modules (of the
+    group's signal, the root excluded) that moved, a module having moved when it is a
+    member or its series departed from its own trend by ``UPSTREAM_DEPARTURE_SPREADS`` or
+    more at that sample (below a finding's floor, but moved). None when the modules
+    before the group's first member mostly stayed put (fewer than half of them moved;
+    none are before it when the group begins at the first observed module): a change
+    that begins after modules that stayed put starts at a module, however far
+    downstream it spreads."""
+    signal = group[0].series.signal
+    onset = min(c.onset for c in group if c.onset is not None)
+    members = {c.series.module for c in group}
+    moved: set[str] = set(members)
+    observed: set[str] = set()
+    first = min(c.position for c in group)
+    before: set[str] = set()
+    for c in candidates:
+        module = c.series.module
+        if c.series.signal != signal or module == "":
+            continue
+        observed.add(module)
+        if c.position < first and c.position >= first_position:
+            before.add(module)
+        if module in moved:
+            continue
+        departure = c.judged.departure_at(onset)
+        if departure is not None and abs(departure.z) >= UPSTREAM_DEPARTURE_SPREADS:
+            moved.add(module)
+    before -= members
+    if before and len(before & moved) < 0.5 * len(before):
+        return None
+    return len(moved) / max(len(observed), 1)
+
+
 def rank_candidates(
     candidates: Sequence[Candidate],
     onset_tolerance: int = ONSET_TOLERANCE_SAMPLES,
@@ -190,9 +231,9 @@ def rank_candidates(
     a group is where its profile of change begins (module docstring). With
     ``modules_observed`` (per signal: the number of modules observed and the least
     forward position among them), a group is model-wide (its origin's ``model_wide`` is
-    set) when it spans at least ``MODEL_WIDE_SHARE`` of them and includes the first
-    module in forward order: a change that begins after modules that stayed put starts
-    at a module, however far downstream it spreads.
+    set) when at least ``MODEL_WIDE_SHARE`` of them moved at its onset and the modules
+    before it moved too (:func:`_model_wide_share`): a change that begins after modules
+    that stayed put starts at a module, however far downstream it spreads.
 
     Order: notable before not notable; notable with a detected onset before notable
     without; changes that are not early (:func:`is_early`) before early ones; earlier
@@ -219,14 +260,11 @@ def rank_candidates(
         echoes = [c for c in group if c is not origin and c.series is not origin.series]
         origin.echoes = sorted(echoes, key=lambda c: (-c.score, c.sort_key))
         origin.group_score = max(c.score for c in group)
-        observed, first_position = (modules_observed or {}).get(origin.series.signal, (0, 0))
-        members = {c.series.module for c in group}
-        if (
-            observed >= 4
-            and len(members) >= MODEL_WIDE_SHARE * observed
-            and min(c.position for c in group) <= first_position
-        ):
-            origin.model_wide = len(members) / observed
+        extent = (modules_observed or {}).get(origin.series.signal)
+        if extent is not None and extent[0] >= 4:
+            share = _model_wide_share(group, candidates, extent[1])
+            if share is not None and share >= MODEL_WIDE_SHARE:
+                origin.model_wide = share
         origins.append(origin)
     for candidate in others:
         candidate.group_score = candidate.score

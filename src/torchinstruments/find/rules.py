@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import ChangePoint, SeriesTracker
-from .base import ONSET_TOLERANCE_SAMPLES, Candidate, display_module, format_value
+from .base import (
+    EARLY_REFERENCE_FACTOR,
+    ONSET_TOLERANCE_SAMPLES,
+    Candidate,
+    display_module,
+    format_value,
+)
 
 __all__ = [
     "CATEGORIES",
@@ -45,6 +51,9 @@ SHIFT_Z_NOTABLE = 6.0
 ZERO_FRACTION_NOTABLE = 0.1
 #: Least factor (up or down) of a notable abrupt scale step.
 STEP_FACTOR_NOTABLE = 1.3
+#: Factor on the least size, in residual spreads, of a notable step while the series'
+#: reference is young (see ``EARLY_REFERENCE_FACTOR``).
+EARLY_Z_FACTOR = 2.0
 #: Least rise of excess kurtosis, and least factor of the tail ratio, in one notable step.
 KURTOSIS_STEP_NOTABLE = 3.0
 TAIL_RATIO_FACTOR_NOTABLE = 1.5
@@ -149,9 +158,10 @@ class Rule:
     metrics: tuple[str, ...] = ("rms",)
     #: Samples between onsets that still count as "the same samples" for echoes.
     onset_tolerance = ONSET_TOLERANCE_SAMPLES
-    #: A group that spans most of the model is a model-wide event (not for values that
-    #: propagate everywhere by nature, such as NaN, whose origin forward order shows).
-    model_wide = True
+    #: Model-wide events are found in this category (one whose rule has a candidate for
+    #: every activation series, so that a cross-section of the whole model is at hand);
+    #: other categories' findings at the same samples are folded into them.
+    model_wide = False
     signals: tuple[str, ...] = (ACTIVATION, GRAD_OUTPUT)
 
     def candidates(self, series: Iterable[TensorSeries], context: RuleContext) -> list[Candidate]:
@@ -224,6 +234,29 @@ def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[s
         "trend_slope_before_per_forward": change.slope_before,
         "values_before_step": change.reference_count,
     }
+
+
+def _least_z(change: ChangePoint, tracker: SeriesTracker, least: float) -> float:
+    """The least ``|step_z|`` for a notable change: ``least``, times ``EARLY_Z_FACTOR``
+    for a change while the series' reference was young (fewer than
+    ``EARLY_REFERENCE_FACTOR`` warm-ups of values before it): its spread rests on few,
+    fast-moving values of early training."""
+    if change.reference_count < EARLY_REFERENCE_FACTOR * tracker.config.warmup_samples:
+        return least * EARLY_Z_FACTOR
+    return least
+
+
+def _first_notable(
+    tracker: SeriesTracker, *, min_abs_step: float, min_abs_step_z: float
+) -> ChangePoint | None:
+    """The earliest change, not transient, at least ``min_abs_step`` (tracked units) and
+    :func:`_least_z` residual spreads, or None."""
+    for change in tracker.changes:
+        if change.transient or abs(change.step) < min_abs_step:
+            continue
+        if abs(change.step_z) >= _least_z(change, tracker, min_abs_step_z):
+            return change
+    return None
 
 
 def _large_tail_step(metric: str, change: ChangePoint) -> bool:
@@ -306,8 +339,8 @@ class _ScaleRule(Rule):
         if judged is not tracker:
             basis += "_net_of_loss_gradient"
             evidence["net_of_loss_gradient"] = _scale_evidence(judged)
-        change = judged.first_change(
-            min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
+        change = _first_notable(
+            judged, min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
         )
         notable = change is not None
         if change is not None:
@@ -371,6 +404,7 @@ class ActivationScaleDrift(_ScaleRule):
 
     category = "activation_scale_drift"
     signals = (ACTIVATION,)
+    model_wide = True
 
     def next_experiment(self, c: Candidate) -> str:
         module = display_module(c.series.module)
@@ -441,7 +475,11 @@ class HeavyTailGrowth(Rule):
     ) -> Candidate | None:
         rising = [c for c in tracker.changes if c.step > 0 and not c.transient]
         first = next(
-            (c for c in rising if _large_tail_step(metric, c) and c.step_z >= SHIFT_Z_NOTABLE),
+            (
+                c
+                for c in rising
+                if _large_tail_step(metric, c) and c.step_z >= _least_z(c, tracker, SHIFT_Z_NOTABLE)
+            ),
             None,
         )
         change = first if first is not None else _first_largest_of(rising)
@@ -514,7 +552,6 @@ class NonFinite(Rule):
     category = "non_finite"
     metrics = ("nonfinite_fraction",)
     onset_tolerance = 0
-    model_wide = False
 
     def judge(
         self,
@@ -669,8 +706,8 @@ class ZeroFractionGrowth(Rule):
     ) -> Candidate | None:
         if series.signal == GRAD_OUTPUT and series.module == "":
             return None
-        first = tracker.first_change(
-            min_abs_step=ZERO_FRACTION_NOTABLE, min_abs_step_z=SHIFT_Z_NOTABLE
+        first = _first_notable(
+            tracker, min_abs_step=ZERO_FRACTION_NOTABLE, min_abs_step_z=SHIFT_Z_NOTABLE
         )
         change = first if first is not None else tracker.strongest_change
         if change is None or abs(change.step) < 0.01:
@@ -747,7 +784,9 @@ class RegimeChange(Rule):
         change = judged.strongest_change if judged is not None else None
         if judged is None or change is None:
             return None
-        notable = abs(change.step) >= math.log(1.5) and abs(change.step_z) >= 8.0
+        notable = abs(change.step) >= math.log(1.5) and abs(change.step_z) >= _least_z(
+            change, judged, 8.0
+        )
         return Candidate(
             category=self.category,
             series=series,
