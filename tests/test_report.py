@@ -308,9 +308,7 @@ def test_a_notable_step_carries_its_cross_section(tmp_path: Path) -> None:
     remove_observer(model)
     report = read_report(tmp_path)
     finding = next(
-        f
-        for f in report["findings"]
-        if f["category"] == "activation_scale_drift" and f["notable"]
+        f for f in report["findings"] if f["category"] == "activation_scale_drift" and f["notable"]
     )
     assert finding["module"] == "1"
     assert finding["change_sample"] == 60 and finding["change_forward"] == 60

@@ -190,11 +190,6 @@ class ChangePoint:
         """:attr:`step` in residual spreads at the start of the change."""
         return self.step / self.std_before
 
-    @property
-    def settled(self) -> bool:
-        """Confirmed, or still awaiting its confirming values (not transient)."""
-        return not self.transient
-
 
 class SeriesTracker:
     """Streaming state of one series, of fixed size.
@@ -618,24 +613,6 @@ class SeriesTracker:
     def changes(self) -> tuple[ChangePoint, ...]:
         """Up to ``MAX_CHANGES`` change points in alarm order (the largest steps are kept)."""
         return tuple(self._changes)
-
-    def first_change(
-        self, *, min_abs_step: float, min_abs_step_z: float, settled: bool = True
-    ) -> ChangePoint | None:
-        """The earliest kept change point whose step is at least this large, or None.
-
-        Args:
-            min_abs_step: least ``|step|``, in tracked units (log for scale metrics).
-            min_abs_step_z: least ``|step_z|``, in residual spreads.
-            settled: skip transient changes (a value after the alarm returned to the old
-                trend). Default True.
-        """
-        for change in self._changes:
-            if settled and change.transient:
-                continue
-            if abs(change.step) >= min_abs_step and abs(change.step_z) >= min_abs_step_z:
-                return change
-        return None
 
     def departure_at(self, sample: int) -> Departure | None:
         """The value at ``sample`` against its trend forecast, if it is among the latest
