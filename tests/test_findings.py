@@ -406,7 +406,9 @@ def test_origin_is_where_the_profile_of_change_begins():
     assert names(drift) == ["m_fc"]
     steps = {e.series.module: abs(e.change.step_z) for e in drift[0].echoes if e.change}
     assert set(steps) == {"z_attention", "a_after"}
-    assert steps["z_attention"] < ORIGIN_SHARE * abs(drift[0].change.step_z)
+    change = drift[0].change
+    assert change is not None
+    assert steps["z_attention"] < ORIGIN_SHARE * abs(change.step_z)
 
 
 def test_most_modules_moving_at_once_is_one_model_wide_event():

@@ -293,14 +293,15 @@ def test_a_notable_step_carries_its_cross_section(tmp_path: Path) -> None:
     against its own trend: the module before it did not move (ratio about 1), the
     faulty one moved about 4x, and it is marked as the finding."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    faulty = nn.Linear(16, 16)
+    model = nn.Sequential(nn.Linear(8, 16), faulty, nn.Tanh(), nn.Linear(16, 1))
     inject_observer(model, output_dir=tmp_path, sampling=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)
     for step in range(90):
         if step == 60:
             with torch.no_grad():
-                model[1].weight.mul_(4.0)
+                faulty.weight.mul_(4.0)
         x = torch.randn(32, 8, generator=generator)
         optimizer.zero_grad()
         model(x).pow(2).mean().backward()
