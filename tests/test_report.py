@@ -293,8 +293,9 @@ def test_a_notable_step_carries_its_cross_section(tmp_path: Path) -> None:
     against its own trend: the module before it did not move (ratio about 1), the
     faulty one moved about 4x, and it is marked as the finding."""
     torch.manual_seed(0)
+    first = nn.Linear(8, 16)
     faulty = nn.Linear(16, 16)
-    model = nn.Sequential(nn.Linear(8, 16), faulty, nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(first, faulty, nn.Tanh(), nn.Linear(16, 1))
     inject_observer(model, output_dir=tmp_path, sampling=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)

@@ -71,10 +71,16 @@ Rules for your answer:
    label mechanisms as hypotheses.
 3. Treat findings with "warmup_complete": false, "early_in_run": true (the series'
    reference was still young), or "notable": false, as weak evidence.
-4. A finding's "evidence.echoes" are modules that changed at the same samples downstream
-   (activations) or upstream (gradients) of it: prefer the finding itself as the origin.
-5. Do not infer anything about losses, labels, optimizer updates, inputs or parameter
-   gradients: they are not observed. Samples are sampled forwards, not optimizer steps.
+4. A finding's "evidence.echoes" are modules that changed at the same samples; the
+   finding is where the change begins along depth, judged in each series' own noise
+   units ("evidence.cross_section" shows the neighbours): prefer the finding itself as
+   the origin. When findings of several categories start at the same sample, the one
+   with the largest "change_in_residual_spreads" is listed first. Module "<model>" is a
+   model-wide event: most of the model moved at once, a run-level cause.
+5. Do not infer anything about labels, optimizer updates, inputs or parameter gradients:
+   they are not observed (a loss is observed only where the model's own output carries
+   it, as a tensor path of <root>). Samples are sampled forwards, not optimizer steps;
+   "change_forward" gives the training forward of a change.
 6. End with the single narrowest next experiment (one change, same seed, data order and
    precision) that would confirm or refute your leading hypothesis.
 """

@@ -356,7 +356,8 @@ class _ScaleRule(Rule):
             score=abs(step),
             basis=basis,
             notable=notable,
-            direction=1 if step > 0 else -1,
+            # Without a step, the direction of the end-to-end movement.
+            direction=1 if (step > 0 if change is not None else tracker.shift > 0) else -1,
             onset=change.start_sample if notable and change is not None else None,
             position=position,
             evidence=evidence,
@@ -752,9 +753,10 @@ class ZeroFractionGrowth(Rule):
                 f"the baseline run, at this module only."
             )
         return _keep_fixed(
-            f"Look for dying units feeding {module}: compare the preceding layer's bias "
-            f"and input scale with the baseline, and rerun with a lower learning rate "
-            f"or a leaky activation at this module only."
+            f"Find what zeroes more of {module}'s output from that sample on: a dropout "
+            f"rate or mask that changed (check the module's p and training flag), or "
+            f"units that died (compare the preceding layer's bias and input scale with "
+            f"the baseline; a lower learning rate or a leaky activation at this module)."
         )
 
 
