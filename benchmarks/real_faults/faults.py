@@ -30,6 +30,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from benchmarks.faults.models import GradGain
+
 __all__ = [
     "ActivationSwapped",
     "AttentionScaled",
@@ -272,20 +274,6 @@ class NanOp(Fault):
         return f"{self.op} applied to the output of {self.module}"
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity in the forward pass; the gradient times ``gain`` in the backward."""
-
-    @staticmethod
-    def forward(ctx: Any, *args: Any) -> Any:
-        x, gain = args
-        ctx.gain = gain
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Any) -> Any:
-        return grad_outputs[0] * ctx.gain, None
-
-
 @dataclass(frozen=True, slots=True)
 class GradientScaledByHook(Fault):
     """The gradient arriving at one module's output multiplied by ``gain`` (0: zeroed).
@@ -338,7 +326,7 @@ class GradientScaledByFunction(Fault):
 
         def forward(*args: Any, **kwargs: Any) -> Tensor:
             out = original(*args, **kwargs)
-            scaled = _ScaleGradient.apply(out, gain)
+            scaled = GradGain.apply(out, gain)
             assert isinstance(scaled, Tensor)
             return scaled
 

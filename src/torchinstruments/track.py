@@ -496,11 +496,7 @@ class SeriesTracker:
         pending = self._pending_change
         if pending is not None and self._follow_pending(pending, forward, v):
             # Back on the trend from before the change: re-anchor there, no new change.
-            self._level = v
-            self._slope = pending.slope_before
-            self._cusum_pos = self._cusum_neg = 0.0
-            self._runup_pos.clear()
-            self._runup_neg.clear()
+            self._reanchor(v, pending.slope_before)
             return
         if armed and self._cusum(sample, forward, v, forecast, excess / spread, spread):
             return  # re-anchored on the new level
@@ -577,7 +573,11 @@ class SeriesTracker:
             self.latest_change = change
             self._pending_change = change
             self._keep_change(change)
-        self._level = v
+        self._reanchor(v, slope)
+
+    def _reanchor(self, level: float, slope: float) -> None:
+        """Restart the trend at ``level`` with ``slope``, CUSUM at zero."""
+        self._level = level
         self._slope = slope
         self._cusum_pos = self._cusum_neg = 0.0
         self._runup_pos.clear()
