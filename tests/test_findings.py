@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -455,3 +456,18 @@ def test_an_early_change_never_heads_its_category():
     drift = notable(run_rules([early, late])["activation_scale_drift"])
     assert names(drift) == ["z_late", "a_early"]
     assert [is_early(c) for c in drift] == [False, True]
+
+
+def test_a_scale_series_between_zero_and_huge_values_is_judged_without_overflow():
+    # Exact zeros (the log floor, -69) and values near the float maximum (+690) make the
+    # trend's slope extrapolate far past anything representable; the rules still run and
+    # report finite or saturated numbers instead of raising OverflowError.
+    series = new_series("dead.or.exploding", 0)
+    for sample in range(SAMPLES):
+        value = 0.0 if sample % 3 else 1e300
+        series.update(CONFIG, sample, {"rms": value, "max_abs": value})
+    ranked = run_rules([series])
+    assert set(ranked) == set(CATEGORIES)
+    tracker = series.trackers["rms"]
+    assert tracker.level(1000.0) == sys.float_info.max
+    assert tracker.level(math.log(1e-30)) == 0.0

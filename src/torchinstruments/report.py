@@ -32,7 +32,7 @@ from .find import (
 )
 from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early, step_size
 from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, RMS_TO_ROOT, forward_positions
-from .track import SeriesPoint
+from .track import SeriesPoint, bounded_exp
 
 if TYPE_CHECKING:
     from .observer import Observer
@@ -294,7 +294,7 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
         and tracker.min
         and tracker.max
     ):
-        factor = math.exp(change.step)
+        factor = bounded_exp(change.step)
         findings.append(
             {
                 **_model_wide_header(),

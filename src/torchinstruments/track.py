@@ -28,6 +28,7 @@ the sample where the departure began and re-anchors the trend on the new level; 
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ __all__ = ["ChangePoint", "Departure", "SeriesPoint", "SeriesTracker"]
 #: Values at or below this are treated as this, before taking logs (a dead unit's RMS is 0).
 LOG_FLOOR = 1e-30
 _LOG_OF_FLOOR = math.log(LOG_FLOOR)
+_LOG_OF_MAX = math.log(sys.float_info.max)
 #: Change points kept per series (the largest steps survive when more are found).
 MAX_CHANGES = 8
 #: Latest CUSUM increments kept to place the start of a change (bounded run-up).
@@ -72,6 +74,12 @@ CONFIRM_SAMPLES = 1
 #: stays a change.
 REVERT_SHARE = 0.2
 REVERT_SPREADS = 3.0
+
+
+def bounded_exp(x: float) -> float:
+    """``exp(x)``, saturated at the largest float instead of raising OverflowError (a
+    ratio between log-tracked levels, one of them a forecast extrapolated past any value)."""
+    return math.exp(x) if x < _LOG_OF_MAX else sys.float_info.max
 
 
 #: A CUSUM run-up entry: (sample, forward, excess residual in spreads, forecast, spread,
@@ -726,7 +734,11 @@ class SeriesTracker:
 
     def level(self, tracked: float) -> float:
         """Map a tracked-units level (an EMA, the baseline) back to the metric's units
-        (0 for a log-scale level at ``LOG_FLOOR``, where exact zeros were recorded)."""
+        (0 for a log-scale level at ``LOG_FLOOR``, where exact zeros were recorded; the
+        largest float for a level past it, such as a forecast extrapolated far beyond any
+        value seen)."""
         if not self._log_scale:
             return tracked
-        return 0.0 if tracked <= _LOG_OF_FLOOR else math.exp(tracked)
+        if tracked <= _LOG_OF_FLOOR:
+            return 0.0
+        return bounded_exp(tracked)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
-from ..track import ChangePoint, SeriesTracker
+from ..track import ChangePoint, SeriesTracker, bounded_exp
 from .base import (
     EARLY_REFERENCE_FACTOR,
     ONSET_TOLERANCE_SAMPLES,
@@ -389,7 +389,7 @@ class _ScaleRule(Rule):
             f"trend forecast {format_value(t.level(change.level_before))}"
         )
         if t.log_scale and t.level(change.level_after) > 0.0:
-            text += f" ({format_value(math.exp(abs(change.step)))}x"
+            text += f" ({format_value(bounded_exp(abs(change.step)))}x"
         else:
             text += " ("
         text += (
