@@ -608,3 +608,69 @@ def test_an_accelerating_curve_is_one_change_with_a_small_first_step():
     assert change.level_after == 1.6
     assert change.step == pytest.approx(1.31, rel=1e-9)
     assert change.alarm_sample > change.start_sample
+
+
+# ---------------------------------------------------------------- spread after a change
+def test_a_step_into_noise_is_judged_by_the_spread_after_it():
+    t = make(warmup=4, k=2.5, noise_floor=1.0)
+    feed(t, [1.0] * 8 + [21.0, 23.0, 19.0, 23.0, 19.0, 23.0, 19.0])
+    (change,) = t.changes
+    assert (change.start_sample, change.level_before, change.level_after) == (8, 1.0, 21.0)
+    assert change.std_before == 1.0  # a constant series: the noise floor
+    # Each value from the alarm on against the line through its neighbours (equal gaps:
+    # weights 1/2, unit-noise scale sqrt(1.5)): 23 - 20 = 3, then -4, 4, -4; four at most.
+    mean_abs = (3.0 + 4.0 + 4.0 + 4.0) / 4
+    assert change.spread_after == pytest.approx(MAD_TO_STD * mean_abs / math.sqrt(1.5), rel=EXACT)
+    assert change.step_z == pytest.approx(20.0 / change.spread_after, rel=EXACT)
+
+
+def test_the_spread_after_uses_the_gaps_of_irregular_samples():
+    t = make(warmup=4, k=2.5, noise_floor=1.0)
+    for sample, (forward, value) in enumerate(
+        [
+            (0, 1.0),
+            (1, 1.0),
+            (2, 1.0),
+            (3, 1.0),
+            (4, 1.0),
+            (5, 1.0),
+            (6, 21.0),
+            (8, 22.0),
+            (12, 21.0),
+        ]
+    ):
+        t.update(sample, value, forward)
+    (change,) = t.changes
+    # The line through (6, 21) and (12, 21) is 21 at forward 8: residual 1, weights 1/3
+    # and 2/3, unit-noise scale sqrt(1 + 1/9 + 4/9).
+    w = (8 - 6) / (12 - 6)
+    expected = MAD_TO_STD * 1.0 / math.sqrt(1.0 + w * w + (1.0 - w) ** 2)
+    assert change.spread_after == pytest.approx(expected, rel=EXACT)
+    assert change.step_z == pytest.approx(20.0 / max(1.0, expected), rel=EXACT)
+
+
+def test_a_step_into_calm_keeps_the_spread_before():
+    t = make(warmup=4, k=2.5, noise_floor=0.5)
+    feed(t, [1.0] * 8 + [21.0] * 6)
+    (change,) = t.changes
+    assert change.spread_after == 0.0
+    assert change.step_z == 20.0 / 0.5
+
+
+# ---------------------------------------------------------------- volatility per forward
+def test_volatility_ratio_is_per_forward_so_wider_gaps_are_not_more_volatile():
+    # A random walk sampled at every forward in warm-up, then at every 16th: each later
+    # residual is about 4x larger (sqrt(16)) without the walk being any more volatile.
+    rng = random.Random(7)
+    t = make(warmup=24, k=2.5, noise_floor=0.001)
+    level, forward = 0.0, 0
+    for sample in range(200):
+        gap = 1 if sample < 24 else 16
+        for _ in range(gap):
+            level += rng.gauss(0.0, 0.1)
+        forward += gap
+        t.update(sample, level, forward)
+    assert t.warmup_mean_gap == 1.0
+    per_sample = t.volatility / t.baseline_volatility
+    assert per_sample > 2.5
+    assert 0.4 < t.volatility_ratio < 1.6

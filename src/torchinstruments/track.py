@@ -74,6 +74,11 @@ CONFIRM_SAMPLES = 1
 #: stays a change.
 REVERT_SHARE = 0.2
 REVERT_SPREADS = 3.0
+#: Interpolation residuals after a change that give its spread after: a step into a
+#: noisier regime is judged by the larger of the spreads before and after it (as a
+#: two-sample test uses the variance of both samples), so that a curve whose noise grows
+#: as it turns does not make its first wiggle a change of many spreads.
+AFTER_RESIDUALS = 4
 
 
 def bounded_exp(x: float) -> float:
@@ -162,6 +167,12 @@ class ChangePoint:
         alarm_sample: the sample at which CUSUM crossed its threshold.
         level_before: the trend's forecast for ``start_sample``, from the values before.
         std_before: the residual spread at ``start_sample``.
+        spread_after: the noise of the values from the alarm on, free of any local
+            linear trend: each value against the straight line through its neighbours
+            (a second difference, for irregular spacing; divided by its standard deviation
+            for unit noise, ``sqrt(1 + w_before^2 + w_after^2)``), as a mean absolute value
+            times ``MAD_TO_STD``, over up to ``AFTER_RESIDUALS`` values (0 until the second
+            value after the alarm).
         level_after: the value at ``start_sample``. The step is what the series did
             between two samples: a change that builds up over several samples (a curve
             that accelerates) has a small first step however far it goes.
@@ -186,7 +197,11 @@ class ChangePoint:
     alarm_forward: int = -1
     slope_before: float = 0.0
     reference_count: int = 0
+    spread_after: float = 0.0
     _after_count: int = 1
+    _after_sum: float = 0.0
+    _after_residuals: int = 0
+    _after_points: tuple[tuple[int, float], ...] = ()
 
     @property
     def step(self) -> float:
@@ -195,8 +210,30 @@ class ChangePoint:
 
     @property
     def step_z(self) -> float:
-        """:attr:`step` in residual spreads at the start of the change."""
-        return self.step / self.std_before
+        """:attr:`step` in residual spreads: the larger of :attr:`std_before` and
+        :attr:`spread_after`."""
+        spread = self.std_before
+        if self.spread_after > spread:
+            spread = self.spread_after
+        return self.step / spread
+
+    def note_after(self, forward: int, value: float) -> None:
+        """Count one value (tracked units) at ``forward``, from the alarm on, into
+        :attr:`spread_after`."""
+        points = self._after_points
+        if len(points) < 2:
+            self._after_points = (*points, (forward, value))
+            return
+        (f0, v0), (f1, v1) = points
+        self._after_points = ((f1, v1), (forward, value))
+        span = forward - f0
+        if span <= 0:
+            return
+        w = (f1 - f0) / span
+        residual = v1 - (v0 + (value - v0) * w)
+        self._after_sum += abs(residual) / math.sqrt(1.0 + w * w + (1.0 - w) * (1.0 - w))
+        self._after_residuals += 1
+        self.spread_after = MAD_TO_STD * self._after_sum / self._after_residuals
 
 
 class SeriesTracker:
@@ -255,6 +292,7 @@ class SeriesTracker:
         "_latest_value",
         "_level",
         "_log_scale",
+        "_measuring_after",
         "_noise_floor",
         "_peak",
         "_pending_change",
@@ -264,7 +302,10 @@ class SeriesTracker:
         "_runup_pos",
         "_slope",
         "_spread",
+        "_vol_rate_ema",
         "_vol_sq_ema",
+        "_warm_gap_mean",
+        "_warm_vol_rate",
         "_warm_vol_sq",
         "_warmup",
         "baseline_mean",
@@ -311,6 +352,8 @@ class SeriesTracker:
         self.ema_fast = 0.0
         self.ema_slow = 0.0
         self._warm_vol_sq = 0.0
+        self._warm_vol_rate = 0.0
+        self._warm_gap_mean = 0.0
         self._base_count = 0
         self._base_m2 = 0.0
         self.baseline_mean = 0.0
@@ -329,11 +372,14 @@ class SeriesTracker:
         self._pending_change: ChangePoint | None = None
         self._changes: list[ChangePoint] = []
         self.latest_change: ChangePoint | None = None
+        # Changes whose spread after is still being measured (at most MAX_CHANGES).
+        self._measuring_after: list[ChangePoint] = []
         self.change_count = 0
         self.momentum = 0.0
         self._peak = -math.inf
         self.max_drawdown = 0.0
         self._vol_sq_ema = 0.0
+        self._vol_rate_ema = 0.0
         self._prev = 0.0
         self._last_diff = 0.0
         self.flips = 0
@@ -441,6 +487,9 @@ class SeriesTracker:
         self.count = count
         self._latest_sample = sample
         self._latest_value = value
+        if 1 < count <= self._warmup:
+            gap = forward - self._forward if forward > self._forward else 1
+            self._warm_gap_mean += (gap - self._warm_gap_mean) / (count - 1)
         self._forward = forward
         if value != 0.0:
             self.nonzero_count += 1
@@ -501,6 +550,9 @@ class SeriesTracker:
                 used = -bound
         # Volatility: EMA of squared (clipped) excess residuals, in tracked units.
         self._vol_sq_ema += self._alpha_fast * (used * used - self._vol_sq_ema)
+        self._vol_rate_ema += self._alpha_fast * (used * used / gap - self._vol_rate_ema)
+        if self._measuring_after:
+            self._measure_after(forward, v)
         pending = self._pending_change
         if pending is not None and self._follow_pending(pending, forward, v):
             # Back on the trend from before the change: re-anchor there, no new change.
@@ -516,6 +568,8 @@ class SeriesTracker:
             # The warm-up's residual volatility: RMS of its excess residuals.
             self._warm_vol_sq += excess * excess
             self.baseline_volatility = math.sqrt(self._warm_vol_sq / (count - 1))
+            self._warm_vol_rate += (excess * excess / gap - self._warm_vol_rate) / (count - 1)
+            self._warm_gap_mean += (gap - self._warm_gap_mean) / (count - 1)
 
     def _cusum(
         self, sample: int, forward: int, v: float, forecast: float, z: float, spread: float
@@ -565,6 +619,12 @@ class SeriesTracker:
             # first sample.
             latest.alarm_sample = sample
             latest.alarm_forward = forward
+            latest._after_sum = 0.0
+            latest._after_residuals = 0
+            latest._after_points = ((forward, v),)
+            latest.spread_after = 0.0
+            if latest not in self._measuring_after:
+                self._measuring_after.append(latest)
         else:
             change = ChangePoint(
                 start_sample=start_sample,
@@ -576,12 +636,24 @@ class SeriesTracker:
                 alarm_forward=forward,
                 slope_before=slope,
                 reference_count=self.count - 1,
+                _after_points=((forward, v),),
             )
             self.change_count += 1
             self.latest_change = change
             self._pending_change = change
             self._keep_change(change)
+            self._measuring_after.append(change)
+            if len(self._measuring_after) > MAX_CHANGES:
+                del self._measuring_after[0]
         self._reanchor(v, slope)
+
+    def _measure_after(self, forward: int, v: float) -> None:
+        """Feed one value to the spread after of each change still measuring it."""
+        measuring = self._measuring_after
+        for change in measuring:
+            change.note_after(forward, v)
+        if measuring[0]._after_residuals >= AFTER_RESIDUALS:
+            self._measuring_after = [c for c in measuring if c._after_residuals < AFTER_RESIDUALS]
 
     def _reanchor(self, level: float, slope: float) -> None:
         """Restart the trend at ``level`` with ``slope``, CUSUM at zero."""
@@ -698,6 +770,24 @@ class SeriesTracker:
     def cusum_negative(self) -> float:
         """Current lower CUSUM statistic, in residual spreads."""
         return self._cusum_neg
+
+    @property
+    def warmup_mean_gap(self) -> float:
+        """Mean gap between warm-up values, in training forwards (0 before the second)."""
+        return self._warm_gap_mean
+
+    @property
+    def volatility_ratio(self) -> float:
+        """Volatility now over volatility in warm-up, both per forward: the EMA (fast
+        factor) of squared clipped excess residuals divided by their gaps, over the
+        warm-up's mean of the same. Under a random walk a residual's variance grows with
+        its gap, so a schedule whose samples grow apart is not mistaken for growing
+        volatility. The warm-up's is floored at 0.05 per sample at its mean gap."""
+        warm = self._warm_vol_rate
+        floor = 0.0025 / max(self._warm_gap_mean, 1.0)
+        if warm < floor:
+            warm = floor
+        return math.sqrt(max(self._vol_rate_ema, 0.0) / warm)
 
     @property
     def volatility(self) -> float:

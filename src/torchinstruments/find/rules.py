@@ -834,12 +834,15 @@ class RelativeVolatility(Rule):
     """``relative_volatility``: sample-to-sample changes grew relative to warm-up.
 
     On the RMS (``rms_to_root`` for output gradients; the root's own output gradient is
-    not a candidate). Ranking basis ``volatility_ratio``: the EMA root mean square of
-    trend-forecast residuals (their excess over drift, clipped at ``RESIDUAL_CLIP``
-    spreads so that one step weighs little; see
-    :class:`~torchinstruments.track.SeriesTracker`) divided by the same over warm-up
-    (floored at 0.05). Noise floor: notable when warm-up is complete, the ratio is at
-    least 4 and the volatility at least 0.25 (about 28% per sample, in log units).
+    not a candidate). Ranking basis ``volatility_ratio``
+    (:attr:`~torchinstruments.track.SeriesTracker.volatility_ratio`): the EMA root mean
+    square of trend-forecast residuals (their excess over drift, clipped at
+    ``RESIDUAL_CLIP`` spreads so that one step weighs little) divided by the same over
+    warm-up, both per forward (squared residuals divided by their gaps: a sampling
+    schedule whose samples grow apart makes each residual larger without the series
+    being any more volatile), the warm-up's floored at 0.05 per sample. Noise floor:
+    notable when warm-up is complete, the ratio is at least 4 and the volatility at
+    least 0.25 per sample (about 28%, in log units).
     """
 
     category = "relative_volatility"
@@ -855,8 +858,7 @@ class RelativeVolatility(Rule):
         judged = _basis_tracker(series, tracker)
         if judged is None or not judged.warmup_complete:
             return None
-        reference = max(judged.baseline_volatility, 0.05)
-        ratio = judged.volatility / reference
+        ratio = judged.volatility_ratio
         if ratio <= 1.0:
             return None
         return Candidate(
@@ -873,6 +875,7 @@ class RelativeVolatility(Rule):
             evidence={
                 "volatility_log": judged.volatility,
                 "warmup_volatility_log": judged.baseline_volatility,
+                "warmup_mean_gap_forwards": judged.warmup_mean_gap,
                 "flip_rate": judged.flip_rate,
             },
             basis_tracker=judged,
@@ -883,7 +886,7 @@ class RelativeVolatility(Rule):
         return (
             f"{_where(c)}{_net(c.series)} now changes by about "
             f"{format_value(t.volatility * 100)}% (log) from one sample to the next, "
-            f"{format_value(c.score)}x its warm-up volatility."
+            f"{format_value(c.score)}x its warm-up volatility per forward."
         )
 
     def next_experiment(self, c: Candidate) -> str:
