@@ -28,14 +28,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ._jsonio import read_json_object
+from ._jsonio import SCHEMA as RANK_SCHEMA
+from ._jsonio import atomic_write, dumps_report, read_json_object
 from ._validate import require_float, require_int
 from .distributed import parse_rank_directory
 from .errors import ConfigError, ReportReadError
-from .report import SCHEMA as RANK_SCHEMA
-from .report import dumps_report
 from .series import LOG_SCALE_METRICS
-from .sinks import atomic_write
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -225,15 +223,26 @@ def _number(value: float) -> float | None:
 
 
 # ---------------------------------------------------------------------- reading
-def _discover(directory: Path) -> tuple[dict[int, Path], list[str]]:
-    """``rank-NNN`` directories under ``directory``, by rank, and naming conflicts."""
+def _discover(directory: Path) -> tuple[dict[int, Path], list[str], list[dict[str, Any]]]:
+    """``rank-NNN`` directories under ``directory``, by rank, naming conflicts, and the
+    ``rank-NNN`` symbolic links, refused (never followed: nothing outside ``directory``
+    is read)."""
     found: dict[int, Path] = {}
     notes: list[str] = []
+    links: list[dict[str, Any]] = []
     with os.scandir(directory) as entries:
-        names = sorted(entry.name for entry in entries if entry.is_dir())
-    for name in names:
+        listed = sorted(
+            (entry.name, entry.is_symlink())
+            for entry in entries
+            if entry.is_symlink() or entry.is_dir(follow_symlinks=False)
+        )
+    for name, is_link in listed:
         rank = parse_rank_directory(name)
         if rank is None:
+            continue
+        if is_link:
+            reason = f"{name} is a symbolic link (not followed)"
+            links.append({"rank": rank, "path": str(directory / name), "reason": reason})
             continue
         if rank in found:
             notes.append(
@@ -241,7 +250,7 @@ def _discover(directory: Path) -> tuple[dict[int, Path], list[str]]:
             )
             continue
         found[rank] = directory / name
-    return found, notes
+    return found, notes, links
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -980,7 +989,7 @@ def _iter_reports(
     """
     for rank in sorted(sources):
         path = sources[rank] / "report.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             missing_files.append(rank)
             continue
         try:
@@ -1081,15 +1090,15 @@ def merge_rank_reports(
             f"merge_rank_reports: directory must be an existing directory of rank-NNN "
             f"reports, got {str(source)!r} (not a directory)"
         )
-    sources, notes = _discover(source)
-    if not sources:
+    sources, notes, links = _discover(source)
+    if not sources and not links:
         raise ReportReadError(
             f"merge_rank_reports: directory must hold rank-NNN/ directories written with "
             f"rank_policy='all', got {str(source)!r} with none"
         )
 
     accumulator = _Accumulator()
-    unreadable: list[dict[str, Any]] = []
+    unreadable: list[dict[str, Any]] = [link for link in links if link["rank"] not in sources]
     no_report: list[int] = []
     stated_world: dict[int, int] = {}
     for rank, path, report in _iter_reports(sources, unreadable, no_report):
