@@ -12,6 +12,7 @@ most :data:`FUZZ_RSS_GROWTH_BYTES` over the whole test.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -132,7 +133,9 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     path = rng.choice(paths)
     if kind == "swap":
         for _ in range(rng.randint(1, 4)):
-            _replace(document, rng.choice(_paths(document)), rng.choice(HOSTILE_VALUES))
+            _replace(
+                document, rng.choice(_paths(document)), copy.deepcopy(rng.choice(HOSTILE_VALUES))
+            )
         return json.dumps(document).encode()
     if kind == "deep_ok":  # nested within the bound: reaches the code that walks it
         _replace(
