@@ -294,6 +294,29 @@ def test_oversized_rank_report_is_listed_without_being_read(
     ]
 
 
+def test_huge_world_size_and_rank_numbers_are_counted_not_enumerated(
+    real_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A rank report stating world size 10**12, and a ``rank-999999999999`` directory:
+    the missing ranks are counted from the gaps (run in a subprocess with a timeout:
+    enumerating them does not end)."""
+    report = json.loads((real_runs["a"] / "report.json").read_bytes())
+    report["run"]["world_size"] = 10**12
+    (tmp_path / "rank-000").mkdir()
+    (tmp_path / "rank-000" / "report.json").write_text(json.dumps(report))
+    (tmp_path / "rank-999999999999").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "torchinstruments", "merge", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    ranks = json.loads((tmp_path / "global-report.json").read_bytes())["ranks"]
+    assert (ranks["world_size"], ranks["present"]) == (10**12, ["0"])
+    assert (ranks["missing_count"], ranks["missing"]) == (10**12 - 1, ["1-999999999999"])
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_fifo_in_place_of_a_report_does_not_hang(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

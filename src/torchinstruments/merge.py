@@ -217,6 +217,24 @@ def rank_ranges(ranks: Sequence[int]) -> list[str]:
     return out
 
 
+def _missing_ranges(accounted: set[int], world: int) -> tuple[int, list[str]]:
+    """How many ranks of ``0 .. world - 1`` are not in ``accounted``, and their ranges.
+
+    Works on the gaps between accounted ranks, so its cost does not grow with ``world``.
+
+    Example:
+        >>> _missing_ranges({0, 2, 3}, 10**12)
+        (999999999997, ['1', '4-999999999999'])
+    """
+    count, ranges, start = 0, [], 0
+    for rank in [*sorted(r for r in accounted if r < world), world]:
+        if rank > start:
+            ranges.append(str(start) if rank - 1 == start else f"{start}-{rank - 1}")
+            count += rank - start
+        start = rank + 1
+    return count, ranges
+
+
 def _number(value: float) -> float | None:
     """JSON-safe float with six significant digits (None where it does not exist)."""
     return float(f"{value:.6g}") if math.isfinite(value) else None
@@ -681,7 +699,10 @@ class _Merged:
     world_size: int | None
     world_size_source: str
     present: list[int]
-    missing: list[int]
+    #: Ranges (``"4-7"``) of the ranks in ``0 .. world_size - 1`` without a report, and
+    #: how many ranks they hold (counted, never enumerated: a world size can be huge).
+    missing: list[str]
+    missing_count: int
     unreadable: list[dict[str, Any]]
     truncated: list[dict[str, Any]]
     notes: list[str]
@@ -699,7 +720,7 @@ class _Merged:
     def sections(self) -> dict[str, list[Any]]:
         return {
             "present": rank_ranges(self.present),
-            "missing": rank_ranges(self.missing),
+            "missing": self.missing,
             "unreadable": self.unreadable,
             "truncated": self.truncated,
             "notes": self.notes,
@@ -716,8 +737,8 @@ def _headline(merged: _Merged, outlier_ranks: Sequence[dict[str, Any]]) -> str:
     parts = [
         f"{len(merged.present)} of {expected if expected is not None else '?'} ranks present",
     ]
-    if merged.missing:
-        parts.append(f"{len(merged.missing)} missing")
+    if merged.missing_count:
+        parts.append(f"{merged.missing_count} missing")
     if merged.unreadable:
         parts.append(f"{len(merged.unreadable)} unreadable")
     truncated = sum(_count_ranges(group["ranks"]) for group in merged.truncated)
@@ -763,7 +784,7 @@ def _assemble(merged: _Merged, keep: int, generated_at: str) -> dict[str, Any]:
             "world_size": merged.world_size,
             "world_size_source": merged.world_size_source,
             "present_count": len(merged.present),
-            "missing_count": len(merged.missing),
+            "missing_count": merged.missing_count,
             "unreadable_count": len(merged.unreadable),
             "truncated_count": truncated_count,
             "present": cut["present"],
@@ -1138,7 +1159,7 @@ def merge_rank_reports(
 
     present = [s.rank for s in accumulator.summaries]
     accounted = set(present) | {u["rank"] for u in unreadable}
-    missing = [rank for rank in range(world) if rank not in accounted]
+    missing_count, missing = _missing_ranges(accounted, world)
     truncated_groups: dict[tuple[str, ...], list[int]] = {}
     for summary in accumulator.summaries:
         if summary.limits_hit:
@@ -1157,6 +1178,7 @@ def merge_rank_reports(
         world_size_source=world_source,
         present=present,
         missing=missing,
+        missing_count=missing_count,
         unreadable=unreadable,
         truncated=truncated,
         notes=notes,
