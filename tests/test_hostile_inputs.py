@@ -235,8 +235,16 @@ def test_fuzz_merge_compare_show_on_mutated_real_reports(
 
 # ---------------------------------------------------------------------- bounds, one by one
 def test_depth_is_bounded_before_parsing(tmp_path: Path) -> None:
-    assert json_depth(b'{"a": [1, {"b": "]]"}]}') == 3
-    assert json_depth(b'["\\"[[[", [[]]]') == 3
+    for text, depth in [
+        ('{"a": [1, {"b": "]]"}]}', 3),
+        ('["\\\\", [[]]]', 3),  # an escaped backslash ends before the quote
+        ('["\\\\\\"[[[", [[]]]', 3),  # an escaped backslash, then an escaped quote
+        ('["\\"", {"k\\\\": [[]]}]', 4),
+        ("", 0),
+    ]:
+        assert json_depth(text.encode()) == depth, text
+        if text:
+            json.loads(text)  # each is valid JSON
     path = tmp_path / "deep.json"
     path.write_bytes(b'{"schema": "torchinstruments.report/1", "x": ' + b"[" * 200_000)
     with pytest.raises(ReportReadError, match=r"deep.json: expected JSON nested at most 64 "):
