@@ -171,8 +171,11 @@ def _bounded_int(text: str) -> int:
 
 def _read_bounded(path: Path, what: str, max_bytes: int, missing_hint: str | None) -> bytes:
     """At most ``max_bytes`` of the regular file ``path``, not through a symbolic link."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    no_follow = getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_RDONLY | no_follow | getattr(os, "O_NONBLOCK", 0)
     try:
+        if not no_follow and path.is_symlink():  # no O_NOFOLLOW (Windows): check first
+            raise OSError(errno.ELOOP, "a symbolic link")
         descriptor = os.open(path, flags)
     except FileNotFoundError as error:
         hint = f"; {missing_hint}" if missing_hint else ""
