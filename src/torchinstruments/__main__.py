@@ -70,6 +70,15 @@ EXIT_STATUSES = {
 _EPILOG = "exit status:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_STATUSES.items())
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Wraps descriptions as argparse does; prints the exit-status table as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("exit status:"):
+            return text
+        return super()._fill_text(text, width, indent)
+
+
 def _show(args: argparse.Namespace) -> int:
     """Run ``show``: print the terminal view of the report(s) in DIR."""
     sys.stdout.write(show_directory(args.directory))
@@ -135,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=_PROGRAM,
         description="Passive PyTorch telemetry: tools for the reports torchinstruments writes.",
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"{_PROGRAM} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -148,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
             "limits. DIR may also be one of those files."
         ),
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     show.add_argument("directory", metavar="DIR", help="the output_dir of the training run")
     show.set_defaults(handler=_show)
@@ -161,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
             "outliers."
         ),
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     merge.add_argument("directory", metavar="DIR", help="the output_dir of the training run")
     merge.add_argument(
@@ -198,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
             "that differ most per category, and the first points of divergence."
         ),
         epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     compare.add_argument("baseline", metavar="BASELINE", help="the baseline run's output_dir")
     compare.add_argument("candidate", metavar="CANDIDATE", help="the candidate run's output_dir")
