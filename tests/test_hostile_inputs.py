@@ -1,13 +1,14 @@
 """merge, compare and show on hostile inputs: bounded, one-line errors, nothing outside.
 
 The fuzz test mutates real reports (truncation, byte flips, type swaps, huge numbers,
-NaN literals, deep nesting, huge strings) and runs the three commands on them in this
-process, seeded, for a bounded number of cases (:data:`FUZZ_CASES`, 120 commands, about
-3 s on a 2-core machine). Each command must end with exit status 0 or 1, at most one
-line on stderr, no traceback, within :data:`CASE_SECONDS`; every
-:data:`TRACED_EVERY`-th case runs under tracemalloc with at most
-:data:`CASE_PEAK_BYTES` of traced memory, and the process's resident set may grow by at
-most :data:`FUZZ_RSS_GROWTH_BYTES` over the whole test.
+NaN literals, deep nesting, huge strings; every tenth rank report is a symbolic link to
+a report outside the directory) and runs the three commands on them in this process,
+seeded, for a bounded number of cases (:data:`FUZZ_CASES`, 120 commands, 3 to 5 s on
+a 2-core machine). Each command must end with exit status 0 or 1, at most one line on
+stderr, no traceback, within :data:`CASE_SECONDS`; every :data:`TRACED_EVERY`-th case
+runs under tracemalloc with at most :data:`CASE_PEAK_BYTES` of traced memory, and the
+process's resident set may grow by at most :data:`FUZZ_RSS_GROWTH_BYTES` over the whole
+test.
 """
 
 from __future__ import annotations
@@ -199,7 +200,11 @@ def test_fuzz_merge_compare_show_on_mutated_real_reports(
         ranks = work / "ranks"
         shutil.copytree(real_runs["ranks"], ranks, ignore=shutil.ignore_patterns("global-*"))
         (ranks / "rank-002").mkdir()
-        (ranks / "rank-002" / "report.json").write_bytes(mutate(report, rng))
+        linked = case % 10 == 9  # a symbolic link to a real report outside the directory
+        if linked:
+            (ranks / "rank-002" / "report.json").symlink_to(real_runs["a"] / "report.json")
+        else:
+            (ranks / "rank-002" / "report.json").write_bytes(mutate(report, rng))
         status, _, err = run_cli(["merge", str(ranks)], capsys, traced=traced)
         assert status == 0, err
         global_report = json.loads((ranks / "global-report.json").read_bytes())
@@ -209,6 +214,10 @@ def test_fuzz_merge_compare_show_on_mutated_real_reports(
             == 3
         )
         outcomes["merge"].add(global_report["ranks"]["unreadable_count"])
+        if linked:
+            assert [u["reason"] for u in global_report["ranks"]["unreadable"]] == [
+                "expected a rank report as a regular file, got a symbolic link (not followed)"
+            ]
         # compare: a good baseline and a mutated candidate
         candidate = work / "candidate"
         candidate.mkdir()
