@@ -156,6 +156,26 @@ def test_cli_prints_where_it_wrote(
     assert (out / "comparison.json").is_file()
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "command-line.md"
+
+
+def test_show_of_the_drop_norm_example_is_the_one_in_the_docs(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/command-line.md quotes ``show`` of the drop-norm example (seed 0, 300 steps)."""
+    text = DOCS.read_text(encoding="utf-8")
+    start = text.index("$ python -m torchinstruments show stats\n") + len(
+        "$ python -m torchinstruments show stats\n"
+    )
+    documented = text[start : text.index("```", start)].splitlines()
+    assert cli_main(["show", str(runs["drop_norm"])]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0] == f"torchinstruments report: {runs['drop_norm'] / 'report.json'}"
+    assert shown[1].startswith("single process; generated ")
+    # the path and the time differ; every other line must be as documented
+    assert shown[2:] == documented[2:], "\n".join(["docs/command-line.md should show:", *shown])
+
+
 # ---------------------------------------------------------------------- guards
 def test_sampling_mismatch_is_flagged_and_compared_on_common_forwards(tmp_path: Path) -> None:
     every = small_run(tmp_path / "every", 1)

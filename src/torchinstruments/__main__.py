@@ -2,27 +2,46 @@
 
 Subcommands::
 
+    torchinstruments show DIR
     torchinstruments merge DIR [--output-dir OUT] [--world-size N] [--max-bytes B]
                                [--threshold T]
     torchinstruments compare BASELINE CANDIDATE [-o OUT] [--max-bytes B] [--threshold T]
+    torchinstruments --version
+
+``show`` prints a report in the terminal: the headline, the notable findings in a few
+lines each, and the coverage and limits, for ``DIR/report.json`` and (after ``merge``)
+``DIR/global-report.json``.
 
 ``merge`` combines the ``rank-NNN/report.json`` files written with ``rank_policy="all"``
 into ``global-report.json`` and ``global-index.md`` and prints where it wrote them.
 ``compare`` reads the ``series.json`` of a baseline run and of a candidate run, writes
 ``comparison.json`` and ``comparison.md`` (default: into CANDIDATE), and prints where it
 wrote them, the headline and the first divergences.
-Exit status: 0 on success, 1 when the reports cannot be read or merged, 2 on a usage error.
+
+The command line reads JSON only and does not import torch. Every input is bounded (see
+:mod:`torchinstruments._jsonio`) and every failure is one line on stderr::
+
+    torchinstruments COMMAND: error: MESSAGE
+
+Exit status (:data:`EXIT_STATUSES`): 0 success; 1 a report cannot be read, compared or
+merged, or an output cannot be written; 2 a usage error (unknown option, value out of
+range, no subcommand); 3 an internal error (a bug, reported in one line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+from . import __version__
+from ._jsonio import one_line, read_json_object
 from .compare import (
     COMPARISON_INDEX_NAME,
+    COMPARISON_SCHEMA,
     DIVERGENCE_THRESHOLD,
     compare_runs,
     first_divergence_lines,
@@ -32,13 +51,49 @@ from .errors import ConfigError, TorchInstrumentsError
 from .merge import (
     DEFAULT_MAX_BYTES,
     GLOBAL_INDEX_NAME,
+    GLOBAL_SCHEMA,
     OUTLIER_THRESHOLD,
     merge_rank_reports,
 )
+from .show import show_directory
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_STATUSES", "build_parser", "main"]
 
 _PROGRAM = "torchinstruments"
+#: Exit status -> meaning, as ``--help`` prints it.
+EXIT_STATUSES = {
+    0: "success",
+    1: "a report cannot be read, compared or merged, or an output cannot be written",
+    2: "usage error (unknown option, value out of range, no subcommand)",
+    3: "internal error (a bug; the one-line message names it)",
+}
+_EPILOG = "exit status:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_STATUSES.items())
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps descriptions as argparse does; prints the exit-status table as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("exit status:"):
+            return text
+        return super()._fill_text(text, width, indent)
+
+
+def _show(args: argparse.Namespace) -> int:
+    """Run ``show``: print the terminal view of the report(s) in DIR."""
+    sys.stdout.write(show_directory(args.directory))
+    return 0
+
+
+def _read_written(path: os.PathLike[str], schema: str) -> dict[str, Any]:
+    """A file this command has just written (our own bounded output)."""
+    return read_json_object(
+        Path(path),
+        what="the file just written",
+        max_bytes=1 << 26,
+        schema=schema,
+        required={"summary": dict},
+    )
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -50,10 +105,10 @@ def _merge(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes,
         threshold=args.threshold,
     )
-    report = json.loads(path.read_text(encoding="utf-8"))
+    report = _read_written(path, GLOBAL_SCHEMA)
     print(f"wrote {path}")
     print(f"wrote {path.with_name(GLOBAL_INDEX_NAME)}")
-    print(report["summary"]["headline"])
+    print(one_line(str(report["summary"]["headline"]), 1000))
     return 0
 
 
@@ -66,15 +121,15 @@ def _compare(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes,
         threshold=args.threshold,
     )
-    comparison = json.loads(path.read_text(encoding="utf-8"))
+    comparison = _read_written(path, COMPARISON_SCHEMA)
     print(f"wrote {path}")
     print(f"wrote {path.with_name(COMPARISON_INDEX_NAME)}")
-    print(comparison["summary"]["headline"])
+    print(one_line(str(comparison["summary"]["headline"]), 1000))
     for line in first_divergence_lines(comparison):
-        print(line)
+        print(one_line(line, 1000))
     first = comparison["summary"]["first_divergence"]
     if first is not None and first.get("next_experiment"):
-        print(f"next experiment: {first['next_experiment']}")
+        print(one_line(f"next experiment: {first['next_experiment']}", 1000))
     return 0
 
 
@@ -88,8 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROGRAM,
         description="Passive PyTorch telemetry: tools for the reports torchinstruments writes.",
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
     )
+    parser.add_argument("--version", action="version", version=f"{_PROGRAM} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    show = commands.add_parser(
+        "show",
+        help="print a report in the terminal: headline, notable findings, coverage and limits",
+        description=(
+            "Print DIR/global-report.json (written by merge) and DIR/report.json: the "
+            "headline, the notable findings in a few lines each, and the coverage and "
+            "limits. DIR may also be one of those files."
+        ),
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
+    )
+    show.add_argument("directory", metavar="DIR", help="the output_dir of the training run")
+    show.set_defaults(handler=_show)
     merge = commands.add_parser(
         "merge",
         help="merge per-rank reports (rank_policy='all') into a global report",
@@ -98,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
             "global-index.md: ranks present, missing, unreadable and truncated, and rank "
             "outliers."
         ),
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
     )
     merge.add_argument("directory", metavar="DIR", help="the output_dir of the training run")
     merge.add_argument(
@@ -133,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
             "comparison.json and comparison.md: series present in one run only, the series "
             "that differ most per category, and the first points of divergence."
         ),
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
     )
     compare.add_argument("baseline", metavar="BASELINE", help="the baseline run's output_dir")
     compare.add_argument("candidate", metavar="CANDIDATE", help="the candidate run's output_dir")
@@ -168,26 +243,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments without the program name; default ``sys.argv[1:]``.
 
     Returns:
-        The exit status: 0 on success, 1 when the command failed (the error is printed
-        to stderr), 2 on a usage error or without a subcommand.
+        The exit status (:data:`EXIT_STATUSES`): 0 on success (also for ``--help`` and
+        ``--version``), 1 when an input cannot be read, compared or merged or an output
+        cannot be written, 2 on a usage error or without a subcommand, 3 on an internal
+        error. Each error is one line on stderr.
     """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exit_:  # argparse exits on --help (0) and usage errors (2)
+    except SystemExit as exit_:  # argparse exits on --help, --version (0) and usage errors (2)
         return exit_.code if isinstance(exit_.code, int) else 2
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)
         return 2
+    status = 3
     try:
-        return handler(args)
+        status = handler(args)
     except ConfigError as error:  # an option value out of range: a usage error
-        print(f"{_PROGRAM} {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        _error(args.command, str(error))
+        status = 2
+    except BrokenPipeError:  # the reader went away (``show DIR | head``)
+        status = 0
     except (TorchInstrumentsError, OSError) as error:
-        print(f"{_PROGRAM} {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        _error(args.command, str(error))
+        status = 1
+    except Exception as error:
+        _error(args.command, f"internal error: {type(error).__name__}: {error}")
+        status = 3
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
+
+
+def _error(command: str, message: str) -> None:
+    print(f"{_PROGRAM} {command}: error: {one_line(message, 1000)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,210 @@
-"""Reading our own JSON artefacts (rank reports, series summaries) with clear errors."""
+"""Our JSON artefacts on disk: exact bytes, atomic writes, and bounded, hostile-safe reads.
+
+Only the standard library: the offline tools (``merge``, ``compare``, ``show``) read and
+write through this module without importing torch.
+
+Reading (:func:`read_json_object`) treats every file as untrusted input:
+
+- the file is opened without following a symbolic link (``O_NOFOLLOW``) and without
+  blocking (a FIFO cannot hang the reader), and must be a regular file;
+- at most ``max_bytes`` are read, whatever the size the file system states;
+- the nesting depth is checked on the bytes before parsing (at most
+  :data:`MAX_JSON_DEPTH` levels of arrays and objects);
+- ``NaN``, ``Infinity``, numbers that overflow a float and integers beyond 64 bits are
+  refused (our writers never produce them).
+
+Every failure is a :class:`~torchinstruments.errors.ReportReadError` with a one-line
+message naming the path, what was expected and what was found.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
-from collections.abc import Mapping
+import math
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import ReportReadError
 
-__all__ = ["read_json_object"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_INT",
+    "SCHEMA",
+    "SERIES_SCHEMA",
+    "atomic_write",
+    "dumps_report",
+    "json_depth",
+    "longest_fitting_prefix",
+    "one_line",
+    "read_json_object",
+]
+
+#: Schema of ``report.json``.
+SCHEMA = "torchinstruments.report/1"
+#: Schema of ``series.json``.
+SERIES_SCHEMA = "torchinstruments.series/1"
+#: Deepest nesting of arrays and objects accepted when reading (our reports nest about
+#: ten levels; Python's parser recurses once per level).
+MAX_JSON_DEPTH = 64
+#: Largest integer magnitude accepted when reading: ``2**63 - 1`` (a signed 64-bit int).
+MAX_JSON_INT = 2**63 - 1
+#: Longest message of a read error, in characters.
+_MAX_MESSAGE_CHARS = 500
+
+#: Every byte but the quote and the four brackets, deleted by ``bytes.translate``.
+_NOT_STRUCTURE = bytes(set(range(256)) - set(b'"[]{}'))
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def dumps_report(report: dict[str, Any]) -> bytes:
+    """The exact bytes written to ``report.json``: indented (2), UTF-8, no NaN."""
+    return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def longest_fitting_prefix(
+    build: Callable[[int], dict[str, Any]], count: int, max_bytes: int
+) -> dict[str, Any]:
+    """``build(k)`` for the largest ``k <= count`` whose :func:`dumps_report` bytes fit
+    ``max_bytes`` (binary search; ``build(0)`` if none does). ``build`` must grow with k."""
+    best = build(count)
+    if len(dumps_report(best)) <= max_bytes:
+        return best
+    low, high = 0, count
+    best = build(0)
+    while low < high:
+        middle = (low + high + 1) // 2
+        candidate = build(middle)
+        if len(dumps_report(candidate)) <= max_bytes:
+            low, best = middle, candidate
+        else:
+            high = middle - 1
+    return best
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace``.
+
+    A symbolic link at ``path`` is replaced by the file, never followed.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.chmod(temporary, 0o644)  # mkstemp creates 0600; reports are for reading
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def one_line(text: str, limit: int = _MAX_MESSAGE_CHARS) -> str:
+    """``text`` on one line: control characters (newlines, terminal escapes) written as
+    ``\\xNN`` escapes, cut to ``limit`` characters with ``...``.
+
+    Example:
+        >>> one_line("a\\nb\\x1b[2J")
+        'a\\\\x0ab\\\\x1b[2J'
+    """
+    escaped = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."
+
+
+def json_depth(data: bytes) -> int:
+    """Deepest nesting of arrays and objects in JSON text, without parsing it.
+
+    Brackets inside strings do not count. Escapes are removed first (``\\\\`` pairs,
+    then ``\\"``, left to right as a parser pairs them), then everything but quotes and
+    brackets; one pass over what is left (a few percent of a report) counts the depth.
+    Extra memory: at most two copies of ``data``. For text that is not valid JSON the
+    result is at least the depth a parser reaches before failing, so it bounds the
+    parser's recursion.
+
+    Example:
+        >>> json_depth(b'{"a": [1, {"b": "]]"}]}')
+        3
+    """
+    structure = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    depth = deepest = 0
+    inside = False
+    for byte in structure:
+        if byte == 34:  # '"'
+            inside = not inside
+        elif inside:
+            continue
+        elif byte == 91 or byte == 123:  # '[' or '{'
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        else:
+            depth -= 1
+    return deepest
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"the non-standard literal {name} (NaN and infinities are not JSON)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"a number that overflows a float ({text[:40]})")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 20 or abs(value := int(text)) > MAX_JSON_INT:
+        raise ValueError(f"an integer beyond 64 bits ({text[:40]})")
+    return value
+
+
+def _read_bounded(path: Path, what: str, max_bytes: int, missing_hint: str | None) -> bytes:
+    """At most ``max_bytes`` of the regular file ``path``, not through a symbolic link."""
+    no_follow = getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_RDONLY | no_follow | getattr(os, "O_NONBLOCK", 0)
+    try:
+        if not no_follow and path.is_symlink():  # no O_NOFOLLOW (Windows): check first
+            raise OSError(errno.ELOOP, "a symbolic link")
+        descriptor = os.open(path, flags)
+    except FileNotFoundError as error:
+        hint = f"; {missing_hint}" if missing_hint else ""
+        raise ReportReadError(f"{path}: not found{hint}") from error
+    except OSError as error:
+        if error.errno == errno.ELOOP or path.is_symlink():
+            raise ReportReadError(
+                f"{path}: expected {what} as a regular file, got a symbolic link (not followed)"
+            ) from error
+        raise ReportReadError(f"{path}: cannot be read ({error.strerror or error})") from error
+    with os.fdopen(descriptor, "rb") as stream:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            kind = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
+            raise ReportReadError(f"{path}: expected {what} as a regular file, got {kind}")
+        # The stated size first (one read, one buffer), then more only if the file grew.
+        chunks, total, want = [], 0, min(status.st_size, max_bytes) + 1
+        while total <= max_bytes:
+            chunk = stream.read(min(want, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total, want = total + len(chunk), 1 << 20
+        data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise ReportReadError(
+            f"{path}: expected {what} of at most {max_bytes} bytes, got more than {max_bytes}"
+        )
+    return data
 
 
 def read_json_object(
@@ -20,43 +215,53 @@ def read_json_object(
     schema: str,
     required: Mapping[str, type],
     missing_hint: str | None = None,
+    max_depth: int = MAX_JSON_DEPTH,
 ) -> dict[str, Any]:
-    """Parse one JSON object file, checking its size, schema family and required keys.
+    """Parse one JSON object file, checking its size, depth, schema family and keys.
 
     Args:
-        path: the file.
+        path: the file; a symbolic link there is refused, not followed.
         what: what the file should be, for messages ("a rank report").
-        max_bytes: largest file accepted, in bytes.
+        max_bytes: largest file accepted, in bytes; no more than ``max_bytes + 1`` bytes
+            are read.
         schema: expected ``schema`` value; only the part before ``/`` (the family) must
             match, so later versions of one schema still read.
         required: top-level keys and the JSON type (``dict`` or ``list``) each must have.
         missing_hint: appended to the message when the file does not exist.
+        max_depth: deepest nesting of arrays and objects accepted. Default
+            :data:`MAX_JSON_DEPTH` (64).
 
     Raises:
-        ReportReadError: the file is missing, too large, unreadable, not JSON, not an
-            object, of another schema, or lacks a required key; the message names the
-            path, what was expected and what was found.
+        ReportReadError: the file is missing, a symbolic link, not a regular file, too
+            large, too deeply nested, unreadable, not UTF-8 JSON, holds NaN, an infinity
+            or an integer beyond 64 bits, is not an object, of another schema, or lacks
+            a required key; the one-line message names the path, what was expected and
+            what was found.
     """
+    data = _read_bounded(path, what, max_bytes, missing_hint)
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise ReportReadError(
+            f"{path}: expected JSON nested at most {max_depth} levels deep, got {depth}"
+        )
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise ReportReadError(
-                f"{path}: expected {what} of at most {max_bytes} bytes, got {size} bytes"
-            )
-        with path.open("rb") as stream:
-            raw = json.load(stream)
-    except FileNotFoundError as error:
-        hint = f"; {missing_hint}" if missing_hint else ""
-        raise ReportReadError(f"{path}: not found{hint}") from error
-    except OSError as error:
-        raise ReportReadError(f"{path}: cannot be read ({error.strerror or error})") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ReportReadError(f"{path}: expected JSON, got a parse error ({error})") from error
+        raw = json.loads(
+            data.decode("utf-8"),
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+        )
+    except UnicodeDecodeError as error:
+        raise ReportReadError(f"{path}: expected UTF-8 JSON, got {error.reason}") from error
+    except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError
+        raise ReportReadError(
+            one_line(f"{path}: expected JSON, got a parse error ({error})")
+        ) from error
     if not isinstance(raw, dict):
         raise ReportReadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     found = raw.get("schema")
     if not isinstance(found, str) or found.split("/")[0] != schema.split("/")[0]:
-        raise ReportReadError(f"{path}: expected schema {schema!r}, got {found!r}")
+        raise ReportReadError(one_line(f"{path}: expected schema {schema!r}, got {found!r}"))
     for name, kind in required.items():
         if not isinstance(raw.get(name), kind):
             raise ReportReadError(

@@ -28,14 +28,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from ._jsonio import read_json_object
+from ._jsonio import (
+    SERIES_SCHEMA,
+    atomic_write,
+    dumps_report,
+    longest_fitting_prefix,
+    read_json_object,
+)
 from ._validate import require_float, require_int
 from .errors import ConfigError, ReportReadError
 from .find import display_module
-from .report import SERIES_SCHEMA, dumps_report, longest_fitting_prefix
 from .sampling import SampleForwards
 from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
-from .sinks import atomic_write
 
 __all__ = [
     "COMPARISON_INDEX_NAME",

@@ -15,17 +15,31 @@ from __future__ import annotations
 
 import os
 import re
-
-import torch
+from dataclasses import dataclass
 
 from .errors import ConfigError
-from .observer import RankInfo
 
-__all__ = ["RANK_POLICIES", "detect_rank", "parse_rank_directory", "rank_directory_name"]
+__all__ = [
+    "RANK_POLICIES",
+    "RankInfo",
+    "detect_rank",
+    "parse_rank_directory",
+    "rank_directory_name",
+]
 
 RANK_POLICIES = ("rank0", "all")
 
 _RANK_DIRECTORY = re.compile(r"rank-(\d{3,})")
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where this process sits in a distributed job (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str = "single_process"
 
 
 def _env_int(name: str) -> int | None:
@@ -42,14 +56,15 @@ def detect_rank() -> RankInfo:
     """Return this process's rank, world size and local rank, and where they came from.
 
     Returns:
-        A :class:`~torchinstruments.observer.RankInfo` whose ``source`` is
+        A :class:`RankInfo` whose ``source`` is
         ``"process_group"`` (an initialised default process group), ``"environment"``
         (``RANK`` and ``WORLD_SIZE`` set, as by ``torchrun``) or ``"single_process"``.
 
     Raises:
         ConfigError: ``RANK``, ``WORLD_SIZE`` or ``LOCAL_RANK`` is set but not an int.
     """
-    dist = torch.distributed
+    import torch.distributed as dist  # here, so that reading rank directories needs no torch
+
     if dist.is_available() and dist.is_initialized():
         local = _env_int("LOCAL_RANK")
         rank = dist.get_rank()

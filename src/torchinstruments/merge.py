@@ -28,14 +28,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ._jsonio import read_json_object
+from ._jsonio import SCHEMA as RANK_SCHEMA
+from ._jsonio import atomic_write, dumps_report, read_json_object
 from ._validate import require_float, require_int
 from .distributed import parse_rank_directory
 from .errors import ConfigError, ReportReadError
-from .report import SCHEMA as RANK_SCHEMA
-from .report import dumps_report
 from .series import LOG_SCALE_METRICS
-from .sinks import atomic_write
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -219,21 +217,50 @@ def rank_ranges(ranks: Sequence[int]) -> list[str]:
     return out
 
 
+def _missing_ranges(accounted: set[int], world: int) -> tuple[int, list[str]]:
+    """How many ranks of ``0 .. world - 1`` are not in ``accounted``, and their ranges.
+
+    Works on the gaps between accounted ranks, so its cost does not grow with ``world``.
+
+    Example:
+        >>> _missing_ranges({0, 2, 3}, 10**12)
+        (999999999997, ['1', '4-999999999999'])
+    """
+    count, ranges, start = 0, [], 0
+    for rank in [*sorted(r for r in accounted if r < world), world]:
+        if rank > start:
+            ranges.append(str(start) if rank - 1 == start else f"{start}-{rank - 1}")
+            count += rank - start
+        start = rank + 1
+    return count, ranges
+
+
 def _number(value: float) -> float | None:
     """JSON-safe float with six significant digits (None where it does not exist)."""
     return float(f"{value:.6g}") if math.isfinite(value) else None
 
 
 # ---------------------------------------------------------------------- reading
-def _discover(directory: Path) -> tuple[dict[int, Path], list[str]]:
-    """``rank-NNN`` directories under ``directory``, by rank, and naming conflicts."""
+def _discover(directory: Path) -> tuple[dict[int, Path], list[str], list[dict[str, Any]]]:
+    """``rank-NNN`` directories under ``directory``, by rank, naming conflicts, and the
+    ``rank-NNN`` symbolic links, refused (never followed: nothing outside ``directory``
+    is read)."""
     found: dict[int, Path] = {}
     notes: list[str] = []
+    links: list[dict[str, Any]] = []
     with os.scandir(directory) as entries:
-        names = sorted(entry.name for entry in entries if entry.is_dir())
-    for name in names:
+        listed = sorted(
+            (entry.name, entry.is_symlink())
+            for entry in entries
+            if entry.is_symlink() or entry.is_dir(follow_symlinks=False)
+        )
+    for name, is_link in listed:
         rank = parse_rank_directory(name)
         if rank is None:
+            continue
+        if is_link:
+            reason = f"{name} is a symbolic link (not followed)"
+            links.append({"rank": rank, "path": str(directory / name), "reason": reason})
             continue
         if rank in found:
             notes.append(
@@ -241,7 +268,7 @@ def _discover(directory: Path) -> tuple[dict[int, Path], list[str]]:
             )
             continue
         found[rank] = directory / name
-    return found, notes
+    return found, notes, links
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -672,7 +699,10 @@ class _Merged:
     world_size: int | None
     world_size_source: str
     present: list[int]
-    missing: list[int]
+    #: Ranges (``"4-7"``) of the ranks in ``0 .. world_size - 1`` without a report, and
+    #: how many ranks they hold (counted, never enumerated: a world size can be huge).
+    missing: list[str]
+    missing_count: int
     unreadable: list[dict[str, Any]]
     truncated: list[dict[str, Any]]
     notes: list[str]
@@ -690,7 +720,7 @@ class _Merged:
     def sections(self) -> dict[str, list[Any]]:
         return {
             "present": rank_ranges(self.present),
-            "missing": rank_ranges(self.missing),
+            "missing": self.missing,
             "unreadable": self.unreadable,
             "truncated": self.truncated,
             "notes": self.notes,
@@ -707,8 +737,8 @@ def _headline(merged: _Merged, outlier_ranks: Sequence[dict[str, Any]]) -> str:
     parts = [
         f"{len(merged.present)} of {expected if expected is not None else '?'} ranks present",
     ]
-    if merged.missing:
-        parts.append(f"{len(merged.missing)} missing")
+    if merged.missing_count:
+        parts.append(f"{merged.missing_count} missing")
     if merged.unreadable:
         parts.append(f"{len(merged.unreadable)} unreadable")
     truncated = sum(_count_ranges(group["ranks"]) for group in merged.truncated)
@@ -754,7 +784,7 @@ def _assemble(merged: _Merged, keep: int, generated_at: str) -> dict[str, Any]:
             "world_size": merged.world_size,
             "world_size_source": merged.world_size_source,
             "present_count": len(merged.present),
-            "missing_count": len(merged.missing),
+            "missing_count": merged.missing_count,
             "unreadable_count": len(merged.unreadable),
             "truncated_count": truncated_count,
             "present": cut["present"],
@@ -980,7 +1010,7 @@ def _iter_reports(
     """
     for rank in sorted(sources):
         path = sources[rank] / "report.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             missing_files.append(rank)
             continue
         try:
@@ -1081,15 +1111,15 @@ def merge_rank_reports(
             f"merge_rank_reports: directory must be an existing directory of rank-NNN "
             f"reports, got {str(source)!r} (not a directory)"
         )
-    sources, notes = _discover(source)
-    if not sources:
+    sources, notes, links = _discover(source)
+    if not sources and not links:
         raise ReportReadError(
             f"merge_rank_reports: directory must hold rank-NNN/ directories written with "
             f"rank_policy='all', got {str(source)!r} with none"
         )
 
     accumulator = _Accumulator()
-    unreadable: list[dict[str, Any]] = []
+    unreadable: list[dict[str, Any]] = [link for link in links if link["rank"] not in sources]
     no_report: list[int] = []
     stated_world: dict[int, int] = {}
     for rank, path, report in _iter_reports(sources, unreadable, no_report):
@@ -1129,7 +1159,7 @@ def merge_rank_reports(
 
     present = [s.rank for s in accumulator.summaries]
     accounted = set(present) | {u["rank"] for u in unreadable}
-    missing = [rank for rank in range(world) if rank not in accounted]
+    missing_count, missing = _missing_ranges(accounted, world)
     truncated_groups: dict[tuple[str, ...], list[int]] = {}
     for summary in accumulator.summaries:
         if summary.limits_hit:
@@ -1148,6 +1178,7 @@ def merge_rank_reports(
         world_size_source=world_source,
         present=present,
         missing=missing,
+        missing_count=missing_count,
         unreadable=unreadable,
         truncated=truncated,
         notes=notes,

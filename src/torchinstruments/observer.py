@@ -44,6 +44,7 @@ from .capture import (
     iter_output_tensors,
 )
 from .config import ReportConfig, TrackConfig
+from .distributed import RankInfo
 from .histogram import Histogram, HistogramSpec, histogram_counts
 from .reduce import (
     BATCH_MAX_ELEMENTS,
@@ -122,16 +123,6 @@ _transform_level: Callable[[], object] = getattr(
 _LOSS_SCALE = "loss_scale"
 #: Gradient values of these metrics are divided by the GradScaler loss scale.
 _SCALE_METRICS = ("rms", "mean_abs", "max_abs")
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    """Where this process sits in a distributed job (rank 0 of 1 when not distributed)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    source: str = "single_process"
 
 
 @dataclass(slots=True)

@@ -13,12 +13,13 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._jsonio import SCHEMA, SERIES_SCHEMA, dumps_report, longest_fitting_prefix
 from .capture import compiled_frames
 from .find import (
     CATEGORIES,
@@ -51,9 +52,7 @@ __all__ = [
     "sparkline",
 ]
 
-SCHEMA = "torchinstruments.report/1"
 DETAILS_SCHEMA = "torchinstruments.details/1"
-SERIES_SCHEMA = "torchinstruments.series/1"
 #: Metrics carried by the per-series summary (``series.json``).
 SUMMARY_METRICS = ("rms", "rms_to_root", "max_abs", "zero_fraction", "nonfinite_fraction")
 #: Points of series history carried by each finding.
@@ -511,26 +510,6 @@ def build_report(observer: Observer) -> dict[str, Any]:
     return longest_fitting_prefix(assemble, len(order), config.max_bytes)
 
 
-def longest_fitting_prefix(
-    build: Callable[[int], dict[str, Any]], count: int, max_bytes: int
-) -> dict[str, Any]:
-    """``build(k)`` for the largest ``k <= count`` whose :func:`dumps_report` bytes fit
-    ``max_bytes`` (binary search; ``build(0)`` if none does). ``build`` must grow with k."""
-    best = build(count)
-    if len(dumps_report(best)) <= max_bytes:
-        return best
-    low, high = 0, count
-    best = build(0)
-    while low < high:
-        middle = (low + high + 1) // 2
-        candidate = build(middle)
-        if len(dumps_report(candidate)) <= max_bytes:
-            low, best = middle, candidate
-        else:
-            high = middle - 1
-    return best
-
-
 def _sentinel_hits(observer: Observer) -> tuple[NonFiniteBetweenSamples, ...]:
     """The non-finite values the sentinels saw between samples (the kept ones), in the
     order of their training forwards."""
@@ -719,11 +698,6 @@ def _errors_section(observer: Observer) -> list[dict[str, Any]]:
         }
         for e in entries[: observer.report_config.max_error_entries]
     ]
-
-
-def dumps_report(report: dict[str, Any]) -> bytes:
-    """The exact bytes written to ``report.json``: indented (2), UTF-8, no NaN."""
-    return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
 _SPARK_LEVELS = "▁▂▃▄▅▆▇█"

@@ -11,15 +11,14 @@ so a run killed at any moment leaves the last complete report.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
+from ._jsonio import atomic_write
 from .report import dumps_report, render_markdown
 
 __all__ = [
@@ -115,25 +114,6 @@ class _SinkBase:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and ``os.replace``.
-
-    Raises:
-        OSError: the directory cannot be created or written.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.chmod(temporary, 0o644)  # mkstemp creates 0600; reports are for reading
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 class DirectorySink(_SinkBase):
