@@ -382,3 +382,65 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
     assert "compared at the training forwards both sampled" in extra[0]["detail"]
     assert comparison["strength"] == "full"
     assert comparison["categories"]["non_finite"]["notable"] > 0
+
+
+# ---------------------------------------------------------------------- same-seed pairs
+def _same_seed_run(directory: Path, fault: str | None, steps: int = 120, at: int = 60) -> Path:
+    """ResidualNet trained with SGD, observed every 2nd forward; from step ``at`` the
+    candidate's ``fault`` applies: ``"fc_x1.5"`` scales ``fc.weight`` by 1.5 once,
+    ``"weights_x0.5"`` halves every parameter once (a run-level change: a mis-scaled
+    weight-decay step, a reload of the wrong checkpoint)."""
+    torch.manual_seed(0)
+    model = ResidualNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    inject_observer(model, output_dir=directory, sampling=2)
+    for step, (x, y) in enumerate(make_batches(steps)):
+        if step == at and fault == "fc_x1.5":
+            with torch.no_grad():
+                model.fc.weight.mul_(1.5)
+        if step == at and fault == "weights_x0.5":
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.mul_(0.5)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    remove_observer(model)
+    return directory
+
+
+def test_a_modest_step_after_an_identical_prefix_is_the_first_divergence(tmp_path: Path) -> None:
+    # Runs identical up to their first difference have no run-to-run noise before it, so
+    # a 1.5x weight there is judged in the series' own noise (about 6%), not the 10% floor
+    # (against which it is 4 units, below the threshold of 5).
+    base = _same_seed_run(tmp_path / "base", None)
+    cand = _same_seed_run(tmp_path / "cand", "fc_x1.5")
+    comparison = read(compare_runs(base, cand, tmp_path / "out"))
+    first = comparison["summary"]["first_divergence"]
+    assert (first["module"], first["kind"], first["metric"]) == ("fc", "value", "rms")
+    assert first["sample"] == 30  # forward 60, the first sampled forward with the fault
+    assert first["last_agreeing"]["sample"] == 28  # the compared history point before it
+    entry = next(
+        e for e in comparison["categories"]["activation_scale"]["entries"] if e["module"] == "fc"
+    )
+    at_first = entry["noise"]["at_first_difference"]
+    assert at_first["sigma"] < entry["noise"]["sigma"] == 0.1  # the floor, elsewhere
+    assert at_first["points"] == 2
+
+
+def test_a_run_level_change_after_an_identical_prefix_is_model_wide(tmp_path: Path) -> None:
+    base = _same_seed_run(tmp_path / "base", None)
+    cand = _same_seed_run(tmp_path / "cand", "weights_x0.5")
+    comparison = read(compare_runs(base, cand, tmp_path / "out"))
+    first = comparison["summary"]["first_divergence"]
+    assert (first["module"], first["kind"]) == ("<model>", "model_wide")
+    # Forward 60 (sample 30) is the first with every weight halved; every module departs
+    # there at once, inp (the first in forward order) among them.
+    assert first["sample"] == 30
+    assert first["first_in_forward_order"]["module"] == "inp"
+    assert first["share_of_modules"] >= 0.5
+    assert first["modules_departing"] <= first["modules_compared"] == 5  # root excluded
+    assert comparison["first_divergences"][0] == first
+    assert comparison["summary"]["headline"].startswith(
+        "First divergence at sample 30 (training forward 60): the whole model (`<model>`)"
+    )

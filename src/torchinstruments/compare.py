@@ -71,6 +71,24 @@ MAX_SOURCE_BYTES = 64 * 1024 * 1024
 LOG_NOISE_FLOOR = 0.1
 #: Smallest noise of fractions (``zero_fraction``, ``nonfinite_fraction``), absolute.
 FRACTION_NOISE_FLOOR = 0.02
+#: Noise floors at the first point where runs that were identical before it differ
+#: (natural log; fractions): the run-to-run noise of such a pair is zero until then.
+IDENTICAL_LOG_NOISE_FLOOR = 0.01
+IDENTICAL_FRACTION_NOISE_FLOOR = 0.002
+#: Compared points at which every common series must agree exactly for the runs to be
+#: taken as identical before their first difference (a same-seed pair).
+MIN_IDENTICAL_POINTS = 3
+#: Share of the compared modules whose activations depart at the runs' first difference
+#: that makes the first divergence model-wide (``<model>``): every weight moved at once
+#: (a learning rate, an optimizer setting), not a module.
+MODEL_WIDE_DIVERGENCE_SHARE = 0.5
+#: At the first difference of an identical pair, the origin is the first activation in
+#: forward order whose departure is at least this share of the largest there: between two
+#: samples the optimizer carries a fault's gradient upstream, so modules before it move a
+#: little, the module itself most.
+DIVERGENCE_ORIGIN_SHARE = 0.25
+#: Module name of a model-wide first divergence.
+MODEL = "<model>"
 #: Scales a median absolute deviation to a standard deviation for normal data.
 MAD_TO_STD = 1.4826
 #: Entries listed per category, first divergences listed, one-run tensors listed per side.
@@ -805,15 +823,27 @@ def _detrended_spread(times: Sequence[int], values: Sequence[float]) -> float:
     return MAD_TO_STD * statistics.median(deviations) / math.sqrt(1.5)
 
 
-def _noise(series: _Series, metric: str, times: Sequence[int], values: Sequence[float]) -> _Noise:
+def _noise(
+    series: _Series,
+    metric: str,
+    times: Sequence[int],
+    values: Sequence[float],
+    *,
+    identical_before: bool = False,
+) -> _Noise:
     """The run-to-run noise of one baseline series, in compared units: the largest of a
     floor, the series' own trend-residual spread, its residual volatility and the
     detrended spread of the compared points (``times`` in the comparison's axis, values
     in compared units). All but the floor follow a trend, so that a series that drifts
     steeply in early training does not hide a later step behind an inflated spread
-    (files without a residual spread fall back on the warm-up standard deviation)."""
+    (files without a residual spread fall back on the warm-up standard deviation).
+    ``identical_before``: the runs agreed exactly before (a same-seed pair up to their
+    first difference), so no run-to-run floor applies, only a tenth of it."""
+    floor = noise_floor(metric, log_scale=series.log_scale)
+    if identical_before:
+        floor = IDENTICAL_LOG_NOISE_FLOOR if series.log_scale else IDENTICAL_FRACTION_NOISE_FLOOR
     parts = {
-        "floor": noise_floor(metric, log_scale=series.log_scale),
+        "floor": floor,
         "residual_spread": (
             series.residual_spread
             if series.residual_spread is not None
@@ -884,6 +914,46 @@ def _downsample(rows: list[list[Any]], limit: int) -> list[list[Any]]:
     return [rows[round(i * step)] for i in range(limit)]
 
 
+def _points(series: _Series, axis: _Axis, side: str) -> dict[int, float]:
+    """A series' kept points by axis key, through the compared end."""
+    points = {}
+    for sample, value in zip(series.samples, series.values, strict=True):
+        k = axis.key(side, sample)
+        if k is not None and k <= axis.end:
+            points[k] = value
+    return points
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _first_difference(
+    baseline: _Run, candidate: _Run, keys: Sequence[SeriesKey], axis: _Axis
+) -> int | None:
+    """The first axis key at which any common series differs between the runs, when
+    every common series agreed exactly at the ``MIN_IDENTICAL_POINTS`` or more compared
+    points before it (a same-seed pair whose runs were identical until then); else None
+    (the runs differ from the start, or never)."""
+    first: int | None = None
+    agreeing: set[int] = set()
+    for key in keys:
+        points_b = _points(baseline.series[key], axis, "baseline")
+        points_c = _points(candidate.series[key], axis, "candidate")
+        for k in sorted(points_b.keys() & points_c.keys()):
+            if first is not None and k >= first:
+                break
+            if not _same(points_b[k], points_c[k]):
+                first = k
+                break
+            agreeing.add(k)
+    if first is None:
+        return None
+    if sum(1 for k in agreeing if k < first) < MIN_IDENTICAL_POINTS:
+        return None
+    return first
+
+
 def _compare_values(
     key: SeriesKey,
     base: _Series,
@@ -891,23 +961,27 @@ def _compare_values(
     axis: _Axis,
     threshold: float,
     warmup: tuple[int | None, int | None],
+    first_difference: int | None = None,
 ) -> _ValueResult | None:
-    points_b = {}
-    for sample, value in zip(base.samples, base.values, strict=True):
-        k = axis.key("baseline", sample)
-        if k is not None and k <= axis.end:
-            points_b[k] = value
-    points_c = {}
-    for sample, value in zip(cand.samples, cand.values, strict=True):
-        k = axis.key("candidate", sample)
-        if k is not None and k <= axis.end:
-            points_c[k] = value
+    points_b = _points(base, axis, "baseline")
+    points_c = _points(cand, axis, "candidate")
     common = sorted(points_b.keys() & points_c.keys())
     if not common:
         return None
-    noise = _noise(base, key[4], common, [base.compared(points_b[k]) for k in common])
+    compared_b = [base.compared(points_b[k]) for k in common]
+    noise = _noise(base, key[4], common, compared_b)
+    sigmas = [noise.sigma] * len(common)
+    identical: _Noise | None = None
+    if first_difference is not None:
+        # The runs were identical before their first difference: there, and for the
+        # persistence window after it, the departure is judged without the run-to-run
+        # floor (later points, where a same-seed pair drifts apart, keep it).
+        identical = _noise(base, key[4], common, compared_b, identical_before=True)
+        at = [i for i, k in enumerate(common) if k >= first_difference][:PERSISTENCE_POINTS]
+        for i in at:
+            sigmas[i] = identical.sigma
     departures = [
-        (base.compared(points_c[k]) - base.compared(points_b[k])) / noise.sigma for k in common
+        (base.compared(points_c[k]) - compared_b[i]) / sigmas[i] for i, k in enumerate(common)
     ]
     score = sustained_departure(departures)
     first = _first_departure(departures, threshold, PERSISTENCE_POINTS)
@@ -944,12 +1018,19 @@ def _compare_values(
         "candidate": _number(points_c[k]),
         "departure": _number(departures[largest]),
     }
-    entry["noise"] = {
+    noise_entry: dict[str, Any] = {
         "sigma": _number(noise.sigma),
         "basis": noise.basis,
         "units": "natural log" if base.log_scale else "absolute",
         **{name: _number(value) for name, value in noise.parts.items()},
     }
+    entry["noise"] = noise_entry
+    if identical is not None:
+        noise_entry["at_first_difference"] = {
+            "sigma": _number(identical.sigma),
+            "basis": identical.basis,
+            "points": PERSISTENCE_POINTS,
+        }
     entry["end"] = {
         "baseline_ema_fast": _number(base.ema_fast),
         "candidate_ema_fast": _number(cand.ema_fast),
@@ -1250,6 +1331,82 @@ def _non_finite_event(key: SeriesKey, base: _Series, cand: _Series, axis: _Axis)
     )
 
 
+def _profile_at_first_difference(
+    events: list[_Event], first_difference: int, modules_compared: int, first_module: str
+) -> tuple[list[_Event], dict[str, Any] | None]:
+    """Order the activation departures at an identical pair's first difference by where
+    their profile along depth begins (``DIVERGENCE_ORIGIN_SHARE``), and say whether the
+    whole model moved at once there: ``MODEL_WIDE_DIVERGENCE_SHARE`` of the
+    ``modules_compared`` depart, the model's first module (``first_module``, in forward
+    order) among them. A fault at one module reaches the modules before it only through
+    the weights the optimizer changed since the last sample, a run-level change moves
+    the first module as much as any. Returns the events in their new order and the
+    model-wide record, or None."""
+    at = [
+        e
+        for e in events
+        if e.key == first_difference and e.kind == "value" and e.signal == ACTIVATION
+    ]
+    if not at:
+        return events, None
+    at.sort(key=_Event.order)
+    largest = max(abs(e.fields["departure"] or 0.0) for e in at)
+    origin = next(
+        e for e in at if abs(e.fields["departure"] or 0.0) >= DIVERGENCE_ORIGIN_SHARE * largest
+    )
+    departing = {e.module for e in at}
+    share = len(departing) / max(modules_compared, 1)
+    # The origin moves ahead of the activation departures before it at that point only;
+    # a module that stopped being called or turned non-finite there keeps its place.
+    ordered = list(events)
+    if origin is not at[0]:
+        ordered.remove(origin)
+        ordered.insert(ordered.index(at[0]), origin)
+    if first_module not in departing or share < MODEL_WIDE_DIVERGENCE_SHARE:
+        return ordered, None
+    origin = at[0]
+    when = {
+        k: origin.fields[k] for k in ("sample", "forward", "candidate_sample") if k in origin.fields
+    }
+    described = _describe_when(when)
+    record = {
+        "kind": "model_wide",
+        "side": "candidate",
+        "module": MODEL,
+        "call_index": None,
+        "signal": ACTIVATION,
+        "tensor_path": None,
+        "metric": origin.metric,
+        "forward_position": origin.position,
+        **when,
+        "share_of_modules": share,
+        "modules_departing": len(departing),
+        "modules_compared": modules_compared,
+        "first_in_forward_order": {
+            "module": origin.module,
+            "call_index": origin.call_index,
+            "tensor_path": origin.tensor_path,
+            "metric": origin.metric,
+            "departure": origin.fields["departure"],
+        },
+        "last_agreeing": origin.fields.get("last_agreeing"),
+        "interpretation": (
+            f"The runs were identical before {described}; there "
+            f"{len(departing)} of {modules_compared} compared modules' activations depart "
+            f"at once ({share:.0%}), the model's first module ({origin.module}) among them: "
+            f"every weight moved differently, the mark of a run-level "
+            f"change (learning rate or schedule, optimizer settings or state, data, loss "
+            f"scale), not of one module."
+        ),
+        "next_experiment": (
+            "Diff the two runs' optimizer settings and state, learning-rate schedule, data "
+            f"pipeline and loss scaling at the step before {described}; rerun the "
+            "candidate with each restored in turn."
+        ),
+    }
+    return ordered, record
+
+
 def _event_record(event: _Event) -> dict[str, Any]:
     return {
         "kind": event.kind,
@@ -1296,6 +1453,7 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
     results: dict[str, list[_ValueResult]] = {c: [] for c in _VALUE_CATEGORIES}
     compared = {c: 0 for c in CATEGORIES}
     wanted = {pair: category for category, pairs in CATEGORIES.items() for pair in pairs}
+    first_difference = _first_difference(baseline, candidate, common_keys, axis)
     for key in common_keys:
         category = wanted.get((key[2], key[4]))
         if category is None:
@@ -1307,7 +1465,7 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
             if event is not None:
                 events.append(event)
             continue
-        result = _compare_values(key, base, cand, axis, threshold, warmup)
+        result = _compare_values(key, base, cand, axis, threshold, warmup, first_difference)
         if result is None:
             compared[category] -= 1
             continue
@@ -1374,11 +1532,26 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
             }
             events.append(event)
     events.sort(key=_Event.order)
+    model_wide = None
+    if first_difference is not None:
+        root = display_module("")
+        scales = [
+            k
+            for k in common_keys
+            if k[2] == ACTIVATION and k[0] not in ("", root) and k[4] == "rms"
+        ]
+        if scales:
+            first_module = min(scales, key=lambda k: baseline.series[k].forward_position)[0]
+            events, model_wide = _profile_at_first_difference(
+                events, first_difference, len({k[0] for k in scales}), first_module
+            )
 
     sections: dict[str, list[dict[str, Any]]] = {}
     totals: dict[str, int] = {}
     category_counts: dict[str, dict[str, int]] = {}
     first_records = [_event_record(e) for e in events]
+    if model_wide is not None:
+        first_records.insert(0, model_wide)
     sections["first_divergences"] = first_records[:MAX_FIRST_DIVERGENCES]
     totals["first_divergences"] = len(first_records)
     non_finite = [e for e in events if e.kind == "non_finite"]
@@ -1432,16 +1605,26 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
                 "Per series and compared point (a sample index both runs kept in their "
                 "bounded histories; the same training forward when the schedules match): "
                 "departure = (candidate - baseline) / noise, in natural log for scale "
-                "metrics. noise = the largest of the baseline's warm-up standard deviation, "
-                "its per-sample volatility at the end, 1.4826 x the median absolute change "
-                "between its consecutive history points, and a floor. A series diverges "
-                "notably at the first point that starts a run of persistence_points "
-                "consecutive departures beyond the threshold with one sign; "
-                "sustained_departure ranks series within a category."
+                "metrics. noise = the largest of the baseline's trend-residual spread, its "
+                "residual volatility, the detrended spread of its compared points and a "
+                "floor. When every common series agreed exactly at three or more compared "
+                "points before the runs' first difference (a same-seed pair), the floor "
+                "there and at the next point is a tenth of the usual one: such runs have no "
+                "run-to-run noise until then. A series diverges notably at the first point "
+                "that starts a run of persistence_points consecutive departures beyond the "
+                "threshold with one sign; sustained_departure ranks series within a "
+                "category. At an identical pair's first difference, the activation whose "
+                "departure is the first along depth to reach a quarter of the largest there "
+                "leads, and when half of the compared modules depart there, the model's "
+                "first among them, the first divergence is model-wide (<model>)."
             ),
             "threshold": threshold,
             "persistence_points": PERSISTENCE_POINTS,
             "noise_floors": {"log_scale": LOG_NOISE_FLOOR, "fractions": FRACTION_NOISE_FLOOR},
+            "noise_floors_after_identical_prefix": {
+                "log_scale": IDENTICAL_LOG_NOISE_FLOOR,
+                "fractions": IDENTICAL_FRACTION_NOISE_FLOOR,
+            },
             "order": (
                 "earliest point first; then activations in forward call order, then output "
                 "gradients in reverse forward call order (backward order)"
@@ -1495,7 +1678,16 @@ def _headline(
         "only_in_baseline": f"{first['signal']} is observed only in the baseline",
         "only_in_candidate": f"{first['signal']} is observed only in the candidate",
         "non_finite": f"{first['signal']} turns non-finite in the {first['side']}",
+        "model_wide": (
+            f"{first['signal']} departs at {first.get('modules_departing')} of "
+            f"{first.get('modules_compared')} modules at once"
+        ),
     }[first["kind"]]
+    if first["kind"] == "model_wide":
+        return prefix + (
+            f"First divergence at {_describe_when(first)}: the whole model (`{MODEL}`), "
+            f"{what} ({notable} divergence(s) in all)."
+        )
     return prefix + (
         f"First divergence at {_describe_when(first)}: `{first['module']}` call "
         f"{first['call_index']} {what} ({notable} divergence(s) in all)."
