@@ -9,6 +9,7 @@ caller's step after ``ObserverHandle.set_step``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,8 @@ def run_loop(
 
 
 def wandb_history(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
-    """``(step, row)`` of every history record in an offline run's ``.wandb`` file.
+    """``(step, row)`` of every history record in an offline run's ``.wandb`` file, and
+    ``(-1, {})`` for its exit record.
 
     The file is a LevelDB-format log (a 7-byte ``:W&B`` header, then 32 KiB blocks of
     records with a 7-byte header: checksum, little-endian length, type 1 full / 2 first
@@ -109,13 +111,26 @@ def wandb_history(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     for payload in payloads():
         record = wandb_internal_pb2.Record()  # type: ignore[missing-attribute]
         record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "history":
+        if record.WhichOneof("record_type") == "exit":
+            rows.append((-1, {}))  # the run's last record
+        elif record.WhichOneof("record_type") == "history":
             row = {
                 item.key or "/".join(item.nested_key): json.loads(item.value_json)
                 for item in record.history.item
             }
             rows.append((record.history.step.num, row))
     return rows
+
+
+def finished_wandb_history(run_dir: Path, timeout_s: float = 60.0) -> list[tuple[int, dict]]:
+    """:func:`wandb_history` once the file holds its exit record: wandb's service
+    process may still be writing the last records when ``run.finish()`` returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = wandb_history(run_dir)
+        if (rows and rows[-1][0] == -1) or time.monotonic() > deadline:
+            return [row for row in rows if row[0] != -1]
+        time.sleep(0.2)
 
 
 def test_wandb_offline_keeps_every_point_at_the_training_forward(
@@ -141,7 +156,7 @@ def test_wandb_offline_keeps_every_point_at_the_training_forward(
     remove_observer(model)
     run.finish()
 
-    history = wandb_history(Path(run.dir).parent)
+    history = finished_wandb_history(Path(run.dir).parent)
     logged = {(step, tag): value for step, row in history for tag, value in row.items()}
     assert [step for step, _ in history] == list(range(FORWARDS))
     assert all((step, "train/loss") in logged for step in range(FORWARDS))
