@@ -27,46 +27,37 @@ def run_python(code: str) -> str:
     return completed.stdout
 
 
-def test_import_loads_only_the_standard_library_after_torch() -> None:
-    loaded = json.loads(
+def test_import_and_eager_training_load_no_compiler_and_no_optional_package() -> None:
+    result = json.loads(
         run_python(
             """
-            import json, sys
+            import json, sys, tempfile
             import torch
+            from torch import nn
             before = set(sys.modules)
             import torchinstruments
             from torchinstruments import inject_observer, remove_observer, TensorBoardSink
-            print(json.dumps(sorted(set(sys.modules) - before)))
+            imported = sorted(set(sys.modules) - before)
+
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            inject_observer(model, output_dir=tempfile.mkdtemp(), sampling=1)
+            for _ in range(3):
+                model(torch.randn(2, 4)).sum().backward()
+            remove_observer(model)
+            compiler = [m for m in sys.modules if m.startswith(("torch._dynamo", "torch._ind"))]
+            print(json.dumps({"imported": imported, "compiler": sorted(compiler)}))
             """
         )
     )
     foreign = [
         name
-        for name in loaded
+        for name in result["imported"]
         if name.split(".")[0] not in sys.stdlib_module_names
         and name.split(".")[0] != "torchinstruments"
     ]
     assert foreign == []
-    assert not [name for name in loaded if name.split(".")[0] in OPTIONAL]
-
-
-def test_injection_without_compiling_does_not_load_dynamo() -> None:
-    out = run_python(
-        """
-        import sys, tempfile
-        import torch
-        from torch import nn
-        from torchinstruments import inject_observer, remove_observer
-
-        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-        inject_observer(model, output_dir=tempfile.mkdtemp(), sampling=1)
-        for _ in range(3):
-            model(torch.randn(2, 4)).sum().backward()
-        remove_observer(model)
-        print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))
-        """
-    )
-    assert out.strip() == "[]"
+    assert not [name for name in result["imported"] if name.split(".")[0] in OPTIONAL]
+    assert result["compiler"] == []  # not at import, not while training eagerly
 
 
 def test_hooks_are_graph_breaks_when_dynamo_is_imported_after_injection() -> None:
