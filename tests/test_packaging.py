@@ -71,7 +71,7 @@ def test_wheel_holds_the_package_and_its_metadata(wheel: Path) -> None:
         "plots",
     }
     urls = dict(url.split(", ", 1) for url in metadata.get_all("Project-URL") or [])
-    assert {"Homepage", "Documentation", "Source", "Issues"} <= set(urls)
+    assert {"Homepage", "Documentation", "Source", "Changelog"} <= set(urls)
     classifiers = set(metadata.get_all("Classifier") or [])
     for version in ("3.11", "3.12", "3.13"):
         assert f"Programming Language :: Python :: {version}" in classifiers
