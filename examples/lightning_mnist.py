@@ -10,24 +10,22 @@ The data is loaded with ``torchvision.datasets.MNIST`` exactly as in any MNIST e
 ``val_loss``, ``val_acc`` from ``self.log``) and our telemetry
 (``torchinstruments/<module>/<signal>/rms``), so both sit in one TensorBoard run.
 
-Where the observer goes: :class:`TorchInstrumentsCallback`, a Lightning ``Callback``. It
-injects the observer in ``on_fit_start`` and removes it in ``on_fit_end`` (or
-``on_exception``), because that is the span in which a Lightning user's model trains:
-
-- by ``on_fit_start`` the strategy has moved the model to its device and the logger's
-  ``SummaryWriter`` exists, so the telemetry goes to the same TensorBoard run;
-- ``on_fit_end`` (and ``on_exception``) run before the Trainer's teardown finalizes the
-  logger, so the last telemetry batch is flushed into a writer that is still open and the
-  final ``report.json`` is written before ``fit`` returns;
-- the model keeps no observer after ``fit``: a later ``trainer.test`` or a checkpoint
-  sees the unmodified module.
+Where the observer goes: the shipped
+:class:`torchinstruments.integrations.lightning.TorchInstrumentsCallback`, a Lightning
+``Callback``. It injects the observer in ``on_fit_start`` (the model is on its device and
+the logger's ``SummaryWriter`` exists, so the telemetry goes to the same TensorBoard run),
+gives ``trainer.global_step`` to the sinks before every batch (so the telemetry sits at
+the steps of ``train_loss``), and removes the observer in ``on_fit_end`` (or
+``on_exception``), before the Trainer's teardown finalizes the logger: the final
+``report.json`` is written before ``fit`` returns, and a later ``trainer.test`` or a
+checkpoint sees the unmodified module. See ``docs/lightning.md``.
 
 The observer is attached to the ``LightningModule`` itself (the root). ``training_step``
 calls ``self(x)``, which runs through ``nn.Module.__call__`` and so through the root's
 hooks: every training forward is a sample. Validation forwards run in ``eval()`` mode
-under ``no_grad`` and are not mixed into the training series. ``sampling=1`` makes the
-sample index (the step of our TensorBoard scalars) equal to the optimizer step of the task
-metrics, so both share one x axis; drop it on long runs to use the default schedule.
+under ``no_grad`` and are not mixed into the training series. ``sampling=1`` samples every
+training forward, for a dense curve on this short run; drop it on long runs to use the
+default schedule.
 
 Options: ``--data-dir`` (default ``data``), ``--output-dir`` (report, default ``stats``),
 ``--log-dir`` (TensorBoard, default ``lightning_logs``), ``--max-steps``,
@@ -51,13 +49,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
-from torchinstruments import (
-    ObserverHandle,
-    SamplingPolicy,
-    TensorBoardSink,
-    inject_observer,
-    remove_observer,
-)
+from torchinstruments.integrations.lightning import TorchInstrumentsCallback
 
 #: MNIST's pixel mean and standard deviation (the usual normalisation).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -112,48 +104,6 @@ class MNISTClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
-class TorchInstrumentsCallback(pl.Callback):
-    """Observes the ``LightningModule`` during ``fit`` and sends the telemetry to the
-    trainer's TensorBoard loggers.
-
-    Args:
-        output_dir: where ``report.json`` and ``index.md`` go.
-        sampling: passed to :func:`~torchinstruments.inject_observer` (``None``: the
-            default schedule; ``1``: every training forward).
-        metrics: metrics forwarded to TensorBoard, default ``("rms",)``.
-    """
-
-    def __init__(
-        self,
-        output_dir: str | Path = "stats",
-        *,
-        sampling: int | SamplingPolicy | None = None,
-        metrics: Sequence[str] = ("rms",),
-    ) -> None:
-        self.output_dir = Path(output_dir)
-        self.sampling = sampling
-        self.metrics = tuple(metrics)
-        self.handle: ObserverHandle | None = None
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sinks = [
-            TensorBoardSink(logger.experiment, metrics=self.metrics)
-            for logger in trainer.loggers
-            if isinstance(logger, TensorBoardLogger)
-        ]
-        self.handle = inject_observer(
-            pl_module, output_dir=self.output_dir, sampling=self.sampling, sinks=sinks
-        )
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        remove_observer(pl_module)  # final report; last telemetry batch to the writer
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        remove_observer(pl_module)  # a failed run still leaves its report
 
 
 def mnist_loaders(

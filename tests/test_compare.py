@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,8 @@ from torchinstruments.sampling import DefaultSampling, SampleForwards
 
 from .conftest import ResidualNet, make_batches, train
 from .test_example import load_example
+
+DOCS_EXCERPTS = Path(__file__).resolve().parents[1] / "docs" / "excerpts.py"
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -443,4 +446,24 @@ def test_a_run_level_change_after_an_identical_prefix_is_model_wide(tmp_path: Pa
     assert comparison["first_divergences"][0] == first
     assert comparison["summary"]["headline"].startswith(
         "First divergence at sample 30 (training forward 60): the whole model (`<model>`)"
+    )
+
+
+def test_docs_quote_what_the_code_produces(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Every number and excerpt of a report that docs/*.md quote is produced by
+    docs/excerpts.py, from these same example runs (its RUNS)."""
+    spec = importlib.util.spec_from_file_location("docs_excerpts", DOCS_EXCERPTS)
+    assert spec is not None and spec.loader is not None
+    excerpts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(excerpts)
+    assert excerpts.RUNS == {
+        "baseline": ["--seed", "0"],
+        "drop_norm": ["--seed", "0", "--modification", "drop-norm"],
+        "seed1": ["--seed", "1"],
+    }  # the runs of the fixture above
+    values = excerpts.excerpts(runs, tmp_path)
+    assert excerpts.used() == set(values)
+    diffs = excerpts.stale(values)
+    assert diffs == {}, "stale docs; run `uv run python docs/excerpts.py --write`:\n" + "\n".join(
+        diffs.values()
     )

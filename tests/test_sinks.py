@@ -66,7 +66,8 @@ def test_plain_callable_logger_like_wandb_log(tmp_path: Path) -> None:
     inject_observer(model, output_dir=tmp_path, sampling=2, sinks=[sink])
     train(model, make_batches(6))
     remove_observer(model)
-    assert [step for _, step in calls] == [0, 1, 2]
+    # Samples are forwards 0, 2 and 4: logged at those training-forward indices.
+    assert [step for _, step in calls] == [0, 2, 4]
     assert all(len(values) == 24 for values, _ in calls)
 
 
@@ -97,6 +98,14 @@ def test_tensorboard_sink_writes_events_that_tensorboard_reads_back(tmp_path: Pa
         (lambda: TensorBoardSink(object()), "writer must have add_scalar"),
         (lambda: MetricLoggerSink(3), "logger must have log_metrics"),
         (lambda: MetricLoggerSink(print, metrics=("speed",)), "metrics must be a non-empty"),
+        (
+            lambda: MetricLoggerSink(print, prompt=1),  # type: ignore[arg-type]
+            "prompt must be a bool, got 1",
+        ),
+        (
+            lambda: TensorBoardSink(SummaryWriter, prompt="no"),  # type: ignore[arg-type]
+            "prompt must be a bool, got 'no'",
+        ),
     ],
 )
 def test_bad_sink_arguments(factory, message: str) -> None:

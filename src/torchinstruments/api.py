@@ -57,6 +57,23 @@ class ObserverHandle:
         self._observer.write_report()
         return self.output_dir / "report.json" if self.output_dir is not None else None
 
+    def set_step(self, step: int) -> None:
+        """Give the caller's step (an optimizer step, ``trainer.global_step``) for the
+        samples that open from now on: dashboard sinks log their scalars at it instead of
+        at the training-forward index. The integrations call it before every batch;
+        a training loop may too. It changes nothing in the report.
+
+        Args:
+            step: a non-negative int, the x position of the caller's own metrics.
+
+        Raises:
+            ConfigError: ``step`` is not an int >= 0.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"ObserverHandle.set_step: step must be an int >= 0, got {step!r}")
+        if self._observer is not None:
+            self._observer.caller_step = step
+
     def report(self) -> dict[str, Any] | None:
         """Build and return the current report dict without writing it."""
         if self._observer is None:

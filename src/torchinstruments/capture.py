@@ -11,11 +11,18 @@ placeholders that do nothing, so a copy is never observed by the original's obse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
+import threading
+import types
+import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,15 +41,105 @@ MAX_TENSORS_PER_OUTPUT = 64
 _graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 
 
+#: ``__qualname__`` of every function marked by :func:`_opaque_to_compiler`, in this module.
+_OPAQUE_NAMES: list[str] = []
+_opaque_applied = False
+_opaque_lock = threading.Lock()
+
+
 def _opaque_to_compiler(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Keep ``torch.compile`` from tracing into a hook: it calls it eagerly instead.
+    """Mark a hook to be kept from ``torch.compile``'s tracing: Dynamo calls it eagerly.
 
     Our hooks do Python bookkeeping that must run for real (and must not be baked into
     a compiled graph); Dynamo turns a disabled function into one clean graph break.
+    The marked functions are wrapped by ``torch.compiler.disable`` only once Dynamo
+    (``torch._dynamo``) is imported, see :func:`watch_for_compiler`: importing it takes
+    about as long as importing torch, and eager training never needs it.
     """
-    compiler = getattr(torch, "compiler", None)
-    disable = getattr(compiler, "disable", None)
-    return disable(function) if disable is not None else function
+    _OPAQUE_NAMES.append(function.__qualname__)
+    return function
+
+
+def _make_hooks_opaque() -> None:
+    """Wrap every marked function with ``torch.compiler.disable``, once."""
+    global _opaque_applied
+    with _opaque_lock:
+        if _opaque_applied:
+            return
+        _opaque_applied = True
+        disable = getattr(getattr(torch, "compiler", None), "disable", None)
+        if disable is None:
+            return
+        module = sys.modules[__name__]
+        for qualname in _OPAQUE_NAMES:
+            *owner_path, name = qualname.split(".")
+            owner: Any = module
+            for part in owner_path:
+                owner = getattr(owner, part)
+            setattr(owner, name, disable(getattr(owner, name)))
+
+
+class _CompilerImportWatch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; makes our hooks opaque right after ``torch._dynamo`` loads.
+
+    It asks the other finders for Dynamo's module spec and runs
+    :func:`_make_hooks_opaque` after the spec's loader executed the module, before
+    anything can compile.
+    """
+
+    def __init__(self) -> None:
+        self._busy = False
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch._dynamo" or self._busy or _opaque_applied:
+            return None
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy = False
+        loader = spec.loader if spec is not None else None
+        execute = getattr(loader, "exec_module", None)
+        if spec is None or loader is None or execute is None:
+            return None
+        watch = self
+
+        def exec_module(module: types.ModuleType) -> None:
+            execute(module)
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(watch)
+            try:
+                _make_hooks_opaque()
+            except Exception as error:  # never break the caller's import
+                warnings.warn(
+                    f"torchinstruments: hooks could not be hidden from torch.compile ({error!r}); "
+                    "compiled code may trace into them",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this module's loader only
+        return spec
+
+
+_compiler_watch: _CompilerImportWatch | None = None
+
+
+def watch_for_compiler() -> None:
+    """Make our hooks opaque to ``torch.compile`` now if Dynamo is loaded, else as soon
+    as it is imported. Called whenever hooks are created; cheap after the first call."""
+    global _compiler_watch
+    if _opaque_applied:
+        return
+    if "torch._dynamo" in sys.modules:
+        _make_hooks_opaque()
+        return
+    with _opaque_lock:
+        if _compiler_watch is None:
+            _compiler_watch = _CompilerImportWatch()
+            sys.meta_path.insert(0, _compiler_watch)
 
 
 def _never_compiling() -> bool:
@@ -208,6 +305,7 @@ class _HookBase:
 
     def __init__(self, observer: Observer) -> None:
         self._observer = weakref.ref(observer)
+        watch_for_compiler()
 
     def __deepcopy__(self, memo: dict[int, object]) -> InertHook:
         return InertHook()
@@ -284,8 +382,8 @@ def _leave_root_opaque(hook: RootPostHook, args: tuple[object, ...], output: obj
 
 
 if _is_compiling is _never_compiling:  # torch without torch.compiler.is_compiling
-    RootPreHook.__call__ = _opaque_to_compiler(RootPreHook.__call__)  # type: ignore[method-assign]
-    RootPostHook.__call__ = _opaque_to_compiler(RootPostHook.__call__)  # type: ignore[method-assign]
+    _opaque_to_compiler(RootPreHook.__call__)
+    _opaque_to_compiler(RootPostHook.__call__)
 
 
 class ForwardHook(_HookBase):
@@ -403,6 +501,7 @@ class ForwardWrapper:
     ) -> None:
         self._observer = weakref.ref(observer)
         self._module = weakref.ref(module)
+        watch_for_compiler()
         self._original = original
         self._index = index
         self._is_root = is_root

@@ -70,6 +70,8 @@ __all__ = ["Observer", "RankInfo"]
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
 MAX_SAMPLES_AWAITING_BACKWARD = 256
+#: Most samples whose caller step (``ObserverHandle.set_step``) is kept for the sinks.
+MAX_SAMPLE_STEPS = 4096
 #: Records kept on the device before a flush moves them to the host.
 MAX_PENDING_RECORDS = 4_096
 #: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
@@ -269,6 +271,15 @@ class Observer:
         self._histogram_sinks = [
             sink for sink in self.sinks if callable(getattr(sink, "write_histogram", None))
         ]
+        # Sinks whose loggers accept no step below their latest (wandb): every sample is
+        # handed over by the start of the next training forward (see _maybe_flush).
+        self._prompt_sinks = any(
+            getattr(sink, "prompt", False) is True for sink in self._scalar_sinks
+        ) or any(getattr(sink, "prompt", False) is True for sink in self._histogram_sinks)
+        #: The caller's step (ObserverHandle.set_step) that samples opened from now take.
+        self.caller_step: int | None = None
+        # Per sample, the caller's step when it opened (bounded: oldest dropped first).
+        self._sample_steps: dict[int, int] = {}
         self.options = options
         self.attached = False
 
@@ -951,6 +962,11 @@ class Observer:
             self._sample = self.samples_observed
             self.samples_observed += 1
             self.sample_forwards.append(index)
+            if self.caller_step is not None:
+                steps = self._sample_steps
+                steps[self._sample] = self.caller_step
+                if len(steps) > MAX_SAMPLE_STEPS:
+                    del steps[next(iter(steps))]
             awaiting = self._awaiting_backward
             awaiting[self._sample] = None
             if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
@@ -1451,7 +1467,9 @@ class Observer:
             if self._producer_streams
             else self.FLUSH_INTERVAL_FORWARDS
         )
-        if pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % interval == 0):
+        if pending and self._prompt_sinks:
+            self.flush_statistics(block=True)  # the previous samples, complete by now
+        elif pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % interval == 0):
             self.flush_statistics(block=False)
         if time.monotonic() - self._last_write >= self._rewrite_interval_s:
             self.write_report(block=False)
@@ -1568,13 +1586,17 @@ class Observer:
         self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]
     ) -> None:
         """Hand one host batch of per-sample values to each scalar sink."""
+        steps: dict[int, int] = {}
+        for _, sample, _ in measured:
+            if sample not in steps:
+                steps[sample] = self.sink_step(sample)
         for sink in self._scalar_sinks:
             wanted = getattr(sink, "metrics", ("rms",))
             batch = [
                 (
                     scalar_tag(s.module, s.call_index, s.signal, s.tensor_path, metric),
                     value,
-                    sample,
+                    steps[sample],
                 )
                 for s, sample, values in measured
                 for metric in wanted
@@ -1584,6 +1606,17 @@ class Observer:
                 sink.write_scalars(batch)
             except Exception as error:
                 self.record_error("sink", type(sink).__name__, error)
+
+    def sink_step(self, sample: int) -> int:
+        """The step that dashboard sinks log ``sample`` at: the caller's step when the
+        sample opened (``ObserverHandle.set_step``), else the index of its training
+        forward (0-based; the optimizer step with one forward per step), else (when
+        that was not kept) the sample index."""
+        step = self._sample_steps.get(sample)
+        if step is not None:
+            return step
+        forward = self.sample_forwards.forward(sample)
+        return sample if forward is None else forward
 
     def _add_histogram(self, key: tuple[int, int, str, str], sample: int, row: list[float]) -> None:
         number_text, signal = key[2][len(_HISTOGRAM) :].split(":", 1)
@@ -1598,7 +1631,7 @@ class Observer:
             tag = scalar_tag(self.names[key[0]], key[1], signal, key[3], "histogram")
             for sink in self._histogram_sinks:
                 try:
-                    sink.write_histogram(tag, histogram.spec.edges, row, sample)
+                    sink.write_histogram(tag, histogram.spec.edges, row, self.sink_step(sample))
                 except Exception as error:
                     self.record_error("sink", type(sink).__name__, error)
 

@@ -53,15 +53,23 @@ class Sink(Protocol):
 class ScalarSink(Protocol):
     """Receives transient per-sample measurements, in host batches.
 
-    ``write_scalars`` gets ``(tag, value, sample)`` triples, in ``SummaryWriter``
+    ``write_scalars`` gets ``(tag, value, step)`` triples, in ``SummaryWriter``
     argument order, once per flush (never one call per value). ``metrics`` names the
     metrics it wants (``"rms"``, ``"nonfinite_fraction"``, ...).
+
+    The step lines up with the caller's own metrics: the caller's step when one was
+    given (``ObserverHandle.set_step``, which the Lightning and Transformers
+    integrations call with the trainer's ``global_step``), else the 0-based index of the
+    sample's training forward (the optimizer step when there is one forward per step).
+    A sink may also carry ``prompt = True``: each sample then reaches it by the start of
+    the next training forward, for loggers that refuse a step below their latest
+    (``wandb.log``); otherwise flushes come every 128 training forwards.
     """
 
     metrics: tuple[str, ...]
 
     def write_scalars(self, scalars: Sequence[tuple[str, float, int]]) -> None:
-        """Take a batch of ``(tag, value, sample)`` triples."""
+        """Take a batch of ``(tag, value, step)`` triples."""
         ...
 
 
@@ -247,19 +255,26 @@ class TensorBoardSink(_SinkBase):
     """Forwards per-sample scalars to a ``SummaryWriter`` that the caller owns.
 
     Tags are ``torchinstruments/<module>/<signal>/<metric>`` (see :func:`scalar_tag`) and
-    the step is the sample index (a sampled forward, not an optimizer step). The writer
-    is flushed by :meth:`flush` and never closed by us.
+    ``global_step`` is the step of :class:`ScalarSink`: the caller's step when given
+    (``ObserverHandle.set_step``), else the sample's training-forward index (0-based),
+    so the telemetry sits beside the caller's own curves. The writer is flushed by
+    :meth:`flush` and never closed by us.
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
             ``add_scalar(tag, value, global_step)``).
         metrics: which metrics to forward. Default ``("rms",)``.
+        prompt: hand each sample over by the start of the next training forward
+            instead of every 128 forwards. Default False: event files take any step order.
 
     Raises:
-        ConfigError: ``writer`` has no ``add_scalar``, or ``metrics`` names an unknown metric.
+        ConfigError: ``writer`` has no ``add_scalar``, ``metrics`` names an unknown metric,
+            or ``prompt`` is not a bool.
     """
 
-    def __init__(self, writer: Any, *, metrics: Iterable[str] = ("rms",)) -> None:
+    def __init__(
+        self, writer: Any, *, metrics: Iterable[str] = ("rms",), prompt: bool = False
+    ) -> None:
         from .errors import ConfigError
 
         if not callable(getattr(writer, "add_scalar", None)):
@@ -267,22 +282,26 @@ class TensorBoardSink(_SinkBase):
                 "TensorBoardSink: writer must have add_scalar(tag, value, global_step), "
                 f"got {type(writer).__name__}"
             )
+        if not isinstance(prompt, bool):
+            raise ConfigError(f"TensorBoardSink: prompt must be a bool, got {prompt!r}")
         self.writer = writer
         self.metrics = _metrics_argument("TensorBoardSink", metrics)
+        self.prompt = prompt
 
     def write(self, report: dict[str, Any]) -> None:
         """Reports are not forwarded; TensorBoard gets the per-sample scalars."""
 
     def write_scalars(self, scalars: Sequence[tuple[str, float, int]]) -> None:
         add = self.writer.add_scalar
-        for tag, value, sample in scalars:
-            add(tag, value, sample)
+        for tag, value, step in scalars:
+            add(tag, value, step)
 
     def write_histogram(
-        self, tag: str, edges: Sequence[float], counts: Sequence[float], sample: int
+        self, tag: str, edges: Sequence[float], counts: Sequence[float], step: int
     ) -> None:
         """One sample's histogram with fixed ``edges`` (``bins + 1``) and ``counts``
-        (``bins`` in range, then underflow, overflow, non-finite), pre-binned."""
+        (``bins`` in range, then underflow, overflow, non-finite), pre-binned, at
+        ``step`` (as for scalars)."""
         add_raw = getattr(self.writer, "add_histogram_raw", None)
         if not callable(add_raw):
             return
@@ -301,7 +320,7 @@ class TensorBoardSink(_SinkBase):
             sum_squares=sum(c * c * n for c, n in zip(centres, inside, strict=True)),
             bucket_limits=list(edges[1:]),
             bucket_counts=inside,
-            global_step=sample,
+            global_step=step,
         )
 
     def flush(self) -> None:
@@ -318,19 +337,39 @@ class MetricLoggerSink(_SinkBase):
 
     Accepts an object with ``log_metrics(metrics: dict[str, float], step: int)`` (the
     Lightning logger interface) or a plain callable called as ``fn(metrics, step=step)``
-    (``wandb.log``, ``mlflow.log_metrics``). One call per sample, with every selected
-    series of that sample. The logger is never closed by us.
+    (``wandb.log``, ``mlflow.log_metrics``). One call per step, with every selected
+    series of the samples at that step (where several samples share a caller step, the
+    last one's value per tag). The step is that of :class:`ScalarSink`: the caller's step
+    when given (``ObserverHandle.set_step``), else the sample's training-forward index
+    (0-based), so a loop that logs its loss at ``step=i`` for its ``i``-th training
+    forward gets the telemetry at the same ``i``. The logger is never closed by us.
+
+    ``wandb.log`` drops a step below the latest one it was given, so by default
+    (``prompt=True``) each sample is handed over by the start of the next training
+    forward: after the caller logged that step, before it logs a later one. That costs
+    one flush per sample (on CUDA, one wait for the sample's statistics); with the
+    default sampling schedule, a few in the first thousand forwards and then one in 256.
 
     Args:
         logger: the logger or callable.
         metrics: which metrics to forward. Default ``("rms",)``.
+        prompt: deliver each sample by the next training forward. Default True; False
+            batches them every 128 training forwards (fine for loggers that take any
+            step order: TensorBoard, MLflow, CSV).
 
     Raises:
-        ConfigError: ``logger`` is neither, or ``metrics`` names an unknown metric.
+        ConfigError: ``logger`` is neither, ``metrics`` names an unknown metric, or
+            ``prompt`` is not a bool.
     """
 
-    def __init__(self, logger: Any, *, metrics: Iterable[str] = ("rms",)) -> None:
+    def __init__(
+        self, logger: Any, *, metrics: Iterable[str] = ("rms",), prompt: bool = True
+    ) -> None:
         from .errors import ConfigError
+
+        if not isinstance(prompt, bool):
+            raise ConfigError(f"MetricLoggerSink: prompt must be a bool, got {prompt!r}")
+        self.prompt = prompt
 
         log_metrics = getattr(logger, "log_metrics", None)
         if callable(log_metrics):
@@ -351,11 +390,11 @@ class MetricLoggerSink(_SinkBase):
         """Reports are not forwarded; the logger gets the per-sample scalars."""
 
     def write_scalars(self, scalars: Sequence[tuple[str, float, int]]) -> None:
-        by_sample: dict[int, dict[str, float]] = {}
-        for tag, value, sample in scalars:
-            by_sample.setdefault(sample, {})[tag] = value
-        for sample in sorted(by_sample):
-            self._log(by_sample[sample], sample)
+        by_step: dict[int, dict[str, float]] = {}
+        for tag, value, step in scalars:
+            by_step.setdefault(step, {})[tag] = value
+        for step in sorted(by_step):
+            self._log(by_step[step], step)
 
     def __repr__(self) -> str:
         return f"MetricLoggerSink({type(self.logger).__name__}, metrics={self.metrics!r})"

@@ -1,0 +1,145 @@
+"""A PyTorch Lightning ``Callback`` that observes the ``LightningModule`` during ``fit``.
+
+Needs ``lightning`` (``pip install "torchinstruments[lightning]"``)::
+
+    from torchinstruments.integrations.lightning import TorchInstrumentsCallback
+
+    trainer = Trainer(callbacks=[TorchInstrumentsCallback("stats")])
+    trainer.fit(model)  # stats/report.json is written before fit returns
+
+See ``docs/lightning.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError as error:  # pragma: no cover - depends on what is installed
+    raise ImportError(
+        "torchinstruments.integrations.lightning needs PyTorch Lightning (the lightning "
+        'package): pip install "torchinstruments[lightning]"'
+    ) from error
+
+from ..api import ObserverHandle, inject_observer
+from ..config import ReportConfig
+from ..errors import ConfigError
+from ..sampling import SamplingPolicy
+from ..sinks import MetricLoggerSink, Sink, TensorBoardSink
+
+__all__ = ["TorchInstrumentsCallback"]
+
+
+class TorchInstrumentsCallback(Callback):
+    """Observes the ``LightningModule`` from ``on_fit_start`` to ``on_fit_end``.
+
+    - ``on_fit_start``: the strategy has moved the model to its device and the loggers
+      exist; :func:`~torchinstruments.inject_observer` attaches to the ``LightningModule``
+      (the root), with a dashboard sink per trainer logger (``log_to_loggers``).
+    - ``on_train_batch_start``: ``trainer.global_step`` (optimizer steps taken so far)
+      becomes the sinks' step (:meth:`~torchinstruments.ObserverHandle.set_step`), the
+      step at which Lightning logs that batch's ``self.log(..., on_step=True)`` values.
+    - ``on_fit_end`` and ``on_exception``: the observer is removed, which writes the
+      final report and flushes the last telemetry into loggers that are still open.
+
+    Training forwards are those that ``training_step`` makes through ``self(x)`` (or any
+    call of an observed module); validation forwards, in ``eval()`` mode under
+    ``no_grad``, are not mixed into the training series.
+
+    Args:
+        output_dir: where ``report.json``, ``index.md`` and ``series.json`` go. Default
+            ``"stats"``.
+        sampling: as for :func:`~torchinstruments.inject_observer` (``None``: the default
+            schedule; ``1``: every training forward).
+        report_config: report limits; default ``ReportConfig()``.
+        include: module name pattern(s) to observe; default every leaf and the root.
+        exclude: module name pattern(s) not to observe.
+        metrics: metrics forwarded to the loggers. Default ``("rms",)``.
+        log_to_loggers: forward per-sample scalars to every logger of the trainer: a
+            ``TensorBoardSink`` for a logger whose ``experiment`` is a ``SummaryWriter``
+            (``TensorBoardLogger``), a ``MetricLoggerSink`` through ``log_metrics`` for
+            the others (CSV, Weights & Biases, MLflow). Default True.
+        sinks: further sinks, as for :func:`~torchinstruments.inject_observer`.
+
+    Attributes:
+        handle: the :class:`~torchinstruments.ObserverHandle` while ``fit`` runs, else None.
+
+    Raises:
+        ConfigError: ``log_to_loggers`` is not a bool; the other arguments are validated
+            by :func:`~torchinstruments.inject_observer` in ``on_fit_start``.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path = "stats",
+        *,
+        sampling: int | SamplingPolicy | None = None,
+        report_config: ReportConfig | None = None,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        metrics: Sequence[str] = ("rms",),
+        log_to_loggers: bool = True,
+        sinks: Iterable[Sink] = (),
+    ) -> None:
+        if not isinstance(log_to_loggers, bool):
+            raise ConfigError(
+                f"TorchInstrumentsCallback: log_to_loggers must be a bool, got {log_to_loggers!r}"
+            )
+        self.output_dir = Path(output_dir)
+        self.sampling = sampling
+        self.report_config = report_config
+        self.include = include
+        self.exclude = exclude
+        self.metrics = tuple(metrics)
+        self.log_to_loggers = log_to_loggers
+        self.sinks = list(sinks)
+        self.handle: ObserverHandle | None = None
+
+    def _logger_sinks(self, trainer: Trainer) -> list[Sink]:
+        sinks: list[Sink] = []
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if callable(getattr(experiment, "add_scalar", None)):
+                sinks.append(TensorBoardSink(experiment, metrics=self.metrics))
+            elif callable(getattr(logger, "log_metrics", None)):
+                # Lightning loggers take any step order (WandbLogger logs the step as
+                # trainer/global_step): batched delivery is enough.
+                sinks.append(MetricLoggerSink(logger, metrics=self.metrics, prompt=False))
+        return sinks
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        sinks = [*self.sinks, *(self._logger_sinks(trainer) if self.log_to_loggers else [])]
+        self.handle = inject_observer(
+            pl_module,
+            output_dir=self.output_dir,
+            sampling=self.sampling,
+            report_config=self.report_config,
+            include=self.include,
+            exclude=self.exclude,
+            sinks=sinks,
+        )
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.handle is not None:
+            self.handle.set_step(trainer.global_step)
+
+    def _remove(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._remove()  # a failed run still leaves its report
+
+    def __repr__(self) -> str:
+        return f"TorchInstrumentsCallback(output_dir={str(self.output_dir)!r})"

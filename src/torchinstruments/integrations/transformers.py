@@ -1,0 +1,130 @@
+"""A Hugging Face ``TrainerCallback`` that observes the model while ``Trainer`` trains it.
+
+Needs ``transformers`` (``pip install "torchinstruments[transformers]"``)::
+
+    from torchinstruments.integrations.transformers import TorchInstrumentsCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[TorchInstrumentsCallback("stats")])
+    trainer.train()  # stats/report.json is written before train returns
+
+See ``docs/transformers.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as error:  # pragma: no cover - depends on what is installed
+    raise ImportError(
+        "torchinstruments.integrations.transformers needs transformers: "
+        'pip install "torchinstruments[transformers]"'
+    ) from error
+
+from torch import nn
+
+from ..api import ObserverHandle, inject_observer
+from ..config import ReportConfig
+from ..errors import ConfigError
+from ..sampling import SamplingPolicy
+from ..sinks import Sink
+
+__all__ = ["TorchInstrumentsCallback"]
+
+
+class TorchInstrumentsCallback(TrainerCallback):
+    """Observes the model from ``on_train_begin`` to ``on_train_end``.
+
+    - ``on_train_begin``: :func:`~torchinstruments.inject_observer` attaches to the model
+      the ``Trainer`` passes (a ``DistributedDataParallel`` wrapper is seen through, so
+      names carry no ``module.`` prefix).
+    - ``on_step_begin``: ``TrainerState.global_step + 1`` becomes the sinks' step
+      (:meth:`~torchinstruments.ObserverHandle.set_step`): the value ``global_step``
+      has when ``Trainer`` logs that optimizer step's loss, so the telemetry of every
+      forward of a step (gradient accumulation included) sits at the step of its loss.
+    - ``on_train_end``: the observer is removed, which writes the final report.
+
+    Gradient checkpointing is fine: recomputed forwards inside the backward are not new
+    samples. Evaluation forwards (``eval()`` mode, ``no_grad``) are not mixed into the
+    training series.
+
+    Args:
+        output_dir: where ``report.json``, ``index.md`` and ``series.json`` go. Default
+            ``"stats"``.
+        sampling: as for :func:`~torchinstruments.inject_observer` (``None``: the default
+            schedule; ``1``: every training forward).
+        report_config: report limits; default ``ReportConfig()``.
+        include: module name pattern(s) to observe; default every leaf and the root.
+        exclude: module name pattern(s) not to observe.
+        sinks: dashboard or other sinks, as for :func:`~torchinstruments.inject_observer`
+            (``MetricLoggerSink(wandb.log)``, ``TensorBoardSink(writer)``).
+
+    Attributes:
+        handle: the :class:`~torchinstruments.ObserverHandle` while training runs, else
+            None.
+
+    Raises:
+        ConfigError: from ``on_train_begin``, when ``Trainer`` passes no model; the other
+            arguments are validated by :func:`~torchinstruments.inject_observer` there.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path = "stats",
+        *,
+        sampling: int | SamplingPolicy | None = None,
+        report_config: ReportConfig | None = None,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        sinks: Iterable[Sink] = (),
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.sampling = sampling
+        self.report_config = report_config
+        self.include = include
+        self.exclude = exclude
+        self.sinks = list(sinks)
+        self.handle: ObserverHandle | None = None
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                "TorchInstrumentsCallback.on_train_begin: expected the Trainer's model "
+                f"(an nn.Module), got {type(model).__name__}"
+            )
+        self.handle = inject_observer(
+            model,
+            output_dir=self.output_dir,
+            sampling=self.sampling,
+            report_config=self.report_config,
+            include=self.include,
+            exclude=self.exclude,
+            sinks=self.sinks,
+        )
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.handle is not None:
+            self.handle.set_step(state.global_step + 1)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+
+    def __repr__(self) -> str:
+        return f"TorchInstrumentsCallback(output_dir={str(self.output_dir)!r})"

@@ -1,0 +1,100 @@
+"""``import torchinstruments`` stays cheap: it loads neither the compiler stack
+(``torch._dynamo``, ``torch._inductor``) nor an optional dependency, and our hooks are
+still hidden from ``torch.compile`` when Dynamo is imported after injection.
+
+Each check runs in a fresh interpreter, since this test process has long loaded Dynamo.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+OPTIONAL = ("matplotlib", "tensorboard", "lightning", "transformers", "accelerate", "wandb")
+
+
+def run_python(code: str) -> str:
+    completed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return completed.stdout
+
+
+def test_import_and_eager_training_load_no_compiler_and_no_optional_package() -> None:
+    result = json.loads(
+        run_python(
+            """
+            import json, sys, tempfile
+            import torch
+            from torch import nn
+            before = set(sys.modules)
+            import torchinstruments
+            from torchinstruments import inject_observer, remove_observer, TensorBoardSink
+            imported = sorted(set(sys.modules) - before)
+
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            inject_observer(model, output_dir=tempfile.mkdtemp(), sampling=1)
+            for _ in range(3):
+                model(torch.randn(2, 4)).sum().backward()
+            remove_observer(model)
+            compiler = [m for m in sys.modules if m.startswith(("torch._dynamo", "torch._ind"))]
+            print(json.dumps({"imported": imported, "compiler": sorted(compiler)}))
+            """
+        )
+    )
+    foreign = [
+        name
+        for name in result["imported"]
+        if name.split(".")[0] not in sys.stdlib_module_names
+        and name.split(".")[0] != "torchinstruments"
+    ]
+    assert foreign == []
+    assert not [name for name in result["imported"] if name.split(".")[0] in OPTIONAL]
+    assert result["compiler"] == []  # not at import, not while training eagerly
+
+
+def test_hooks_are_graph_breaks_when_dynamo_is_imported_after_injection() -> None:
+    """Injected before Dynamo is loaded, then compiled: the hooks run eagerly (Dynamo
+    skips them as ``torch.compiler.disable``d functions) and observe every forward."""
+    out = run_python(
+        """
+        import json, sys, tempfile
+        import torch
+        from torch import nn
+        from torchinstruments import inject_observer, remove_observer
+        from torchinstruments.capture import ForwardHook, GradHook, NodeGradHook
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        folder = tempfile.mkdtemp()
+        inject_observer(model, output_dir=folder, sampling=1)
+        assert "torch._dynamo" not in sys.modules
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(5):
+            compiled(torch.randn(3, 4)).sum().backward()
+        remove_observer(model)
+        from torch._dynamo.utils import counters
+        report = json.load(open(f"{folder}/report.json"))
+        print(json.dumps({
+            "disabled": [
+                bool(getattr(hook.__call__, "_torchdynamo_disable", False))
+                for hook in (ForwardHook, GradHook, NodeGradHook)
+            ],
+            "breaks": sum(counters["graph_break"].values()),
+            "errors": report["coverage"]["errors_total"],
+            "samples": report["run"]["samples_seen"],
+        }))
+        """
+    )
+    result = json.loads(out.splitlines()[-1])
+    assert result["disabled"] == [True, True, True]
+    assert result["breaks"] >= 2  # at least the root's enter and leave
+    assert result["errors"] == 0
+    assert result["samples"] == 5

@@ -1,0 +1,254 @@
+"""The shipped callbacks run inside the real trainers, on tiny models with random
+initial weights and local data: the report covers the model, and the dashboard scalars
+sit at the trainer's own logging steps. ``accelerate`` is tested in both orders
+(prepare then inject, inject then prepare), with and without bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import MetricLoggerSink, inject_observer, remove_observer
+from torchinstruments.sinks import scalar_tag
+
+from .conftest import read_report
+
+
+class Recorder:
+    """A logger keeping every ``(step, tag)`` the sink handed over."""
+
+    def __init__(self) -> None:
+        self.points: dict[tuple[int, str], float] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for tag, value in metrics.items():
+            self.points[(step, tag)] = value
+
+    def steps(self) -> list[int]:
+        return sorted({step for step, _ in self.points})
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+def test_lightning_callback_observes_fit_and_logs_at_the_trainers_steps(tmp_path: Path) -> None:
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("tensorboard")
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torchinstruments.integrations.lightning import TorchInstrumentsCallback
+
+    class Regressor(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
+    recorder = Recorder()
+    callback = TorchInstrumentsCallback(tmp_path / "stats", sampling=1, sinks=[])
+    logger = TensorBoardLogger(save_dir=str(tmp_path / "logs"), name="run")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=12,
+        accumulate_grad_batches=2,  # 24 forwards, 12 optimizer steps
+        log_every_n_steps=1,
+        logger=[logger, _RecordingLightningLogger(recorder)],
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(Regressor(), DataLoader(data, batch_size=4))
+    assert callback.handle is None
+
+    report = read_report(tmp_path / "stats")
+    assert report["errors"] == []
+    assert report["run"]["samples_seen"] == 24
+    assert report["coverage"]["backward_samples_observed"] == 24
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    loss_steps = sorted({event.step for event in events.Scalars("train_loss")})
+    tag = scalar_tag("body.0", 0, "activation", "output", "rms")
+    telemetry_steps = [event.step for event in events.Scalars(tag)]
+    # Two forwards per optimizer step, both at the step Lightning logs their loss at.
+    assert loss_steps == list(range(12))
+    assert telemetry_steps == sorted([*range(12), *range(12)])
+    assert recorder.steps() == list(range(12))
+
+
+class _RecordingLightningLogger:
+    """Built on first use: a Lightning ``Logger`` writing into a :class:`Recorder`."""
+
+    def __new__(cls, recorder: Recorder) -> Any:
+        from lightning.pytorch.loggers import Logger
+
+        class RecordingLogger(Logger):
+            @property
+            def name(self) -> str:
+                return "recording"
+
+            @property
+            def version(self) -> int:
+                return 0
+
+            def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+                pass
+
+            def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+                if step is not None:
+                    recorder.log_metrics(
+                        {k: v for k, v in metrics.items() if k.startswith("torchinstruments/")},
+                        step,
+                    )
+
+        return RecordingLogger()
+
+
+def test_lightning_example_uses_the_shipped_callback() -> None:
+    source = (Path(__file__).resolve().parents[1] / "examples" / "lightning_mnist.py").read_text()
+    assert "from torchinstruments.integrations.lightning import TorchInstrumentsCallback" in source
+    assert "class TorchInstrumentsCallback" not in source
+
+
+# ------------------------------------------------------------------------ Transformers
+
+
+def tiny_gpt2() -> nn.Module:
+    """A two-block GPT-2 from a config: random initial weights, nothing downloaded."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def token_rows(count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        ids = torch.randint(0, 64, (16,), generator=generator)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_transformers_callback_observes_training(
+    tmp_path: Path, gradient_checkpointing: bool
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from torchinstruments.integrations.transformers import TorchInstrumentsCallback
+
+    model = tiny_gpt2()
+    recorder = Recorder()
+    callback = TorchInstrumentsCallback(
+        tmp_path / "stats", sampling=1, sinks=[MetricLoggerSink(recorder, prompt=False)]
+    )
+    import dataclasses
+
+    # The field's name since transformers 5 (the old one still works, with a warning).
+    fields = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,  # 8 forwards
+        **{name: gradient_checkpointing},
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=token_rows(32), callbacks=[callback]
+    )
+    trainer.train()
+    assert callback.handle is None
+
+    report = read_report(tmp_path / "stats")
+    assert report["errors"] == []
+    assert report["run"]["samples_seen"] == 8  # recomputed forwards are no samples
+    assert report["coverage"]["backward_samples_observed"] == 8
+    modules = {f["module"] for f in report["findings"]}
+    assert all(not module.startswith("module.") for module in modules)
+    assert modules & {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_proj", "lm_head"}
+    # The telemetry sits at the steps Trainer logs its loss at: 1, 2, 3, 4.
+    loss_steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
+    assert loss_steps == list(range(1, 5))
+    assert recorder.steps() == loss_steps
+    tag = scalar_tag("lm_head", 0, "activation", "output", "rms")
+    assert all((step, tag) in recorder.points for step in loss_steps)
+
+
+# -------------------------------------------------------------------------- accelerate
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+@pytest.mark.parametrize("order", ["prepare_then_inject", "inject_then_prepare"])
+def test_accelerate_in_both_orders(tmp_path: Path, order: str, mixed_precision: str) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if order == "inject_then_prepare":
+        inject_observer(model, output_dir=tmp_path, sampling=1)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    if order == "prepare_then_inject":
+        inject_observer(prepared, output_dir=tmp_path, sampling=1)
+    losses = []
+    for row in token_rows(5):
+        batch = {key: value.unsqueeze(0).repeat(2, 1) for key, value in row.items()}
+        optimizer.zero_grad()
+        loss = prepared(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    remove_observer(prepared if order == "prepare_then_inject" else model)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert report["errors"] == []
+    assert report["run"]["samples_seen"] == 5
+    assert report["coverage"]["backward_samples_observed"] == 5
+    modules = {f["module"] for f in report["findings"]}
+    assert modules and all(not name.startswith(("module.", "_orig_mod.")) for name in modules)
+    assert all(torch.isfinite(torch.tensor(losses)))
