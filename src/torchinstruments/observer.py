@@ -13,6 +13,7 @@ needs them; see :meth:`Observer._park_hooks`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import math
 import sys
@@ -981,7 +982,10 @@ class Observer:
     def _note_cost(self, seconds: float) -> None:
         self.telemetry_seconds += seconds
         if self._cost_listener is not None:
-            self._cost_listener(seconds)
+            try:  # a user policy's method: whatever it raises stays here
+                self._cost_listener(seconds)
+            except Exception as error:
+                self.record_error("policy.note_cost", "", error)
 
     def _on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
         if not self.attached:
@@ -1646,6 +1650,8 @@ class Observer:
         started = time.perf_counter()
         try:
             self._write_report(block)
+        except Exception as error:  # never into training, whatever the warning filters
+            self.record_error("report", "", error)
         finally:
             self._note_cost(time.perf_counter() - started)
 
@@ -1682,11 +1688,9 @@ class Observer:
                 self.record_error("write", "", error)
                 if not self._warned_write:
                     self._warned_write = True
-                    warnings.warn(
+                    _warn(
                         f"torchinstruments could not write its report ({error}); training "
-                        "continues, the error is counted and the next write is retried",
-                        RuntimeWarning,
-                        stacklevel=2,
+                        "continues, the error is counted and the next write is retried"
                     )
         for sink in self.sinks:
             try:
@@ -1715,6 +1719,15 @@ class Observer:
                     target.write_details(details)
                 except Exception as error:
                     self.record_error("details", type(target).__name__, error)
+
+
+def _warn(message: str) -> None:
+    """Issue a ``RuntimeWarning`` that never raises: under ``-W error`` (or a
+    ``filterwarnings = error`` test setting) a warning becomes an exception, which must
+    not reach the training loop; it is then dropped (the error it reports is counted in
+    the report anyway)."""
+    with contextlib.suppress(Exception):
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 class _AtExit:
