@@ -5,8 +5,15 @@ Each test here failed on the code before the mechanism it checks was fixed.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from torchinstruments import ReportConfig, inject_observer, remove_observer
 from torchinstruments.sampling import EveryNSampling
@@ -18,14 +25,14 @@ def test_unwritable_output_dir_never_raises_under_warnings_as_errors(tmp_path: P
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     model = ResidualNet()
-    handle = inject_observer(
-        model,
-        output_dir=blocker / "stats",  # its parent is a file: every write fails
-        sampling=1,
-        report_config=ReportConfig(rewrite_interval_s=1e-9),  # a rewrite in every forward
-    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        handle = inject_observer(
+            model,
+            output_dir=blocker / "stats",  # its parent is a file: every write fails
+            sampling=1,
+            report_config=ReportConfig(rewrite_interval_s=1e-9),  # a rewrite every forward
+        )
         train(model, make_batches(4))
         remove_observer(model)
     report = handle.report()
@@ -52,3 +59,78 @@ def test_a_raising_policy_method_is_counted_not_raised(tmp_path: Path) -> None:
         ("policy.note_cost", "RuntimeError", "listener broke")
     ]
     assert errors[0]["count"] > 3
+
+
+_TRAIN_UNTIL_STOPPED = """
+import signal, sys, time
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchinstruments import inject_observer
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+if mode == "user-handler":
+    def on_term(signum, frame):
+        (out / "user-handler-ran").write_text("yes")
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, on_term)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+inject_observer(model, output_dir=out / "stats", sampling=1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+step = 0
+while True:
+    optimizer.zero_grad()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    step += 1
+    if step == 40:
+        (out / "ready").write_text("40")
+    time.sleep(0.001 if step > 40 else 0)
+"""
+
+
+def _start_training(tmp_path: Path, mode: str) -> Any:
+
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN_UNTIL_STOPPED)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert process.poll() is None, "the training script ended early"
+        assert time.monotonic() < deadline, "the training script never got ready"
+        time.sleep(0.05)
+    return process
+
+
+@pytest.mark.parametrize("mode", ["default", "user-handler"])
+def test_sigterm_writes_the_report_then_takes_its_course(tmp_path: Path, mode: str) -> None:
+
+    process = _start_training(tmp_path, mode)
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=60)
+    report = read_report(tmp_path / "stats")
+    # Written at the signal, not only at warm-up (sample 24): 40 forwards had run.
+    assert report["coverage"]["samples_observed"] >= 40
+    assert (tmp_path / "stats" / "index.md").exists()
+    if mode == "default":
+        assert code == -signal.SIGTERM  # the signal's own ending
+    else:
+        assert code == 7  # the user's handler ran after ours
+        assert (tmp_path / "user-handler-ran").read_text() == "yes"
+
+
+def test_a_run_killed_before_its_first_rewrite_leaves_a_report(tmp_path: Path) -> None:
+
+    process = _start_training(tmp_path, "default")
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    report = read_report(tmp_path / "stats")  # rewrite_interval_s is 60 s
+    assert report["coverage"]["samples_observed"] >= 23  # written at the end of warm-up

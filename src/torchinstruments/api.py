@@ -210,10 +210,11 @@ def inject_observer(
     """Attach a passive observer to ``model`` in place; train as usual.
 
     Hooks record activations (module outputs) and output gradients of the selected
-    modules on sampled training forwards; the report is rewritten every
-    ``report_config.rewrite_interval_s`` seconds, at :func:`remove_observer` and at
-    interpreter exit. Outputs, gradients, parameters and ``state_dict()`` are unchanged;
-    no parameter, buffer or submodule is added.
+    modules on sampled training forwards; the report is written at once, at the end of
+    warm-up, every ``report_config.rewrite_interval_s`` seconds, on ``SIGTERM`` (then
+    the handler installed before runs, or the signal takes its default course), at
+    :func:`remove_observer` and at interpreter exit. Outputs, gradients, parameters
+    and ``state_dict()`` are unchanged; no parameter, buffer or submodule is added.
 
     Args:
         model: the root module (a DDP or DataParallel wrapper is unwrapped; names are
@@ -390,6 +391,9 @@ def inject_observer(
         )
         handle = ObserverHandle(model, observer, directory)
         observer.attach()
+        # A first report at once: a run stopped before its first rewrite (at the end
+        # of warm-up, then every rewrite_interval_s) still leaves one.
+        observer.write_report(files_only=True)
         _forget_compiled_code()
         _REGISTRY[model] = handle
         if root is not model:

@@ -27,7 +27,9 @@ class ReportConfig:
         max_error_entries: most distinct hook errors listed under ``errors`` (all are
             counted). Default 20.
         rewrite_interval_s: seconds between report rewrites during training; the report is
-            also written at ``remove_observer`` and at interpreter exit. Default 60.
+            also written at injection, at the end of warm-up
+            (``TrackConfig.warmup_samples`` samples), on ``SIGTERM``, at
+            ``remove_observer`` and at interpreter exit. Default 60.
         max_echo_modules: most echoing modules listed in one finding's evidence. Default 8.
         series_summary_max_bytes: bound, in bytes, on ``series.json``, the per-series
             summary that run comparisons read; series past it are counted under

@@ -16,6 +16,8 @@ import atexit
 import contextlib
 import inspect
 import math
+import os
+import signal
 import sys
 import threading
 import time
@@ -397,6 +399,8 @@ class Observer:
         self._last_write = time.monotonic()
         self._rewrite_interval_s = report_config.rewrite_interval_s
         self._warned_write = False
+        #: True while a report is being built and written (see _TerminationWriter).
+        self.writing = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = _AtExit(self)
@@ -440,6 +444,7 @@ class Observer:
         self.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
+        _on_termination.add(self)
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
@@ -470,6 +475,7 @@ class Observer:
         self._state_stack.clear()
         self._no_grad_calls.clear()
         atexit.unregister(self._atexit)
+        _on_termination.discard(self)
 
     # ------------------------------------------------------------------ context
     def enter_root(self, module: nn.Module) -> None:
@@ -960,6 +966,10 @@ class Observer:
         if sampled:
             self._sample = self.samples_observed
             self.samples_observed += 1
+            if self.samples_observed == self.track_config.warmup_samples:
+                # The first rewrite falls due at the end of warm-up (at the next
+                # _maybe_flush), not only rewrite_interval_s after injection.
+                self._last_write = -math.inf
             self.sample_forwards.append(index)
             awaiting = self._awaiting_backward
             awaiting[self._sample] = None
@@ -1645,28 +1655,51 @@ class Observer:
         self.flush_statistics(block=block)
         return build_report(self)
 
-    def write_report(self, *, block: bool = True) -> None:
-        """Build the report and hand it to the writer and sinks; never raises."""
+    def write_report(
+        self, *, block: bool = True, flush: bool = True, files_only: bool = False
+    ) -> None:
+        """Build the report and hand it to the writer and sinks; never raises.
+
+        ``flush=False`` writes what is on the host already (pending statistics stay
+        pending): used from a signal handler that may have interrupted a flush.
+        ``files_only=True`` writes the files of ``output_dir`` and nothing to the sinks
+        (the first report, written at injection).
+        """
         started = time.perf_counter()
+        self.writing = True
         try:
-            self._write_report(block)
+            self._write_report(block, flush, files_only)
         except Exception as error:  # never into training, whatever the warning filters
             self.record_error("report", "", error)
         finally:
+            self.writing = False
             self._note_cost(time.perf_counter() - started)
+        _on_termination.deliver_deferred()
 
-    def _write_report(self, block: bool) -> None:
+    def write_on_signal(self) -> None:
+        """Write the report from a signal handler, which runs on the main thread between
+        two bytecodes, possibly inside one of our hooks: pending statistics are flushed
+        only if the staging lock can be taken (the interrupted code may hold it)."""
+        if self._slab_lock.acquire(timeout=0.5):
+            self._slab_lock.release()
+            self.write_report()
+        else:
+            self.write_report(flush=False)
+
+    def _write_report(self, block: bool, flush: bool = True, files_only: bool = False) -> None:
         from .report import build_report, build_series_summary
 
         self._last_write = time.monotonic()
+        sinks = () if files_only else self.sinks
         summarising = [
             target
-            for target in (self.writer, *self.sinks)
+            for target in (self.writer, *sinks)
             if target is not None and getattr(target, "write_series_summary", False)
         ]
         summary = None
         try:
-            self.flush_statistics(block=block)
+            if flush:
+                self.flush_statistics(block=block)
             if summarising:
                 # Before the report, whose coverage counts the rows it omits.
                 summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
@@ -1692,7 +1725,7 @@ class Observer:
                         f"torchinstruments could not write its report ({error}); training "
                         "continues, the error is counted and the next write is retried"
                     )
-        for sink in self.sinks:
+        for sink in sinks:
             try:
                 sink.write(report)
             except Exception as error:
@@ -1707,7 +1740,7 @@ class Observer:
                     self.record_error("series_summary", type(target).__name__, error)
         wanting = [
             target
-            for target in (writer, *self.sinks)
+            for target in (writer, *sinks)
             if target is not None and getattr(target, "write_full_details", False)
         ]
         if wanting:
@@ -1728,6 +1761,85 @@ def _warn(message: str) -> None:
     the report anyway)."""
     with contextlib.suppress(Exception):
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class _TerminationWriter:
+    """Writes the report of every live observer when the process gets ``SIGTERM``.
+
+    torchrun, SLURM, Kubernetes and ``timeout`` stop a job with SIGTERM, whose default
+    action ends the process without running ``atexit`` handlers. The handler is
+    installed (from the main thread only, where Python allows it) when the first
+    observer attaches and put back when the last one detaches, if it is still ours.
+    On the signal it writes each live observer's report, then chains to the handler
+    that was installed before (a callable is called; ``SIG_IGN`` ignores the signal;
+    the default action is restored and the signal raised again, so the process ends
+    as it would have, with the same exit status). A signal that arrives while a report
+    is being written is handled once that write is over.
+    """
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Observer] = weakref.WeakSet()
+        self._previous: Any = None
+        self._installed = False
+        self._deferred: int | None = None
+
+    def add(self, observer: Observer) -> None:
+        self._live.add(observer)
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+        except (ValueError, OSError, AttributeError):  # no SIGTERM, or not allowed here
+            return
+        self._installed = True
+
+    def discard(self, observer: Observer) -> None:
+        self._live.discard(observer)
+        if self._live or not self._installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._handle:
+                previous = self._previous
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        except (ValueError, OSError, TypeError):
+            return
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        live = list(self._live)
+        if any(getattr(observer, "writing", False) for observer in live):
+            self._deferred = signum  # handled by deliver_deferred once the write is over
+            return
+        for observer in live:
+            if observer.attached:
+                with contextlib.suppress(Exception):
+                    observer.write_on_signal()
+        self._chain(signum, frame)
+
+    def deliver_deferred(self) -> None:
+        """Handle a SIGTERM that arrived during a report write (called after each)."""
+        signum = self._deferred
+        if signum is None:
+            return
+        self._deferred = None
+        self._handle(signum, None)
+
+    def _chain(self, signum: int, frame: Any) -> None:
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        # The default action (or a handler not set from Python): end as it would have.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+_on_termination = _TerminationWriter()
 
 
 class _AtExit:
