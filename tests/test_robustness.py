@@ -5,6 +5,7 @@ Each test here failed on the code before the mechanism it checks was fixed.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from torchinstruments import ReportConfig, inject_observer, remove_observer
 from torchinstruments.sampling import EveryNSampling
@@ -63,6 +66,7 @@ def test_a_raising_policy_method_is_counted_not_raised(tmp_path: Path) -> None:
 
 _TRAIN_UNTIL_STOPPED = """
 import signal, sys, time
+import json
 import signal
 import subprocess
 import sys
@@ -71,6 +75,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 import torch
 from torch import nn
 from torchinstruments import inject_observer
@@ -134,3 +140,59 @@ def test_a_run_killed_before_its_first_rewrite_leaves_a_report(tmp_path: Path) -
     process.wait(timeout=60)
     report = read_report(tmp_path / "stats")  # rewrite_interval_s is 60 s
     assert report["coverage"]["samples_observed"] >= 23  # written at the end of warm-up
+
+
+class _LongNamed(nn.Module):
+    """A residual block whose inner layer has a long (valid) attribute name."""
+
+    LONG = "projection_" + "x" * 240
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.add_module(self.LONG, nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(h + torch.relu(getattr(self, self.LONG)(h)))
+
+
+def test_a_long_module_name_costs_no_file_with_plots(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _LongNamed()
+    inner = getattr(model, _LongNamed.LONG)
+
+    def scale_up(step: int) -> None:
+        if step == 40:
+            with torch.no_grad():
+                inner.weight.mul_(8.0)
+
+    inject_observer(model, output_dir=tmp_path, sampling=1, plots=True)
+    train(model, make_batches(80), lr=0.01, on_step=scale_up)
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["errors"] == []
+    assert _LongNamed.LONG in {f["module"] for f in report["findings"] if f["notable"]}
+    pictures = [p.name for p in (tmp_path / "plots").glob("*.png")]
+    assert pictures and max(len(name.encode()) for name in pictures) <= 140
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert all(f"(plots/{name})" in index for name in pictures)
+    assert json.loads((tmp_path / "series.json").read_text())["series"]
+
+
+def test_each_file_is_written_even_when_another_fails(tmp_path: Path) -> None:
+    from torchinstruments import DirectorySink
+
+    model = ResidualNet()
+    handle = inject_observer(model, output_dir=tmp_path / "unused", sampling=1)
+    train(model, make_batches(3))
+    report = handle.report()
+    remove_observer(model)
+    assert report is not None
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "report.json").mkdir()  # report.json cannot replace a directory
+    with pytest.raises(IsADirectoryError):
+        DirectorySink(target).write(report)
+    assert "# torchinstruments report" in (target / "index.md").read_text(encoding="utf-8")

@@ -1716,8 +1716,7 @@ class Observer:
             try:
                 writer.write(report)
                 self.reports_written += 1
-            except Exception as error:
-                writer = None  # no further files into a directory that refused the report
+            except Exception as error:  # each file is written on its own: go on
                 self.record_error("write", "", error)
                 if not self._warned_write:
                     self._warned_write = True
@@ -1732,8 +1731,6 @@ class Observer:
                 self.record_error("sink", type(sink).__name__, error)
         if summary is not None:
             for target in summarising:
-                if target is self.writer and writer is None:
-                    continue  # no further files into a directory that refused the report
                 try:
                     target.write_summary(summary)
                 except Exception as error:

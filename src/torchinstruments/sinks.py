@@ -136,6 +136,42 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def atomic_write_together(files: Sequence[tuple[Path, bytes]]) -> list[OSError]:
+    """Write several files atomically, staging all before replacing any.
+
+    Each file's temporary copy is written in full first; then the files are replaced
+    in order, one right after the other. A file whose copy cannot be written (or
+    replaced) keeps its previous content, and the others are written all the same.
+
+    Returns:
+        The errors met, one per file that was not written.
+    """
+    errors: list[OSError] = []
+    staged: list[tuple[str, Path]] = []
+    for path, data in files:
+        temporary = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(data)
+            os.chmod(temporary, 0o644)  # mkstemp creates 0600; reports are for reading
+            staged.append((temporary, path))
+        except OSError as error:
+            errors.append(error)
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+    for temporary, path in staged:
+        try:
+            os.replace(temporary, path)
+        except OSError as error:
+            errors.append(error)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return errors
+
+
 class DirectorySink(_SinkBase):
     """Writes ``report.json`` and ``index.md`` into a directory, atomically.
 
@@ -222,14 +258,34 @@ class DirectorySink(_SinkBase):
         return self.path / "index.md"
 
     def write(self, report: dict[str, Any]) -> None:
-        atomic_write(self.report_path, dumps_report(report))
+        """Write ``report.json`` and ``index.md`` (and the pictures, with ``plots``).
+
+        Each file is written on its own: one that fails does not stop the others, and
+        the first error is raised once all were tried. Pictures are written first;
+        both texts are then staged in full and the two files replaced one right after
+        the other, so that ``index.md`` renders the same report as ``report.json``
+        except for a kill in the instant between the two replacements.
+        """
+        failures: list[Exception] = []
+        shown = report
         if self.plots:
             from .plots import write_plots
 
             # Pictures are linked from index.md only (report.json stays as bounded).
-            report = {**report, "findings": [dict(f) for f in report["findings"]]}
-            write_plots(self.path, report, atomic_write)
-        atomic_write(self.index_path, render_markdown(report).encode())
+            shown = {**report, "findings": [dict(f) for f in report["findings"]]}
+            write_plots(self.path, shown, atomic_write, failures)
+        texts: list[tuple[Path, bytes]] = []
+        for path, render in (
+            (self.report_path, lambda: dumps_report(report)),
+            (self.index_path, lambda: render_markdown(shown).encode()),
+        ):
+            try:
+                texts.append((path, render()))
+            except Exception as error:
+                failures.append(error)
+        failures.extend(atomic_write_together(texts))
+        if failures:
+            raise failures[0]
 
     def __repr__(self) -> str:
         details = ", write_full_details=True" if self.write_full_details else ""
