@@ -196,3 +196,72 @@ def test_each_file_is_written_even_when_another_fails(tmp_path: Path) -> None:
     with pytest.raises(IsADirectoryError):
         DirectorySink(target).write(report)
     assert "# torchinstruments report" in (target / "index.md").read_text(encoding="utf-8")
+
+
+class _Verbose(EveryNSampling):
+    """Every forward; its description is large and deeply nested."""
+
+    def describe(self) -> dict[str, object]:
+        nested: dict[str, object] = {"leaf": "z" * 10_000}
+        for _ in range(50):
+            nested = {"deeper": nested}
+        return {"policy": "verbose", "notes": ["y" * 5_000] * 200, "nested": nested}
+
+
+def test_every_report_section_is_bounded(tmp_path: Path) -> None:
+    from torchinstruments import histogram
+
+    torch.manual_seed(0)
+    long = "block_" + "q" * 200
+    model = nn.Sequential(
+        nn.ModuleDict({f"{long}{i}": nn.Linear(4, 4) for i in range(40)}),
+        nn.Linear(4, 1),
+    )
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            blocks = self.body[0]
+            for i in range(20):  # the other 20 never run: not observed
+                x = x + blocks[f"{long}{i}"](x)
+            return self.body[1](x)
+
+    net = Net()
+    include = ["body.*", *(f"body.0.never_{i}_" + "p" * 80 for i in range(3_000))]
+    max_bytes = 16_000
+    inject_observer(
+        net,
+        output_dir=tmp_path,
+        sampling=_Verbose(1),
+        include=include,
+        histograms=[histogram(bins=16)],
+        report_config=ReportConfig(max_bytes=max_bytes, series_summary_max_bytes=8_000),
+    )
+    for _ in range(6):
+        net(torch.randn(8, 4)).pow(2).mean().backward()
+    remove_observer(net)
+    raw = (tmp_path / "report.json").read_bytes()
+    assert len(raw) <= max_bytes
+    report = json.loads(raw)
+    assert "max_bytes" in report["coverage"]["limits_hit"]
+    assert len((tmp_path / "series.json").read_bytes()) <= 8_000
+
+
+def test_a_relative_output_dir_is_resolved_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    model = ResidualNet()
+    handle = inject_observer(model, output_dir="stats", sampling=1)
+    monkeypatch.chdir(second)
+    train(model, make_batches(3))
+    handle.flush()
+    remove_observer(model)
+    assert read_report(first / "stats")["coverage"]["samples_observed"] == 3
+    assert not (second / "stats").exists()

@@ -336,7 +336,8 @@ def inject_observer(
                     "remove_observer(model) before injecting again"
                 )
         rank_info = detect_rank()
-        directory = Path(output_dir)
+        # Resolved once: an os.chdir during training must not move later writes.
+        directory = Path(os.path.abspath(output_dir))
         if rank_policy == "all":
             directory = directory / f"rank-{rank_info.rank:03d}"
         if rank_policy == "rank0" and rank_info.rank != 0:

@@ -9,6 +9,7 @@ category. The same run gives the same report but for ``generated_at`` and ``run.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import platform
@@ -92,17 +93,49 @@ def _round(value: float) -> float | dict[str, object]:
     return float(f"{value:.6g}")
 
 
-def _clean(obj: object) -> Any:
-    """JSON-safe copy: floats rounded to 6 significant digits, no NaN or infinity."""
-    if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
+#: Longest name (module, tensor path) written to JSON, in characters; a longer one is
+#: cut and ends in 8 hex digits of its SHA-1 (see :func:`bounded_text`), the same in
+#: ``report.json`` and ``series.json``, so runs still compare by name.
+MAX_NAME_CHARS = 256
+#: Longest other string written to ``report.json`` (texts that quote names), in
+#: characters.
+MAX_TEXT_CHARS = 4_000
+#: Keys whose string values are names, bounded by ``MAX_NAME_CHARS``.
+_NAME_KEYS = frozenset({"module", "tensor_path", "modules_not_observed", "modules_never_ran"})
+
+
+def bounded_text(text: str, limit: int = MAX_NAME_CHARS) -> str:
+    """``text`` if it has at most ``limit`` characters; else its first characters, an
+    ellipsis and 8 hex digits of its SHA-1, ``limit`` characters in all (two long
+    names that share a prefix stay apart).
+
+    Example:
+        >>> bounded_text("a" * 300, 20)
+        'aaaaaaaaaa…1c2b7a5f'
+    """
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{text[: max(limit - 9, 0)]}…{digest}"
+
+
+def _clean(obj: object, limit: int = MAX_TEXT_CHARS) -> Any:
+    """JSON-safe copy: floats rounded to 6 significant digits, no NaN or infinity,
+    strings bounded (names by ``MAX_NAME_CHARS``, other texts by ``MAX_TEXT_CHARS``)."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, int):
         return obj
+    if isinstance(obj, str):
+        return obj if len(obj) <= limit else bounded_text(obj, limit)
     if isinstance(obj, float):
         return _round(obj)
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {
+            bounded_text(str(k)): _clean(v, MAX_NAME_CHARS if k in _NAME_KEYS else limit)
+            for k, v in obj.items()
+        }
     if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
-    return str(obj)
+        return [_clean(v, limit) for v in obj]
+    return bounded_text(str(obj), limit)
 
 
 def _point(point: SeriesPoint | None) -> dict[str, float | int]:
@@ -508,7 +541,44 @@ def build_report(observer: Observer) -> dict[str, Any]:
             }
         )
 
-    return longest_fitting_prefix(assemble, len(order), config.max_bytes)
+    report = longest_fitting_prefix(assemble, len(order), config.max_bytes)
+    return _fit_sections(report, config.max_bytes)
+
+
+#: Sections emptied, in this order, when a report without findings still exceeds
+#: ``max_bytes``: (section, key, what replaces it).
+_SHRINKABLE: tuple[tuple[str, str, object], ...] = (
+    ("coverage", "histogram_summary", []),
+    ("coverage", "modules_not_observed", []),
+    ("coverage", "modules_never_ran", []),
+    ("coverage", "modules_replaced", []),
+    ("", "errors", []),
+    ("", "config", {}),
+    ("coverage", "tensors_skipped", {}),
+    ("summary", "headline", None),  # None: cut to 200 characters
+)
+
+
+def _fit_sections(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """Empty the bounded-but-sizeable sections of ``report`` (see ``_SHRINKABLE``) one
+    by one until its bytes fit ``max_bytes``; each emptied one is named under
+    ``coverage.sections_omitted`` and ``max_bytes`` joins ``coverage.limits_hit``.
+    Findings were dropped first (all of them, if it comes to this)."""
+    if len(dumps_report(report)) <= max_bytes:
+        return report
+    coverage = report["coverage"]
+    omitted: list[str] = coverage.setdefault("sections_omitted", [])
+    if "max_bytes" not in coverage["limits_hit"]:
+        coverage["limits_hit"].append("max_bytes")
+    for section, key, empty in _SHRINKABLE:
+        holder = report[section] if section else report
+        if key not in holder or not holder[key]:
+            continue
+        holder[key] = bounded_text(holder[key], 200) if empty is None else empty
+        omitted.append(f"{section}.{key}" if section else key)
+        if len(dumps_report(report)) <= max_bytes:
+            break
+    return report
 
 
 def longest_fitting_prefix(
@@ -658,14 +728,58 @@ def _hook_parking(observer: Observer) -> str:
     return observer.hook_parking
 
 
+#: Most items of one list (or keys of one mapping) kept in the ``config`` section, and
+#: its deepest nesting: include lists and a custom policy's ``describe()`` are the
+#: user's, of any size.
+MAX_CONFIG_ITEMS = 32
+MAX_CONFIG_DEPTH = 4
+#: Longest string kept in the ``config`` section, in characters.
+MAX_CONFIG_TEXT = 256
+
+
+def _bounded_config(value: object, depth: int = 0) -> Any:
+    """A bounded copy of a config value: at most ``MAX_CONFIG_ITEMS`` items per list or
+    mapping (then one ``"... N more"`` entry), ``MAX_CONFIG_DEPTH`` levels and
+    ``MAX_CONFIG_TEXT`` characters per string."""
+    if isinstance(value, str):
+        return bounded_text(value, MAX_CONFIG_TEXT)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if depth >= MAX_CONFIG_DEPTH:
+        return bounded_text(f"<{type(value).__name__} nested deeper than {depth}>", 64)
+    if isinstance(value, dict):
+        items = list(value.items())
+        kept: dict[str, Any] = {
+            bounded_text(str(k), MAX_CONFIG_TEXT): _bounded_config(v, depth + 1)
+            for k, v in items[:MAX_CONFIG_ITEMS]
+        }
+        if len(items) > MAX_CONFIG_ITEMS:
+            kept["..."] = f"{len(items) - MAX_CONFIG_ITEMS} more"
+        return kept
+    if isinstance(value, list | tuple):
+        listed = [_bounded_config(v, depth + 1) for v in value[:MAX_CONFIG_ITEMS]]
+        if len(value) > MAX_CONFIG_ITEMS:
+            listed.append(f"... {len(value) - MAX_CONFIG_ITEMS} more")
+        return listed
+    return bounded_text(str(value), MAX_CONFIG_TEXT)
+
+
 def _config_section(observer: Observer) -> dict[str, Any]:
-    return {
-        "sampling": observer.policy.describe(),
-        "report": dataclasses.asdict(observer.report_config),
-        "track": dataclasses.asdict(observer.track_config),
-        "capture_direct_forwards": observer.capture_direct_forwards,
-        **observer.options,
-    }
+    """The settings of the run, bounded (see :func:`_bounded_config`)."""
+    try:
+        sampling: object = observer.policy.describe()
+    except Exception as error:  # a user policy's method
+        observer.record_error("policy.describe", "", error)
+        sampling = {"policy": type(observer.policy).__name__, "describe": "raised"}
+    return _bounded_config(
+        {
+            "sampling": sampling,
+            "report": dataclasses.asdict(observer.report_config),
+            "track": dataclasses.asdict(observer.track_config),
+            "capture_direct_forwards": observer.capture_direct_forwards,
+            **observer.options,
+        }
+    )
 
 
 #: Histograms summarised in ``report.json`` (those with the most mass out of range).
@@ -1005,10 +1119,10 @@ def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[
     first_nonzero = tracker.first_nonzero
     low, high = tracker.min, tracker.max
     return {
-        "module": display_module(series.module),
+        "module": bounded_text(display_module(series.module)),
         "call_index": series.call_index,
         "signal": series.signal,
-        "tensor_path": series.tensor_path,
+        "tensor_path": bounded_text(series.tensor_path),
         "metric": metric,
         "forward_position": position,
         "count": tracker.count,
@@ -1054,22 +1168,38 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
         for metric in SUMMARY_METRICS
         if (tracker := series.trackers.get(metric)) is not None and tracker.count
     ]
+    # One encoder for every row: json.dumps with options builds a new one per call.
+    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+    # The names of the selected modules take at most half of max_bytes: the first
+    # ones in selection order, the rest counted under modules_selected_omitted.
+    names: list[str] = []
+    room = max_bytes // 2
+    for name in observer.names:
+        text = bounded_text(name)
+        room -= _utf8_length(encode(text)) + 1
+        if room < 0:
+            break
+        names.append(text)
     header = _clean(
         {
             "schema": SERIES_SCHEMA,
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "run": _run_section(observer),
             "config": _config_section(observer),
-            "modules_selected": list(observer.names),
+            "modules_selected": names,
+            "modules_selected_omitted": len(observer.names) - len(names),
             "sample_forwards": {
                 "runs": observer.sample_forwards.runs,
                 "complete": observer.sample_forwards.complete,
             },
         }
     )
-    # One encoder for every row: json.dumps with options builds a new one per call.
-    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
     header_text = encode(header)
+    if _utf8_length(header_text) > max_bytes - 64:
+        # A tiny bound: the schedule's runs (up to 1,024) and the settings go first.
+        header["sample_forwards"] = {"runs": [], "complete": False}
+        header["config"] = {}
+        header_text = encode(header)
     budget = max_bytes - _utf8_length(header_text) - 64
     kept: list[dict[str, Any]] = []
     texts: list[str] = []
