@@ -262,3 +262,45 @@ def test_a_relative_output_dir_is_resolved_once(
     remove_observer(model)
     assert read_report(first / "stats")["coverage"]["samples_observed"] == 3
     assert not (second / "stats").exists()
+
+
+class _FlakySink:
+    """Raises on every report, with a message that differs each time, and once, at
+    the 30th report, with another kind of error."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, report: dict[str, Any]) -> None:
+        self.calls += 1
+        if self.calls == 30:
+            raise ValueError("a different failure")
+        raise OSError(f"cannot write /tmp/.report.json.{self.calls:08x}")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_errors_are_grouped_by_kind_and_place_not_message(tmp_path: Path) -> None:
+    sink = _FlakySink()
+    model = ResidualNet()
+    inject_observer(
+        model,
+        output_dir=tmp_path,
+        sampling=1,
+        sinks=[sink],
+        report_config=ReportConfig(rewrite_interval_s=1e-9, max_error_entries=3),
+    )
+    train(model, make_batches(40))
+    remove_observer(model)
+    assert sink.calls > 30
+    errors = read_report(tmp_path)["errors"]
+    assert [(e["stage"], e["module"], e["error_type"], e["count"]) for e in errors] == [
+        # Every call but the ValueError and the final one (after the file was written).
+        ("sink", "_FlakySink", "OSError", sink.calls - 2),
+        ("sink", "_FlakySink", "ValueError", 1),
+    ]
+    assert errors[0]["message"] == "cannot write /tmp/.report.json.00000001"

@@ -387,7 +387,7 @@ class Observer:
         self.series_dropped = 0
         self.paths_dropped = 0
         self.skipped_tensors: Counter[str] = Counter()
-        self.errors: dict[tuple[str, str, str, str], _ErrorEntry] = {}
+        self.errors: dict[tuple[str, str, str], _ErrorEntry] = {}
         self.error_count = 0
         self.reports_written = 0
         self.telemetry_seconds = 0.0
@@ -1453,10 +1453,20 @@ class Observer:
             entry.append((key, position))
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
-        """Count an error raised inside a hook; keep the first few distinct ones."""
+        """Count an error raised inside a hook; keep the first few distinct ones.
+
+        Errors are grouped by kind and place (stage, module, exception type), never by
+        message text, which may vary from one occurrence to the next (a temporary
+        file name, a tensor shape): one failure repeated fills one entry, which keeps
+        the first message, so a later, different error still gets an entry of its own.
+        """
         self.error_count += 1
-        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        key = (stage, module, type(error).__name__, message)
+        try:
+            text = str(error).strip()
+        except Exception:  # a user exception whose __str__ raises
+            text = ""
+        message = text.splitlines()[0][:300] if text else ""
+        key = (stage, module, type(error).__name__)
         entry = self.errors.get(key)
         if entry is None:
             if len(self.errors) >= max(self.report_config.max_error_entries, 1) * 4:
