@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -865,12 +866,54 @@ def sparkline(points: Sequence[Sequence[float]], *, log_scale: bool) -> str:
     return "".join(_SPARK_LEVELS[round((v - low) / (high - low) * top)] for v in values)
 
 
+#: Characters that would end a Markdown line or hide text: C0/C1 controls (NUL, CR,
+#: LF, ...) and Unicode line and paragraph separators.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape_controls(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def md_text(value: object) -> str:
+    """A user-derived string as Markdown text on one line: control characters shown as
+    ``\\xNN`` (so it cannot start a line, a heading or a fence), ``<`` and ``&`` as
+    entities (no HTML), and a leading block marker (``#``, ``>``, ``-``, ...) escaped.
+
+    Example:
+        >>> md_text("# x\n<b>")
+        '\\# x\\x0a&lt;b>'
+    """
+    text = _escape_controls(str(value)).replace("&", "&amp;").replace("<", "&lt;")
+    if text[:1] in ("#", ">", "-", "+", "*", "=", "|", "`", "~"):
+        text = "\\" + text
+    return text
+
+
+def md_code(value: object, *, in_table: bool = False) -> str:
+    """A user-derived string (a module name) as one Markdown code span: control
+    characters shown as ``\\xNN``, fenced with one backtick more than the longest run
+    inside it (CommonMark), and ``|`` escaped inside a table cell.
+
+    Example:
+        >>> md_code("a`b")
+        '``a`b``'
+    """
+    text = _escape_controls(str(value))
+    runs = [len(run) for run in re.findall(r"`+", text)]
+    fence = "`" * (max(runs, default=0) + 1)
+    if text.startswith("`") or text.endswith("`"):
+        text = f" {text} "
+    span = f"{fence}{text}{fence}"
+    return span.replace("|", "\\|") if in_table else span
+
+
 def _not_observed_text(coverage: dict[str, Any]) -> str:
     names = coverage.get("modules_not_observed") or []
     if not names:
         return ""
     more = coverage["modules_selected"] - coverage["modules_observed"] > len(names)
-    listed = ", ".join(f"`{name}`" for name in names) + ("..." if more else "")
+    listed = ", ".join(md_code(name) for name in names) + ("..." if more else "")
     return (
         " Not observed (never called in a sampled training forward, or no floating "
         f"output): {listed}."
@@ -880,11 +923,12 @@ def _not_observed_text(coverage: dict[str, Any]) -> str:
 def _markdown_finding(f: dict[str, Any]) -> list[str]:
     title = f["category"].replace("_", " ").capitalize()
     call = "" if f.get("call_index") is None else f", call {f['call_index']}"
-    path = f" ({f['tensor_path']})" if f.get("tensor_path") else ""
+    path = f" ({md_text(f['tensor_path'])})" if f.get("tensor_path") else ""
     lines = [
-        f"### {title} #{f['rank']}: `{f['module']}`{call}, {f['signal']}.{f['metric']}{path}",
+        f"### {title} #{f['rank']}: {md_code(f['module'])}{call}, "
+        f"{f['signal']}.{f['metric']}{path}",
         "",
-        f["interpretation"],
+        md_text(f["interpretation"]),
         "",
     ]
     ranking = f.get("ranking", {})
@@ -900,7 +944,7 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
     )
     echoes = f.get("evidence", {}).get("echoes")
     if echoes:
-        names = ", ".join(f"`{e['module']}`" for e in echoes)
+        names = ", ".join(md_code(e["module"]) for e in echoes)
         lines.append(f"- Echoes at the same samples (not listed separately): {names}.")
     history = f.get("history") or []
     if len(history) >= 2:
@@ -913,7 +957,7 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
     plot = f.get("plot")
     if plot:
         lines.append(f"- Picture: [{plot}]({plot})")
-    lines.append(f"- Next experiment: {f['next_experiment']}")
+    lines.append(f"- Next experiment: {md_text(f['next_experiment'])}")
     lines.append("")
     return lines
 
@@ -925,7 +969,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# torchinstruments report",
         "",
-        f"**{summary['headline']}**",
+        f"**{md_text(summary['headline'])}**",
         "",
         (
             "Single process"
@@ -945,8 +989,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             else f"training forward {first['forward_index']} (between samples)"
         )
         lines += [
-            f"First non-finite value: {where}, `{first['module']}` call "
-            f"{first['call_index']}, {first['signal']} {first['tensor_path']}"
+            f"First non-finite value: {where}, {md_code(first['module'])} call "
+            f"{first['call_index']}, {first['signal']} {md_text(first['tensor_path'])}"
             + (" (the run recovered)." if first.get("recovered") else "."),
             "",
         ]
@@ -973,8 +1017,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             shown[f["category"]] = shown.get(f["category"], 0) + 1
             lines.append(
-                f"| {f['category']} | {f['rank']} | `{f['module']}` | {f.get('call_index', '')} "
-                f"| {f['signal']}.{f['metric']} | {f.get('tensor_path', '')} "
+                f"| {f['category']} | {f['rank']} | {md_code(f['module'], in_table=True)} "
+                f"| {f.get('call_index', '')} | {f['signal']}.{f['metric']} "
+                f"| {md_code(f.get('tensor_path') or '', in_table=True)} "
                 f"| {f['first']['value']} @{f['first']['sample']} "
                 f"| {f['latest']['value']} @{f['latest']['sample']} |"
             )
@@ -987,7 +1032,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{coverage['series']}.{_not_observed_text(coverage)}",
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
-        f"- Tensors skipped: {coverage['tensors_skipped'] or 'none'}.",
+        f"- Tensors skipped: {md_text(coverage['tensors_skipped'] or 'none')}.",
         f"- Findings returned: {sum(coverage['findings_returned'].values())}; limits that "
         f"removed evidence: {', '.join(coverage['limits_hit']) or 'none'}.",
         f"- Hook errors: {coverage['errors_total']}.",
@@ -997,7 +1042,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["## Errors caught in hooks", ""]
         for e in report["errors"]:
             lines.append(
-                f"- {e['stage']} `{e['module']}`: {e['error_type']}: {e['message']} ({e['count']}x)"
+                f"- {md_text(e['stage'])} {md_code(e['module'])}: {md_text(e['error_type'])}: "
+                f"{md_text(e['message'])} ({e['count']}x)"
             )
         lines.append("")
     lines += [
