@@ -18,8 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from torchinstruments import ReportConfig, inject_observer, remove_observer
-from torchinstruments.sampling import EveryNSampling
+from torchinstruments import (
+    ReportConfig,
+    TrackConfig,
+    histogram,
+    inject_observer,
+    remove_observer,
+)
+from torchinstruments.api import observer_of
+from torchinstruments.sampling import DefaultSampling, EveryNSampling
 
 from .conftest import ResidualNet, make_batches, read_report, train
 
@@ -40,9 +47,13 @@ def test_unwritable_output_dir_never_raises_under_warnings_as_errors(tmp_path: P
         remove_observer(model)
     report = handle.report()
     assert report is not None
-    assert [e["stage"] for e in report["errors"]] == ["write"]
-    assert report["errors"][0]["error_type"] == "NotADirectoryError"
-    assert report["errors"][0]["count"] >= 5  # one per forward, and the final write
+    # report.json with index.md, and series.json, failed at every write
+    errors = sorted(report["errors"], key=lambda e: e["stage"])
+    assert [(e["stage"], e["error_type"]) for e in errors] == [
+        ("series_summary", "NotADirectoryError"),
+        ("write", "NotADirectoryError"),
+    ]
+    assert min(e["count"] for e in errors) >= 5  # at injection, in each forward, at removal
 
 
 class _RaisingExtras(EveryNSampling):
@@ -209,8 +220,6 @@ class _Verbose(EveryNSampling):
 
 
 def test_every_report_section_is_bounded(tmp_path: Path) -> None:
-    from torchinstruments import histogram
-
     torch.manual_seed(0)
     long = "block_" + "q" * 200
     blocks = nn.ModuleDict({f"{long}{i}": nn.Linear(4, 4) for i in range(40)})
@@ -336,3 +345,44 @@ def test_module_names_cannot_add_markdown_sections(tmp_path: Path) -> None:
     report = read_report(tmp_path)
     assert f"blocks.{evil}" in {f["module"] for f in report["findings"]}  # JSON keeps it
     assert "Not observed (never called" in index and "`` blocks.never|`run` ``" in index
+
+
+def _bad_histogram() -> object:
+    return histogram(bins=1 << 20)
+
+
+class _BrokenIterable:
+    def __iter__(self) -> Any:
+        raise RuntimeError("no")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"sampling": DefaultSampling}, r"sampling .* got the class DefaultSampling"),
+        ({"sampling": 10**5000}, r"sampling must be None, an int >= 1 \(at most 2\*\*62\)"),
+        ({"output_dir": "bad\x00name"}, r"output_dir must be a non-empty path .*, got 'bad"),
+        ({"output_dir": b"stats"}, r"output_dir must be a non-empty path .*, got b'stats'"),
+        ({"output_dir": "d/" * 2_000}, r"output_dir .* got a path of 4000 bytes"),
+        ({"sinks": _BrokenIterable()}, r"sinks must be an iterable, .* raised RuntimeError"),
+        ({"histograms": lambda: [histogram()] * 65}, r"histograms must hold at most 64 specs"),
+        ({"include": ["x" * 2_000]}, r"include must hold at most 10,000 patterns"),
+        ({"report_config": lambda: ReportConfig(rewrite_interval_s=10**400)}, "rewrite_int"),
+        ({"report_config": lambda: ReportConfig(max_bytes=1 << 40)}, r"max_bytes must be an"),
+        ({"track_config": lambda: TrackConfig(history_points=1 << 30)}, "history_points"),
+        ({"histograms": lambda: [_bad_histogram()]}, r"histogram.bins must be an int in"),
+    ],
+)
+def test_every_argument_is_validated_up_front(
+    tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    from torchinstruments import ConfigError
+
+    model = ResidualNet()
+    with pytest.raises(ConfigError, match=message):
+        resolved: dict[str, Any] = {"output_dir": tmp_path / "stats"}
+        for key, value in arguments.items():
+            resolved[key] = value() if callable(value) and key != "sampling" else value
+        inject_observer(model, **resolved)
+    assert observer_of(model) is None
+    assert not (tmp_path / "stats").exists()
