@@ -386,3 +386,40 @@ def test_every_argument_is_validated_up_front(
         inject_observer(model, **resolved)
     assert observer_of(model) is None
     assert not (tmp_path / "stats").exists()
+
+
+def test_a_model_dropped_without_removal_is_collected(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    references = []
+    for run in range(3):  # a sweep in one process
+        model = ResidualNet()
+        inject_observer(model, output_dir=tmp_path / str(run), sampling=1)
+        train(model, make_batches(2))
+        references.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [reference() for reference in references] == [None, None, None]
+    assert read_report(tmp_path / "0")["coverage"]["forwards_seen"] == 0  # the first report
+
+
+def _live_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for item in gc.get_objects() if isinstance(item, torch.Tensor))
+
+
+def test_forwards_never_followed_by_a_backward_retain_nothing(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    x = torch.randn(16, 8)
+    counts = []
+    for forward in range(1_000):
+        model(x)  # train mode, grad enabled, output dropped
+        if forward in (299, 649, 999):
+            counts.append(_live_tensors())
+    remove_observer(model)
+    # Staging buffers fill during the first few hundred forwards, then nothing grows.
+    assert len(set(counts)) == 1, counts

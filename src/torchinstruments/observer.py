@@ -253,8 +253,11 @@ class Observer:
         sinks: Iterable[Any],
         options: dict[str, object],
     ) -> None:
-        self.target = target
-        self.root = root
+        # Weak: the registry maps the model to its handle, which holds this observer;
+        # a strong reference back would keep a model dropped without remove_observer
+        # alive for the life of the process.
+        self._target = weakref.ref(target)
+        self._root = weakref.ref(root)
         self.names = [name for name, _ in modules]
         self._modules = [weakref.ref(module) for _, module in modules]
         self.policy = policy
@@ -404,6 +407,17 @@ class Observer:
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = _AtExit(self)
+
+    @property
+    def target(self) -> nn.Module | None:
+        """The model given to ``inject_observer`` (None once it was collected)."""
+        return self._target()
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The observed root module (the model inside DDP or compile wrappers), or None
+        once it was collected."""
+        return self._root()
 
     # ------------------------------------------------------------------ attach
     def attach(self) -> None:
@@ -643,7 +657,10 @@ class Observer:
         if len(hooks) != 1 or key not in hooks:
             return False
         if not self._caller_depth:
-            self._caller_depth = _find_caller_depth(self.root, _getframe(1))
+            root = self.root
+            if root is None:
+                return False
+            self._caller_depth = _find_caller_depth(root, _getframe(1))
             if not self._caller_depth or self._root_forward_code is None:
                 self._open_ended_off = "caller of the root not found"
                 return False
