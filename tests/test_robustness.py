@@ -423,3 +423,61 @@ def test_forwards_never_followed_by_a_backward_retain_nothing(tmp_path: Path) ->
     remove_observer(model)
     # Staging buffers fill during the first few hundred forwards, then nothing grows.
     assert len(set(counts)) == 1, counts
+
+
+_FORK_AFTER_INJECTION = """
+import json, os, sys
+from pathlib import Path
+import torch
+from torch import nn
+from torchinstruments import inject_observer, remove_observer
+
+out = Path(sys.argv[1])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+handle = inject_observer(model, output_dir=out, sampling=1)
+
+def step():
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+
+for _ in range(3):
+    step()
+handle.flush()
+before = (out / "report.json").read_bytes()
+children = {}
+for role in ("trains", "idle"):
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)
+        if role == "trains":
+            for _ in range(3):
+                step()
+        handle.flush()
+        remove_observer(model)
+        os._exit(0)
+    children[role] = pid
+for pid in children.values():
+    os.waitpid(pid, 0)
+print(json.dumps({
+    "unchanged": (out / "report.json").read_bytes() == before,
+    "parent": os.getpid(),
+    "children": children,
+}))
+"""
+
+
+def test_a_forked_child_never_writes_the_parents_files(tmp_path: Path) -> None:
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK_AFTER_INJECTION)
+    out = tmp_path / "stats"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["unchanged"]
+    trained = read_report(out / f"fork-{result['children']['trains']}")
+    assert trained["run"]["forked_from_pid"] == result["parent"]
+    assert trained["run"]["forwards_before_fork"] == 3
+    assert trained["coverage"]["forwards_seen"] == 6
+    assert not (out / f"fork-{result['children']['idle']}").exists()

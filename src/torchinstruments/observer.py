@@ -404,6 +404,10 @@ class Observer:
         self._warned_write = False
         #: True while a report is being built and written (see _TerminationWriter).
         self.writing = False
+        #: In a process forked after injection: the parent's pid, and the training
+        #: forwards seen before the fork (see :meth:`forked`); None in the original.
+        self.forked_from_pid: int | None = None
+        self.forwards_at_fork = 0
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = _AtExit(self)
@@ -1692,6 +1696,8 @@ class Observer:
         ``files_only=True`` writes the files of ``output_dir`` and nothing to the sinks
         (the first report, written at injection).
         """
+        if self.forked_from_pid is not None and self.forwards_seen == self.forwards_at_fork:
+            return  # a forked child that never trained: nothing of its own to write
         started = time.perf_counter()
         self.writing = True
         try:
@@ -1702,6 +1708,34 @@ class Observer:
             self.writing = False
             self._note_cost(time.perf_counter() - started)
         _on_termination.deliver_deferred()
+
+    def forked(self, parent_pid: int) -> None:
+        """Called in a child process forked while this observer was attached.
+
+        The child must never write the parent's files: its directory writers are
+        pointed at ``fork-<pid>/`` under the parent's directory, other sinks (the
+        parent's loggers) are dropped, and nothing at all is written unless the child
+        runs a training forward of its own (a DataLoader worker never does; Hogwild
+        training with ``torch.multiprocessing`` does, and then says so in ``run``).
+        """
+        from .sinks import DirectorySink
+
+        def own(sink: object) -> object:
+            if not isinstance(sink, DirectorySink):
+                return None
+            return DirectorySink(
+                sink.path / f"fork-{os.getpid()}",
+                write_full_details=sink.write_full_details,
+                plots=sink.plots,
+                write_series_summary=sink.write_series_summary,
+            )
+
+        self.forked_from_pid = parent_pid
+        self.forwards_at_fork = self.forwards_seen
+        self.writer = own(self.writer)
+        self.sinks = [s for s in map(own, self.sinks) if s is not None]
+        self._scalar_sinks = []
+        self._histogram_sinks = []
 
     def write_on_signal(self) -> None:
         """Write the report from a signal handler, which runs on the main thread between
@@ -1807,6 +1841,10 @@ class _TerminationWriter:
         self._installed = False
         self._deferred: int | None = None
 
+    def live(self) -> list[Observer]:
+        """The attached observers of this process."""
+        return list(self._live)
+
     def add(self, observer: Observer) -> None:
         self._live.add(observer)
         if self._installed or threading.current_thread() is not threading.main_thread():
@@ -1864,6 +1902,26 @@ class _TerminationWriter:
 
 
 _on_termination = _TerminationWriter()
+_parent_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork`` hook: re-point every live observer (see
+    :meth:`Observer.forked`); never raises into the child."""
+    global _parent_pid
+    parent, _parent_pid = _parent_pid, os.getpid()
+    for observer in list(_on_termination.live()):
+        with contextlib.suppress(Exception):
+            observer.forked(parent)
+
+
+def _before_fork() -> None:
+    global _parent_pid
+    _parent_pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 class _AtExit:

@@ -715,6 +715,14 @@ def _run_section(observer: Observer) -> dict[str, Any]:
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
         "hook_parking": _hook_parking(observer),
+        **(
+            {
+                "forked_from_pid": observer.forked_from_pid,
+                "forwards_before_fork": observer.forwards_at_fork,
+            }
+            if observer.forked_from_pid is not None
+            else {}
+        ),
         "versions": {
             "torchinstruments": __version__,
             "torch": torch.__version__,
