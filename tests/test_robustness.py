@@ -481,3 +481,50 @@ def test_a_forked_child_never_writes_the_parents_files(tmp_path: Path) -> None:
     assert trained["run"]["forwards_before_fork"] == 3
     assert trained["coverage"]["forwards_seen"] == 6
     assert not (out / f"fork-{result['children']['idle']}").exists()
+
+
+class _Counted(torch.Tensor):
+    """A tensor subclass whose __torch_function__ counts every call (a user-visible
+    side effect)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _step_counting(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    _Counted.calls = 0
+    with Counting():
+        for _ in range(3):
+            model(x).sum().backward()
+    return _Counted.calls, Counting.ops
+
+
+def test_reductions_are_invisible_to_user_subclasses_and_dispatch_modes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8).as_subclass(_Counted)
+    plain = _step_counting(model, x)
+    inject_observer(model, output_dir=tmp_path, sampling=1, full_sentinel=True)
+    observed = _step_counting(model, x)
+    handle_report = read_report(tmp_path)  # the first report
+    remove_observer(model)
+    assert plain[0] > 0 and plain[1] > 0
+    assert observed == plain
+    assert handle_report["coverage"]["forwards_seen"] == 0
+    report = read_report(tmp_path)
+    assert report["errors"] == []
+    assert report["coverage"]["samples_observed"] == 3
+    assert report["coverage"]["series"] > 0

@@ -45,6 +45,7 @@ from .capture import (
     compiled_frames,
     in_backward,
     iter_output_tensors,
+    passive,
 )
 from .config import ReportConfig, TrackConfig
 from .histogram import Histogram, HistogramSpec, histogram_counts
@@ -849,11 +850,12 @@ class Observer:
         A hit counts, is recorded, and makes the next forwards sampled.
         """
         try:
-            if type(output) is Tensor and output.is_floating_point():
-                # The common case, kept short: it runs in every unsampled forward.
-                self._sentinel_check(ROOT_INDEX, 0, "output", output)
-            else:
-                self._sentinel_output(ROOT_INDEX, 0, output)
+            with passive():
+                if type(output) is Tensor and output.is_floating_point():
+                    # The common case, kept short: one forward in 8 between samples.
+                    self._sentinel_check(ROOT_INDEX, 0, "output", output)
+                else:
+                    self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
             self.record_error("sentinel", "", error)
 
@@ -1006,7 +1008,8 @@ class Observer:
         """A selected module returned ``output`` (only called when not in SKIP state)."""
         started = time.perf_counter()
         try:
-            self._on_forward(index, args, output)
+            with passive():
+                self._on_forward(index, args, output)
         finally:
             self._note_cost(time.perf_counter() - started)
 
@@ -1170,7 +1173,8 @@ class Observer:
         """An output gradient arrived for a sampled tensor."""
         started = time.perf_counter()
         try:
-            self._on_grad(key, sample, grad)
+            with passive():
+                self._on_grad(key, sample, grad)
         finally:
             self._note_cost(time.perf_counter() - started)
 
@@ -1216,7 +1220,8 @@ class Observer:
         if not self.attached or not self._awaiting_backward:
             return
         try:
-            value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
+            with passive():
+                value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
             for sample in self._awaiting_backward:
                 self._append_record((-1, 0, _LOSS_SCALE, ""), sample, value)
         except Exception as error:
@@ -1518,6 +1523,10 @@ class Observer:
         only batches whose copy has completed are processed, so no hook waits on the
         device; ``block=True`` waits for all of them.
         """
+        with passive():
+            self._flush_statistics(block)
+
+    def _flush_statistics(self, block: bool) -> None:
         self._reduce_staged()
         pending = self._pending
         if pending:
@@ -1701,7 +1710,8 @@ class Observer:
         started = time.perf_counter()
         self.writing = True
         try:
-            self._write_report(block, flush, files_only)
+            with passive():
+                self._write_report(block, flush, files_only)
         except Exception as error:  # never into training, whatever the warning filters
             self.record_error("report", "", error)
         finally:
