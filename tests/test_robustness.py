@@ -528,3 +528,20 @@ def test_reductions_are_invisible_to_user_subclasses_and_dispatch_modes(tmp_path
     assert report["errors"] == []
     assert report["coverage"]["samples_observed"] == 3
     assert report["coverage"]["series"] > 0
+
+
+def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> None:
+    """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kill_runs.py"
+    arguments = ["--sigkill", "4", "--sigterm", "2", "--seed", "7", "--output-dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 7 and ", 0 failed" in lines[-1]
+    assert all("SIGTERM" not in line or line.endswith(": ok") for line in lines[:-1])
+    assert len(list(tmp_path.glob("run-*/report.json"))) == 6
