@@ -545,3 +545,50 @@ def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> No
     assert len(lines) == 7 and ", 0 failed" in lines[-1]
     assert all("SIGTERM" not in line or line.endswith(": ok") for line in lines[:-1])
     assert len(list(tmp_path.glob("run-*/report.json"))) == 6
+
+
+def test_a_child_that_never_runs_is_observed_through_its_parent(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.layer(x)).mean(dim=1)
+
+    model = Encoder()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for _ in range(4):
+        model(torch.randn(2, 5, 16)).sum().backward()
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["modules_never_ran"] == ["layer.self_attn.out_proj"]
+    assert coverage["parents_observed"] == {"layer.self_attn.out_proj": "layer.self_attn"}
+    series = json.loads((tmp_path / "series.json").read_text())["series"]
+    attention = {
+        (s["signal"], s["tensor_path"]) for s in series if s["module"] == "layer.self_attn"
+    }
+    assert ("activation", "output[0]") in attention
+    assert ("grad_output", "output[0]") in attention
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "Observed through their parent: `layer.self_attn.out_proj` by `layer.self_attn`" in index
+
+
+def test_a_module_replaced_after_injection_is_named(tmp_path: Path) -> None:
+    model = ResidualNet()
+
+    def ablate(step: int) -> None:
+        if step == 3:
+            model.add_module("fc", nn.Identity())  # an ablation mid-run
+
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train(model, make_batches(6), on_step=ablate)
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["modules_replaced"] == ["fc"]
+    assert "modules_replaced" in coverage["limits_hit"]
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "Replaced after injection, no longer observed: `fc`." in index

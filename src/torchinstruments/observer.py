@@ -409,6 +409,12 @@ class Observer:
         #: forwards seen before the fork (see :meth:`forked`); None in the original.
         self.forked_from_pid: int | None = None
         self.forwards_at_fork = 0
+        #: Indices of the observed modules that ran in a sampled forward.
+        self.modules_called: set[int] = set()
+        #: Module name -> the name of the parent observed in its place, because the
+        #: module never ran in the first sampled forward (see _adopt_parents).
+        self.parents_adopted: dict[str, str] = {}
+        self._adoption_done = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = _AtExit(self)
@@ -831,6 +837,12 @@ class Observer:
             self.on_forward(index, args, output)
             if self._sample_outputs and len(self._state_stack) == 1:
                 self._sample_outputs = {}  # the forward is over: its outputs are not shared
+            if not self._adoption_done and state == self.SAMPLED and len(stack) == 1:
+                self._adoption_done = True
+                try:
+                    self._adopt_parents()
+                except Exception as error:  # never break training
+                    self.record_error("adopt_parents", "", error)
         elif (
             self._unsampled_training
             and len(self._state_stack) == 1  # the outer call, not the root calling itself
@@ -1074,6 +1086,7 @@ class Observer:
         return self._sample_open
 
     def _observe_call(self, index: int, args: tuple[object, ...], output: object) -> None:
+        self.modules_called.add(index)
         calls = self._calls
         call = calls.get(index, 0)
         calls[index] = call + 1
@@ -1718,6 +1731,69 @@ class Observer:
             self.writing = False
             self._note_cost(time.perf_counter() - started)
         _on_termination.deliver_deferred()
+
+    def _adopt_parents(self) -> None:
+        """After the first sampled training forward: observe the parent of every
+        selected module that did not run in it, if the parent is not observed yet.
+
+        A parent that computes with a child's weights in functional code never calls
+        the child: ``nn.MultiheadAttention`` applies ``out_proj`` with
+        ``F.multi_head_attention_forward``, so the attention output of every
+        ``nn.TransformerEncoderLayer`` would go unobserved. Its parent's output is that
+        output. Adopted parents are listed under ``coverage.parents_observed``.
+        """
+        root = self.root
+        if root is None or self.capture_direct_forwards:
+            return
+        observed = {id(ref()) for ref in self._modules}
+        for index, name in enumerate(list(self.names)):
+            if index == ROOT_INDEX or index in self.modules_called:
+                continue
+            parent_name = name.rpartition(".")[0]
+            if not parent_name or parent_name in self.parents_adopted.values():
+                if parent_name:
+                    self.parents_adopted[name] = parent_name
+                continue
+            try:
+                parent = root.get_submodule(parent_name)
+            except AttributeError:
+                continue
+            if id(parent) in observed or isinstance(parent, nn.ModuleList | nn.ModuleDict):
+                continue  # observed already, or a container that is never called
+            new_index = len(self.names)
+            self.names.append(parent_name)
+            self._modules.append(weakref.ref(parent))
+            for kind in (ACTIVATION, GRAD_OUTPUT):
+                self._hist_plan[(new_index, kind)] = tuple(
+                    n
+                    for n, spec in enumerate(self.histogram_specs)
+                    if spec.applies_to(parent_name, kind)
+                )
+            hook = ForwardHook(self, new_index)
+            handle = parent.register_forward_hook(hook)
+            self._handles.append(handle)
+            self._parkable.append((parent._forward_hooks, handle.id, hook))
+            observed.add(id(parent))
+            self.parents_adopted[name] = parent_name
+
+    def modules_replaced(self) -> list[str]:
+        """Names of observed modules that are no longer in their place in the model
+        (``model.h[1].ln_1 = nn.Identity()`` after injection): the module now there
+        carries no hook of ours, so that place is no longer observed."""
+        root = self.root
+        if root is None:
+            return []
+        replaced = []
+        for index, name in enumerate(self.names):
+            if index == ROOT_INDEX:
+                continue
+            try:
+                current: object = root.get_submodule(name)
+            except AttributeError:
+                current = None
+            if current is not self._modules[index]():
+                replaced.append(name)
+        return replaced
 
     def forked(self, parent_pid: int) -> None:
         """Called in a child process forked while this observer was attached.

@@ -403,8 +403,23 @@ def _modules_not_observed(observer: Observer) -> list[str]:
     return missing[:MAX_MODULES_NOT_OBSERVED]
 
 
-def _limits_hit(observer: Observer, omitted_bytes: int, omitted_top_k: int) -> list[str]:
+def _modules_never_ran(observer: Observer) -> list[str]:
+    """Selected modules whose forward hook never fired in a sampled forward (a child
+    whose parent uses its weights functionally, a branch never taken), at most
+    ``MAX_MODULES_NOT_OBSERVED``; empty before the first sample."""
+    if not observer.samples_observed:
+        return []
+    called = observer.modules_called
+    names = [display_module(name) for i, name in enumerate(observer.names) if i and i not in called]
+    return names[:MAX_MODULES_NOT_OBSERVED]
+
+
+def _limits_hit(
+    observer: Observer, omitted_bytes: int, omitted_top_k: int, replaced: Sequence[str] = ()
+) -> list[str]:
     limits = []
+    if replaced:
+        limits.append("modules_replaced")
     if omitted_bytes:
         limits.append("max_bytes")
     if omitted_top_k:
@@ -476,6 +491,8 @@ def build_report(observer: Observer) -> dict[str, Any]:
         )
         order.extend(finding for _, finding in round_items)
     first_non_finite = _first_non_finite(ranked["non_finite"], observer)
+    replaced = [display_module(name) for name in observer.modules_replaced()]
+    never_ran = _modules_never_ran(observer)
 
     def assemble(kept: int) -> dict[str, Any]:
         findings = order[:kept]
@@ -508,6 +525,14 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "modules_selected": len(observer.names),
                     "modules_observed": _module_count(observer),
                     "modules_not_observed": _modules_not_observed(observer),
+                    "modules_never_ran": never_ran,
+                    "parents_observed": {
+                        display_module(child): display_module(parent)
+                        for child, parent in list(observer.parents_adopted.items())[
+                            :MAX_MODULES_NOT_OBSERVED
+                        ]
+                    },
+                    "modules_replaced": replaced[:MAX_MODULES_NOT_OBSERVED],
                     "tensor_paths_observed": len(
                         {(s.module, s.call_index, s.tensor_path) for s in observer.series.values()}
                     ),
@@ -535,7 +560,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "findings_returned": returned,
                     "findings_omitted": omitted,
                     "errors_total": observer.error_count,
-                    "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k),
+                    "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k, replaced),
                 },
                 "findings": findings,
                 "errors": _errors_section(observer),
@@ -553,6 +578,7 @@ _SHRINKABLE: tuple[tuple[str, str, object], ...] = (
     ("coverage", "modules_not_observed", []),
     ("coverage", "modules_never_ran", []),
     ("coverage", "modules_replaced", []),
+    ("coverage", "parents_observed", {}),
     ("", "errors", []),
     ("", "config", {}),
     ("coverage", "tensors_skipped", {}),
@@ -928,6 +954,27 @@ def _not_observed_text(coverage: dict[str, Any]) -> str:
     )
 
 
+def _placement_text(coverage: dict[str, Any]) -> str:
+    """Sentences on modules that never ran, parents observed in their place and
+    modules replaced after injection (their places are no longer observed)."""
+    parts = []
+    never = coverage.get("modules_never_ran") or []
+    if never:
+        parts.append(" Never ran in a sampled forward: " + ", ".join(map(md_code, never)) + ".")
+    parents = coverage.get("parents_observed") or {}
+    if parents:
+        pairs = ", ".join(f"{md_code(c)} by {md_code(p)}" for c, p in parents.items())
+        parts.append(f" Observed through their parent: {pairs}.")
+    replaced = coverage.get("modules_replaced") or []
+    if replaced:
+        parts.append(
+            " Replaced after injection, no longer observed: "
+            + ", ".join(map(md_code, replaced))
+            + "."
+        )
+    return "".join(parts)
+
+
 def _markdown_finding(f: dict[str, Any]) -> list[str]:
     title = f["category"].replace("_", " ").capitalize()
     call = "" if f.get("call_index") is None else f", call {f['call_index']}"
@@ -1037,7 +1084,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- Modules observed: {coverage['modules_observed']} of {coverage['modules_selected']} "
         f"selected; tensor paths: {coverage['tensor_paths_observed']}; series: "
-        f"{coverage['series']}.{_not_observed_text(coverage)}",
+        f"{coverage['series']}.{_not_observed_text(coverage)}{_placement_text(coverage)}",
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
         f"- Tensors skipped: {md_text(coverage['tensors_skipped'] or 'none')}.",
