@@ -592,3 +592,33 @@ def test_a_module_replaced_after_injection_is_named(tmp_path: Path) -> None:
     assert "modules_replaced" in coverage["limits_hit"]
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert "Replaced after injection, no longer observed: `fc`." in index
+
+
+def test_a_scripted_submodule_is_skipped_and_named(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), torch.jit.script(nn.Linear(8, 8)), nn.Linear(8, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train(model, make_batches(3))
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["config"]["scripted_modules_skipped"] == ["1"]
+    assert {f["module"] for f in report["findings"]} >= {"0", "2"}
+
+
+def test_injection_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchinstruments import ObserverStateError
+
+    model = ResidualNet()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("hooks are not supported here")
+
+    monkeypatch.setattr(model.head, "register_forward_hook", refuse)
+    with pytest.raises(ObserverStateError, match="no hook was left on it"):
+        inject_observer(model, output_dir=tmp_path)
+    assert all(
+        not module._forward_hooks and not module._forward_pre_hooks for module in model.modules()
+    )
+    assert observer_of(model) is None
+    inject_observer(model, output_dir=tmp_path / "again", include="fc")  # a retry works
+    remove_observer(model)

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import torch
 from torch import nn
 
 from ._validate import shown
@@ -194,12 +195,13 @@ def select_modules(
     Default: the root and every leaf module (one without children). With ``include``
     (glob patterns on qualified names, ``""`` is the root) and/or ``module_types``, the
     modules matching any pattern or type, plus the root. ``exclude`` patterns remove
-    modules (never the root, whose hooks define the sample).
+    modules (never the root, whose hooks define the sample). TorchScript submodules
+    (``torch.jit.script`` or ``trace`` results) take no hooks and are never selected.
     """
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     for name, module in root.named_modules():
-        if id(module) in seen:
+        if id(module) in seen or (module is not root and _is_scripted(module)):
             continue
         if module is root:
             selected = True
@@ -215,6 +217,20 @@ def select_modules(
             seen.add(id(module))
             chosen.append((name, module))
     return chosen
+
+
+def _is_scripted(module: nn.Module) -> bool:
+    script_module = getattr(getattr(torch, "jit", None), "ScriptModule", None)
+    return script_module is not None and isinstance(module, script_module)
+
+
+def scripted_submodules(root: nn.Module) -> list[str]:
+    """Names of the TorchScript submodules of ``root`` (not their own children)."""
+    names: list[str] = []
+    for name, module in root.named_modules():
+        if name and _is_scripted(module) and not any(name.startswith(f"{n}.") for n in names):
+            names.append(name)
+    return names
 
 
 def inject_observer(
@@ -361,6 +377,11 @@ def inject_observer(
     types = _as_types(module_types)
 
     root = _unwrap(model)
+    if _is_scripted(root):
+        raise ConfigError(
+            f"inject_observer: model must be an eager nn.Module, got the TorchScript module "
+            f"{type(root).__name__}; observe the module before scripting it"
+        )
     with _LOCK:
         for candidate in {id(model): model, id(root): root}.values():
             existing = _REGISTRY.get(candidate)
@@ -422,10 +443,18 @@ def inject_observer(
                 "include": list(include_patterns) if include_patterns else None,
                 "exclude": list(exclude_patterns) if exclude_patterns else None,
                 "module_types": [t.__name__ for t in types] if types else None,
+                "scripted_modules_skipped": scripted_submodules(root) or None,
             },
         )
         handle = ObserverHandle(model, observer, directory)
-        observer.attach()
+        try:
+            observer.attach()
+        except Exception as error:
+            observer.detach()  # all or nothing: no hook of ours stays behind
+            raise ObserverStateError(
+                f"inject_observer: could not attach to the model ({type(error).__name__}: "
+                f"{error}); no hook was left on it"
+            ) from error
         # A first report at once: a run stopped before its first rewrite (at the end
         # of warm-up, then every rewrite_interval_s) still leaves one.
         observer.write_report(files_only=True)
