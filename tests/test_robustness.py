@@ -622,3 +622,30 @@ def test_injection_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert observer_of(model) is None
     inject_observer(model, output_dir=tmp_path / "again", include="fc")  # a retry works
     remove_observer(model)
+
+
+def test_several_backward_passes_record_the_total_output_gradient(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(16, 8)
+    # The reference, without the observer: the total gradient at the Tanh's output.
+    hidden = model[1](model[0](x))
+    hidden.retain_grad()
+    out = model[2](hidden)
+    out.sum().backward(retain_graph=True)
+    (3 * out).pow(2).mean().backward()
+    assert hidden.grad is not None
+    expected = float(hidden.grad.pow(2).mean().sqrt())
+    model.zero_grad()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    out = model(x)
+    out.sum().backward(retain_graph=True)  # two losses, two passes (multi-task, GAN)
+    (3 * out).pow(2).mean().backward()
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["repeated_backward_gradients"] == coverage["backward_gradients_summed"] > 0
+    series = json.loads((tmp_path / "series.json").read_text())["series"]
+    (row,) = [
+        s for s in series if (s["module"], s["signal"], s["metric"]) == ("1", "grad_output", "rms")
+    ]
+    assert row["points"][0][1] == pytest.approx(expected, rel=1e-5)

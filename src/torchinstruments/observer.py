@@ -409,6 +409,13 @@ class Observer:
         #: forwards seen before the fork (see :meth:`forked`); None in the original.
         self.forked_from_pid: int | None = None
         self.forwards_at_fork = 0
+        #: Staged float32 copies of output gradients, by (key, sample), while they are
+        #: not reduced yet: a later backward pass over the same sample adds into them
+        #: (see _sum_repeated). Cleared whenever staged copies are reduced.
+        self._grad_buffers: dict[tuple[_Key, int], Tensor] = {}
+        self._last_staged: Tensor | None = None
+        self.gradients_summed = 0
+        self.gradients_not_summed = 0
         #: Indices of the observed modules that ran in a sampled forward.
         self.modules_called: set[int] = set()
         #: Module name -> the name of the parent observed in its place, because the
@@ -1210,7 +1217,8 @@ class Observer:
                 if self._implicit_opener is not None and sample == self._sample:
                     self._implicit_backward_seen = True
             elif key in seen:
-                self.repeated_gradients += 1  # retain_graph: a second backward
+                self.repeated_gradients += 1  # retain_graph: another backward pass
+                self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
                 return
             seen.add(key)
             reason = skip_reason(grad)
@@ -1218,11 +1226,34 @@ class Observer:
                 self.skipped_tensors[f"grad_{reason}"] += 1
                 return
             index, call, path = key
-            self._measure((index, call, GRAD_OUTPUT, path), sample, -1, grad)
+            grad_key = (index, call, GRAD_OUTPUT, path)
+            self._last_staged = None
+            self._measure(grad_key, sample, -1, grad)
+            if self._last_staged is not None:
+                buffers = self._grad_buffers
+                buffers[(grad_key, sample)] = self._last_staged
+                self._last_staged = None
+                if len(buffers) > MAX_PENDING_RECORDS:
+                    del buffers[next(iter(buffers))]
             if self.histogram_specs:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
             self.record_error("backward", self.names[key[0]], error)
+
+    def _sum_repeated(self, key: _Key, sample: int, grad: Tensor) -> None:
+        """Another backward pass over sample ``sample`` (``retain_graph=True``) brought
+        ``grad`` for ``key``: add it to the staged copy of the earlier passes' gradient,
+        so that what is measured is the total gradient that reached the output. Only
+        while that copy is not reduced yet (small tensors, until the next flush or the
+        slab fills: backward passes run one after the other within a step); otherwise
+        counted under ``coverage.backward_gradients_not_summed``."""
+        buffer = self._grad_buffers.get((key, sample))
+        if buffer is None or buffer.numel() != grad.numel() or skip_reason(grad) is not None:
+            self.gradients_not_summed += 1
+            return
+        with self._slab_lock:
+            buffer.view(grad.shape).add_(grad.detach())
+        self.gradients_summed += 1
 
     def note_loss_scale(self, scale: Tensor) -> None:
         """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``.
@@ -1279,6 +1310,7 @@ class Observer:
             if device_type == "cuda":
                 self._producer_streams.add(torch.cuda.current_stream(tensor.device))
             self._device_staged_elements += numel
+            self._last_staged = copy.view(-1)
             if self._device_staged_elements > DEVICE_STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
@@ -1303,6 +1335,7 @@ class Observer:
                     records.append((key, sample, position))
                     slab.used = True
                     self._slab_records += 1
+                    self._last_staged = row
                     if len(records) == slab.capacity:
                         self._reduce_slab(slab)
                     return
@@ -1313,6 +1346,7 @@ class Observer:
             )
             self._staged.append((key, sample, position, copy.view(-1)))
             self._staged_elements += numel
+            self._last_staged = copy.view(-1)
             if self._staged_elements > STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
@@ -1366,6 +1400,8 @@ class Observer:
         records = slab.records
         if not records:
             return
+        self._grad_buffers.clear()  # rows are reused: no gradient may be added any more
+        self._last_staged = None
         slab.records = []
         self._slab_records -= len(records)
         matrix = slab.matrix[: len(records)]
@@ -1400,6 +1436,8 @@ class Observer:
         if self._slabs or self._lengths_seen:
             self._reduce_slabs()
         staged = self._staged
+        self._grad_buffers.clear()  # reduced below: no gradient may be added any more
+        self._last_staged = None
         # Pop rather than swap lists: worker threads may be appending meanwhile.
         taken = [staged.popleft() for _ in range(len(staged))]
         self._staged_elements = self._device_staged_elements = 0

@@ -548,6 +548,8 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "direct_call_samples": observer.implicit_samples,
                     "calls_outside_root_skipped": observer.calls_outside_root,
                     "repeated_backward_gradients": observer.repeated_gradients,
+                    "backward_gradients_summed": observer.gradients_summed,
+                    "backward_gradients_not_summed": observer.gradients_not_summed,
                     "loss_scaled_samples": observer.loss_scale.count,
                     "sentinel_checks": observer.sentinel_checks,
                     "sentinel_nonfinite_forwards": observer.sentinel_nonfinite_forwards,
