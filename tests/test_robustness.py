@@ -649,3 +649,19 @@ def test_several_backward_passes_record_the_total_output_gradient(tmp_path: Path
         s for s in series if (s["module"], s["signal"], s["metric"]) == ("1", "grad_output", "rms")
     ]
     assert row["points"][0][1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_temporaries_left_by_killed_writes_are_removed(tmp_path: Path) -> None:
+    leftovers = [
+        tmp_path / f".{name}.k1ll3d0{n}" for n, name in enumerate(("report.json", "index.md"))
+    ]
+    for path in leftovers:
+        path.write_bytes(b"x" * 100_000)  # space a nearly full disk would need back
+    unrelated = tmp_path / ".report.json.notours"
+    unrelated.write_text("kept")
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    remove_observer(model)
+    assert not any(path.exists() for path in leftovers)
+    assert unrelated.read_text() == "kept"
+    assert read_report(tmp_path)["errors"] == []

@@ -12,6 +12,7 @@ so a run killed at any moment leaves the last complete report.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -172,6 +173,35 @@ def atomic_write_together(files: Sequence[tuple[Path, bytes]]) -> list[OSError]:
     return errors
 
 
+#: Files whose temporary copies :func:`remove_stale_temporaries` may delete.
+_OWN_FILES = ("report.json", "index.md", "series.json", "details.json")
+
+
+def remove_stale_temporaries(directory: Path) -> int:
+    """Delete the temporary copies (``.report.json.<random>`` and the like) that an
+    earlier run killed in the middle of a write left in ``directory``; return how many.
+
+    Each killed write can leave one per file, and on a nearly full disk they take the
+    space the next write needs. Only names that :func:`atomic_write_together` makes for
+    this library's own files are touched, and only regular files.
+    """
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        own = any(
+            name.startswith(f".{base}.") and len(name) == len(base) + 10 for base in _OWN_FILES
+        )
+        if own and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
 class DirectorySink(_SinkBase):
     """Writes ``report.json`` and ``index.md`` into a directory, atomically.
 
@@ -221,6 +251,7 @@ class DirectorySink(_SinkBase):
 
             require_matplotlib()
         self.path = Path(output_dir)
+        self._cleaned = False
         self.write_full_details = write_full_details
         self.plots = plots
         self.write_series_summary = write_series_summary
@@ -283,7 +314,15 @@ class DirectorySink(_SinkBase):
                 texts.append((path, render()))
             except Exception as error:
                 failures.append(error)
-        failures.extend(atomic_write_together(texts))
+        if not self._cleaned:
+            self._cleaned = True
+            remove_stale_temporaries(self.path)
+        errors = atomic_write_together(texts)
+        full = any(error.errno == errno.ENOSPC for error in errors)
+        # On a full disk, what earlier killed writes left may be what is missing.
+        if full and remove_stale_temporaries(self.path):
+            errors = atomic_write_together(texts)
+        failures.extend(errors)
         if failures:
             raise failures[0]
 
