@@ -92,32 +92,38 @@ def test_report_config_accepts_boundaries():
         (
             "rewrite_interval_s",
             0.0,
-            "ReportConfig.rewrite_interval_s must be a finite number > 0.0, got 0.0",
+            "ReportConfig.rewrite_interval_s must be a finite number > 0.0 and <= 31536000.0, "
+            "got 0.0",
         ),
         (
             "rewrite_interval_s",
             -1,
-            "ReportConfig.rewrite_interval_s must be a finite number > 0.0, got -1",
+            "ReportConfig.rewrite_interval_s must be a finite number > 0.0 and <= 31536000.0, "
+            "got -1",
         ),
         (
             "rewrite_interval_s",
             float("inf"),
-            "ReportConfig.rewrite_interval_s must be a finite number > 0.0, got inf",
+            "ReportConfig.rewrite_interval_s must be a finite number > 0.0 and <= 31536000.0, "
+            "got inf",
         ),
         (
             "rewrite_interval_s",
             float("nan"),
-            "ReportConfig.rewrite_interval_s must be a finite number > 0.0, got nan",
+            "ReportConfig.rewrite_interval_s must be a finite number > 0.0 and <= 31536000.0, "
+            "got nan",
         ),
         (
             "rewrite_interval_s",
             True,
-            "ReportConfig.rewrite_interval_s must be a finite number > 0.0, got True",
+            "ReportConfig.rewrite_interval_s must be a finite number > 0.0 and <= 31536000.0, "
+            "got True",
         ),
         (
             "rewrite_interval_s",
             "60",
-            "ReportConfig.rewrite_interval_s must be a finite number > 0.0, got '60'",
+            "ReportConfig.rewrite_interval_s must be a finite number > 0.0 and <= 31536000.0, "
+            "got '60'",
         ),
         (
             "max_echo_modules",

@@ -172,11 +172,15 @@ class Reference:
     """Hand-computed reference on an uninstrumented twin.
 
     For every step (:meth:`start`) and every (module, call) of the named modules: the
-    float64 RMS of the output and of the first gradient the output receives. Forwards
-    run without gradients (eval, recomputation) are ignored.
+    float64 RMS of the output and of the first gradient the output receives (with
+    ``total_gradients``, of the sum of the gradients it receives over several backward
+    passes). Forwards run without gradients (eval, recomputation) are ignored.
     """
 
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+    def __init__(
+        self, model: nn.Module, names: Sequence[str], *, total_gradients: bool = False
+    ) -> None:
+        self.total_gradients = total_gradients
         self.steps: list[dict[tuple[str, int], dict[str, float]]] = []
         self._calls: dict[str, int] = {}
         modules = dict(model.named_modules())
@@ -191,9 +195,14 @@ class Reference:
             entry = {"activation": rms64(output)}
             self.steps[-1][(name, call)] = entry
             if output.requires_grad:
+                total: list[Tensor] = []
 
                 def on_grad(gradient: Tensor) -> None:
-                    entry.setdefault("grad_output", rms64(gradient))
+                    if not self.total_gradients:
+                        entry.setdefault("grad_output", rms64(gradient))
+                        return
+                    total.append(gradient.detach().double() + (total.pop() if total else 0))
+                    entry["grad_output"] = rms64(total[0])
 
                 output.register_hook(on_grad)
 
@@ -613,11 +622,12 @@ def twice_backward_step(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 
 
 def test_several_backward_passes_over_one_graph(tmp_path: Path) -> None:
-    """Expected: the first backward is the sample's gradient; later ones are counted as
-    ``repeated_backward_gradients`` (one per observed output tensor), not recorded."""
+    """Expected: the sample's output gradient is the total over the backward passes
+    (1.5 times the first pass's here); later passes are counted as
+    ``repeated_backward_gradients`` (one per observed output tensor) and summed."""
     model, twin = pair(MLP)
     plain = copy.deepcopy(model)
-    reference = Reference(plain, MLP_NAMES)  # keeps the first gradient of each output
+    reference = Reference(plain, MLP_NAMES, total_gradients=True)
     data = batches(4)
 
     attach(model, tmp_path)
@@ -633,6 +643,7 @@ def test_several_backward_passes_over_one_graph(tmp_path: Path) -> None:
     # One per measured output gradient and sample: the root's is fc2's (the same tensor,
     # measured once and shared), so 3 of the 4 modules have a hook that fires again.
     assert coverage["repeated_backward_gradients"] == 4 * (len(MLP_NAMES) - 1)
+    assert coverage["backward_gradients_summed"] == coverage["repeated_backward_gradients"]
     assert all(count == 4 for count in observations(report).values())
     check_against_reference(report, reference)
 

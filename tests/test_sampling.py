@@ -239,7 +239,8 @@ def test_resolve_passes_policy_objects_through():
 @pytest.mark.parametrize("bad", [0, -4, True, False])
 def test_resolve_rejects_bad_ints(bad):
     message = (
-        f"inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy, got {bad!r}"
+        "inject_observer: sampling must be None, an int >= 1 (at most 2**62) or a "
+        f"SamplingPolicy, got {bad!r}"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         resolve_sampling(bad)

@@ -7,12 +7,26 @@ import math
 from .errors import ConfigError
 
 
-def require_int(owner: str, name: str, value: object, *, minimum: int) -> int:
-    """Return ``value`` if it is an int (not bool) >= ``minimum``, else raise ``ConfigError``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+def shown(value: object) -> str:
+    """``repr(value)``, at most 80 characters (a value can be huge)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def require_int(
+    owner: str, name: str, value: object, *, minimum: int, maximum: int | None = None
+) -> int:
+    """Return ``value`` if it is an int (not bool) in ``[minimum, maximum]``, else raise
+    ``ConfigError`` naming ``owner.name``, the range and the value given."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{owner}.{name} must be an int >= {minimum}, got {shown(value)}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(
+            f"{owner}.{name} must be an int in [{minimum}, {maximum:,}], got {shown(value)}"
+        )
     return value
 
 
@@ -33,12 +47,15 @@ def require_float(
         bounds.append(f"<= {maximum}")
     expected = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{owner}.{name} must be {expected}, got {value!r}")
-    number = float(value)
+        raise ConfigError(f"{owner}.{name} must be {expected}, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the float range
+        raise ConfigError(f"{owner}.{name} must be {expected}, got {shown(value)}") from None
     if not math.isfinite(number):
-        raise ConfigError(f"{owner}.{name} must be {expected}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be {expected}, got {shown(value)}")
     if minimum is not None and (number < minimum or (exclusive_minimum and number == minimum)):
-        raise ConfigError(f"{owner}.{name} must be {expected}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be {expected}, got {shown(value)}")
     if maximum is not None and number > maximum:
-        raise ConfigError(f"{owner}.{name} must be {expected}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be {expected}, got {shown(value)}")
     return number

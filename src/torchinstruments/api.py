@@ -12,8 +12,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import torch
 from torch import nn
 
+from ._validate import shown
 from .config import ReportConfig, TrackConfig
 from .distributed import RANK_POLICIES, detect_rank
 from .errors import ConfigError, ObserverStateError
@@ -144,16 +146,43 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
+#: Most glob patterns in ``include`` or ``exclude``, and the longest one, in characters
+#: (each pattern is matched against every module name at injection).
+MAX_PATTERNS = 10_000
+MAX_PATTERN_CHARS = 1_024
+#: Most histogram specs.
+MAX_HISTOGRAM_SPECS = 64
+
+
+def _listed(name: str, value: Iterable[Any]) -> list[Any]:
+    """``list(value)``, or ``ConfigError`` naming ``name`` if iterating raises."""
+    try:
+        return list(value)
+    except Exception as error:
+        raise ConfigError(
+            f"inject_observer: {name} must be an iterable, got {shown(value)}, whose "
+            f"iteration raised {type(error).__name__}"
+        ) from error
+
+
 def _as_patterns(name: str, value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return (value,)
+        value = (value,)
     if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
-        return tuple(value)
+        patterns = tuple(value)
+        longest = max((len(p) for p in patterns), default=0)
+        if len(patterns) <= MAX_PATTERNS and longest <= MAX_PATTERN_CHARS:
+            return patterns
+        raise ConfigError(
+            f"inject_observer: {name} must hold at most {MAX_PATTERNS:,} patterns of at "
+            f"most {MAX_PATTERN_CHARS} characters, got {len(patterns)} patterns, the "
+            f"longest of {longest} characters"
+        )
     raise ConfigError(
         f"inject_observer: {name} must be a glob pattern string or a sequence of them, "
-        f"got {value!r}"
+        f"got {shown(value)}"
     )
 
 
@@ -167,7 +196,7 @@ def _as_types(value: type | Sequence[type] | None) -> tuple[type, ...] | None:
     if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise ConfigError(
             "inject_observer: module_types must be an nn.Module subclass or a sequence of "
-            f"them, got {value!r}"
+            f"them, got {shown(value)}"
         )
     return types
 
@@ -183,12 +212,13 @@ def select_modules(
     Default: the root and every leaf module (one without children). With ``include``
     (glob patterns on qualified names, ``""`` is the root) and/or ``module_types``, the
     modules matching any pattern or type, plus the root. ``exclude`` patterns remove
-    modules (never the root, whose hooks define the sample).
+    modules (never the root, whose hooks define the sample). TorchScript submodules
+    (``torch.jit.script`` or ``trace`` results) take no hooks and are never selected.
     """
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     for name, module in root.named_modules():
-        if id(module) in seen:
+        if id(module) in seen or (module is not root and _is_scripted(module)):
             continue
         if module is root:
             selected = True
@@ -204,6 +234,20 @@ def select_modules(
             seen.add(id(module))
             chosen.append((name, module))
     return chosen
+
+
+def _is_scripted(module: nn.Module) -> bool:
+    script_module = getattr(getattr(torch, "jit", None), "ScriptModule", None)
+    return script_module is not None and isinstance(module, script_module)
+
+
+def scripted_submodules(root: nn.Module) -> list[str]:
+    """Names of the TorchScript submodules of ``root`` (not their own children)."""
+    names: list[str] = []
+    for name, module in root.named_modules():
+        if name and _is_scripted(module) and not any(name.startswith(f"{n}.") for n in names):
+            names.append(name)
+    return names
 
 
 def inject_observer(
@@ -227,10 +271,11 @@ def inject_observer(
     """Attach a passive observer to ``model`` in place; train as usual.
 
     Hooks record activations (module outputs) and output gradients of the selected
-    modules on sampled training forwards; the report is rewritten every
-    ``report_config.rewrite_interval_s`` seconds, at :func:`remove_observer` and at
-    interpreter exit. Outputs, gradients, parameters and ``state_dict()`` are unchanged;
-    no parameter, buffer or submodule is added.
+    modules on sampled training forwards; the report is written at once, at the end of
+    warm-up, every ``report_config.rewrite_interval_s`` seconds, on ``SIGTERM`` (then
+    the handler installed before runs, or the signal takes its default course), at
+    :func:`remove_observer` and at interpreter exit. Outputs, gradients, parameters
+    and ``state_dict()`` are unchanged; no parameter, buffer or submodule is added.
 
     Args:
         model: the root module (a DDP or DataParallel wrapper is unwrapped; names are
@@ -292,57 +337,68 @@ def inject_observer(
         raise ConfigError(
             f"inject_observer: model must be a torch.nn.Module, got {type(model).__name__}"
         )
-    if not isinstance(output_dir, str | os.PathLike) or str(output_dir) == "":
-        raise ConfigError(
-            f"inject_observer: output_dir must be a non-empty path, got {output_dir!r}"
-        )
+    _check_output_dir(output_dir)
     policy = resolve_sampling(sampling)
     reporting: ReportConfig = _typed("report_config", report_config, ReportConfig)
     tracking: TrackConfig = _typed("track_config", track_config, TrackConfig)
-    if rank_policy not in RANK_POLICIES:
+    if not isinstance(rank_policy, str) or rank_policy not in RANK_POLICIES:
         raise ConfigError(
-            f"inject_observer: rank_policy must be one of {RANK_POLICIES}, got {rank_policy!r}"
+            f"inject_observer: rank_policy must be one of {RANK_POLICIES}, got {shown(rank_policy)}"
         )
     if not isinstance(capture_direct_forwards, bool):
         raise ConfigError(
             "inject_observer: capture_direct_forwards must be a bool, "
-            f"got {capture_direct_forwards!r}"
+            f"got {shown(capture_direct_forwards)}"
         )
     if not isinstance(full_sentinel, bool):
-        raise ConfigError(f"inject_observer: full_sentinel must be a bool, got {full_sentinel!r}")
+        raise ConfigError(
+            f"inject_observer: full_sentinel must be a bool, got {shown(full_sentinel)}"
+        )
     if not isinstance(plots, bool):
-        raise ConfigError(f"inject_observer: plots must be a bool, got {plots!r}")
+        raise ConfigError(f"inject_observer: plots must be a bool, got {shown(plots)}")
     if plots:
         from .plots import require_matplotlib
 
         require_matplotlib()
     if not isinstance(write_files, bool):
-        raise ConfigError(f"inject_observer: write_files must be a bool, got {write_files!r}")
+        raise ConfigError(f"inject_observer: write_files must be a bool, got {shown(write_files)}")
     if isinstance(sinks, str | bytes) or not isinstance(sinks, Iterable):
-        raise ConfigError(f"inject_observer: sinks must be an iterable of sinks, got {sinks!r}")
-    sink_list = list(sinks)
+        raise ConfigError(
+            f"inject_observer: sinks must be an iterable of sinks, got {shown(sinks)}"
+        )
+    sink_list = _listed("sinks", sinks)
     for sink in sink_list:
         if not callable(getattr(sink, "write", None)):
             raise ConfigError(
-                f"inject_observer: each sink needs a write(report) method, got {sink!r}"
+                f"inject_observer: each sink needs a write(report) method, got {shown(sink)}"
             )
     if isinstance(histograms, HistogramSpec) or not isinstance(histograms, Iterable):
         raise ConfigError(
             "inject_observer: histograms must be an iterable of histogram(...) specs, "
-            f"got {histograms!r}"
+            f"got {shown(histograms)}"
         )
-    histogram_specs = tuple(histograms)
+    histogram_specs = tuple(_listed("histograms", histograms))
+    if len(histogram_specs) > MAX_HISTOGRAM_SPECS:
+        raise ConfigError(
+            f"inject_observer: histograms must hold at most {MAX_HISTOGRAM_SPECS} specs, "
+            f"got {len(histogram_specs)}"
+        )
     for spec in histogram_specs:
         if not isinstance(spec, HistogramSpec):
             raise ConfigError(
                 "inject_observer: each histograms entry must come from histogram(...), "
-                f"got {spec!r}"
+                f"got {shown(spec)}"
             )
     include_patterns = _as_patterns("include", include)
     exclude_patterns = _as_patterns("exclude", exclude)
     types = _as_types(module_types)
 
     root = _unwrap(model)
+    if _is_scripted(root):
+        raise ConfigError(
+            f"inject_observer: model must be an eager nn.Module, got the TorchScript module "
+            f"{type(root).__name__}; observe the module before scripting it"
+        )
     with _LOCK:
         for candidate in {id(model): model, id(root): root}.values():
             existing = _REGISTRY.get(candidate)
@@ -352,7 +408,8 @@ def inject_observer(
                     "remove_observer(model) before injecting again"
                 )
         rank_info = detect_rank()
-        directory = Path(output_dir)
+        # Resolved once: an os.chdir during training must not move later writes.
+        directory = Path(os.path.abspath(output_dir))
         if rank_policy == "all":
             directory = directory / f"rank-{rank_info.rank:03d}"
         if rank_policy == "rank0" and rank_info.rank != 0:
@@ -403,10 +460,21 @@ def inject_observer(
                 "include": list(include_patterns) if include_patterns else None,
                 "exclude": list(exclude_patterns) if exclude_patterns else None,
                 "module_types": [t.__name__ for t in types] if types else None,
+                "scripted_modules_skipped": scripted_submodules(root) or None,
             },
         )
         handle = ObserverHandle(model, observer, directory)
-        observer.attach()
+        try:
+            observer.attach()
+        except Exception as error:
+            observer.detach()  # all or nothing: no hook of ours stays behind
+            raise ObserverStateError(
+                f"inject_observer: could not attach to the model ({type(error).__name__}: "
+                f"{error}); no hook was left on it"
+            ) from error
+        # A first report at once: a run stopped before its first rewrite (at the end
+        # of warm-up, then every rewrite_interval_s) still leaves one.
+        observer.write_report(files_only=True)
         _forget_compiled_code()
         _REGISTRY[model] = handle
         if root is not model:
@@ -415,13 +483,39 @@ def inject_observer(
     return handle
 
 
+#: Longest ``output_dir`` accepted, in bytes of its file-system encoding (Linux's
+#: PATH_MAX is 4,096, including the names written under it).
+MAX_OUTPUT_DIR_BYTES = 3_072
+
+
+def _check_output_dir(output_dir: object) -> None:
+    """Raise ``ConfigError`` unless ``output_dir`` is a non-empty ``str`` path (or a
+    path-like giving one) without NUL, at most ``MAX_OUTPUT_DIR_BYTES`` long."""
+    expected = (
+        "inject_observer: output_dir must be a non-empty path (a str or os.PathLike[str] "
+        f"without NUL, at most {MAX_OUTPUT_DIR_BYTES} bytes)"
+    )
+    try:
+        text = os.fspath(output_dir) if isinstance(output_dir, str | os.PathLike) else None
+    except Exception:
+        text = None
+    if not isinstance(text, str) or text == "" or "\x00" in text:
+        raise ConfigError(f"{expected}, got {shown(output_dir)}")
+    try:
+        size = len(os.fsencode(text))
+    except UnicodeError:  # lone surrogates that the file-system encoding cannot write
+        raise ConfigError(f"{expected}, got {shown(output_dir)} (not encodable)") from None
+    if size > MAX_OUTPUT_DIR_BYTES:
+        raise ConfigError(f"{expected}, got a path of {size} bytes")
+
+
 def _typed(name: str, value: object, kind: type) -> Any:
     if value is None:
         return kind()
     if not isinstance(value, kind):
         raise ConfigError(
             f"inject_observer: {name} must be a {kind.__name__} or None, "
-            f"got {type(value).__name__} {value!r}"
+            f"got {type(value).__name__} {shown(value)}"
         )
     return value
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from .observer import Observer
 
-__all__ = ["compiled_frames", "in_backward", "iter_output_tensors"]
+__all__ = ["compiled_frames", "in_backward", "iter_output_tensors", "passive"]
 
 #: Deepest nesting of containers walked inside one module output.
 MAX_OUTPUT_DEPTH = 6
@@ -172,6 +172,44 @@ def compiled_frames() -> int:
         return int(counters["frames"]["total"]) + int(counters["stats"]["unique_graphs"])
     except Exception:
         return -1
+
+
+_dispatch_depth: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_DisableTorchFunction: Any = getattr(torch._C, "DisableTorchFunction", None)
+
+
+class _Passive:
+    """See :func:`passive`."""
+
+    __slots__ = ("_function", "_modes")
+
+    def __enter__(self) -> None:
+        self._function = _DisableTorchFunction() if _DisableTorchFunction is not None else None
+        if self._function is not None:
+            self._function.__enter__()
+        self._modes: Any = None
+        if _dispatch_depth():
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            self._modes = _disable_current_modes()
+            self._modes.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._modes is not None:
+            self._modes.__exit__(*exc)
+        if self._function is not None:
+            self._function.__exit__(*exc)
+
+
+def passive() -> _Passive:
+    """A context in which our own tensor work is invisible to user code: tensor
+    subclasses' ``__torch_function__`` and torch-function modes are off
+    (``torch._C.DisableTorchFunction``), and the user's ``TorchDispatchMode`` stack is
+    set aside for the duration (``_disable_current_modes``), then restored. Ops on a
+    subclass instance then return plain tensors. Costs a few microseconds; used on
+    sampled paths only (and the root sentinel, one forward in 8).
+    """
+    return _Passive()
 
 
 def in_backward() -> bool:

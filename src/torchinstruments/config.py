@@ -13,6 +13,13 @@ from ._validate import require_float, require_int
 
 __all__ = ["ReportConfig", "TrackConfig"]
 
+#: Upper bound of every byte limit (1 GiB): a report is read whole by its readers.
+MAX_BYTES_LIMIT = 1 << 30
+#: Upper bound of the per-category and per-table counts (findings, errors, echoes).
+MAX_ENTRIES_LIMIT = 10_000
+#: Upper bound of ``rewrite_interval_s``: one year, in seconds.
+MAX_REWRITE_INTERVAL_S = 365 * 24 * 3600.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReportConfig:
@@ -20,18 +27,24 @@ class ReportConfig:
 
     Args:
         max_bytes: upper bound, in bytes, on ``report.json`` as written (indented UTF-8
-            JSON). Findings are dropped round-robin from the weakest until it fits; what was
-            dropped is counted under ``coverage.findings_omitted``. Default 256,000.
-        top_k_per_category: most findings kept per category before the byte limit applies.
-            Default 20.
-        max_error_entries: most distinct hook errors listed under ``errors`` (all are
-            counted). Default 20.
+            JSON), from 4,096 to 2**30. Findings are dropped round-robin from the weakest
+            until it fits, then the sections named under ``coverage.sections_omitted``;
+            what was dropped is counted under ``coverage.findings_omitted``. Default
+            256,000.
+        top_k_per_category: most findings kept per category before the byte limit applies,
+            1 to 10,000. Default 20.
+        max_error_entries: most hook errors listed under ``errors`` (all are counted),
+            grouped by stage, module and exception type, 0 to 10,000. Default 20.
         rewrite_interval_s: seconds between report rewrites during training; the report is
-            also written at ``remove_observer`` and at interpreter exit. Default 60.
-        max_echo_modules: most echoing modules listed in one finding's evidence. Default 8.
+            also written at injection, at the end of warm-up
+            (``TrackConfig.warmup_samples`` samples), on ``SIGTERM``, at
+            ``remove_observer`` and at interpreter exit. Above 0, at most one year.
+            Default 60.
+        max_echo_modules: most echoing modules listed in one finding's evidence, 0 to
+            10,000. Default 8.
         series_summary_max_bytes: bound, in bytes, on ``series.json``, the per-series
             summary that run comparisons read; series past it are counted under
-            ``coverage.series_summary_omitted``. Default 2,000,000.
+            ``coverage.series_summary_omitted``. From 4,096 to 2**30; default 2,000,000.
 
     Raises:
         ConfigError: a field is out of range or of the wrong type.
@@ -49,20 +62,26 @@ class ReportConfig:
     series_summary_max_bytes: int = 2_000_000
 
     def __post_init__(self) -> None:
-        require_int("ReportConfig", "max_bytes", self.max_bytes, minimum=4_096)
-        require_int("ReportConfig", "top_k_per_category", self.top_k_per_category, minimum=1)
-        require_int("ReportConfig", "max_error_entries", self.max_error_entries, minimum=0)
+        owner, most = "ReportConfig", MAX_ENTRIES_LIMIT
+        require_int(owner, "max_bytes", self.max_bytes, minimum=4_096, maximum=MAX_BYTES_LIMIT)
+        require_int(owner, "top_k_per_category", self.top_k_per_category, minimum=1, maximum=most)
+        require_int(owner, "max_error_entries", self.max_error_entries, minimum=0, maximum=most)
         interval = require_float(
-            "ReportConfig",
+            owner,
             "rewrite_interval_s",
             self.rewrite_interval_s,
             minimum=0.0,
+            maximum=MAX_REWRITE_INTERVAL_S,
             exclusive_minimum=True,
         )
         object.__setattr__(self, "rewrite_interval_s", interval)
-        require_int("ReportConfig", "max_echo_modules", self.max_echo_modules, minimum=0)
+        require_int(owner, "max_echo_modules", self.max_echo_modules, minimum=0, maximum=most)
         require_int(
-            "ReportConfig", "series_summary_max_bytes", self.series_summary_max_bytes, minimum=4_096
+            owner,
+            "series_summary_max_bytes",
+            self.series_summary_max_bytes,
+            minimum=4_096,
+            maximum=MAX_BYTES_LIMIT,
         )
 
 
@@ -74,7 +93,8 @@ class TrackConfig:
         warmup_samples: samples a series must see before its baseline (mean and standard
             deviation of the first ``warmup_samples`` values, in the series' own scale:
             log for scale metrics) is frozen and its temporal indicators mean something.
-            Default 24: the first few dozen updates of a run move every signal fast.
+            3 to 1,000,000. Default 24: the first few dozen updates of a run move every
+            signal fast.
         fast_ema_alpha: smoothing factor of the fast exponential moving average, in (0, 1].
             Default 0.3 (about 6 samples of memory).
         slow_ema_alpha: smoothing factor of the slow EMA, in (0, 1]. Default 0.05 (about
@@ -88,9 +108,9 @@ class TrackConfig:
             (Montgomery, ch. 9): with k = 2.5 one value 7.5 spreads away alarms, or two
             values 5 spreads away.
         history_points: points of bounded history kept per series (downsampled by two each
-            time it fills). Default 32.
-        max_series: most series tracked; series beyond it are not created and are counted
-            under ``coverage.series_dropped``. Default 50,000.
+            time it fills), 4 to 4,096. Default 32.
+        max_series: most series tracked, 1 to 10,000,000; series beyond it are not
+            created and are counted under ``coverage.series_dropped``. Default 50,000.
 
     Raises:
         ConfigError: a field is out of range or of the wrong type.
@@ -105,7 +125,9 @@ class TrackConfig:
     max_series: int = 50_000
 
     def __post_init__(self) -> None:
-        require_int("TrackConfig", "warmup_samples", self.warmup_samples, minimum=3)
+        require_int(
+            "TrackConfig", "warmup_samples", self.warmup_samples, minimum=3, maximum=1_000_000
+        )
         for name in ("fast_ema_alpha", "slow_ema_alpha"):
             value = require_float(
                 "TrackConfig",
@@ -128,5 +150,5 @@ class TrackConfig:
             exclusive_minimum=True,
         )
         object.__setattr__(self, "cusum_threshold", threshold)
-        require_int("TrackConfig", "history_points", self.history_points, minimum=4)
-        require_int("TrackConfig", "max_series", self.max_series, minimum=1)
+        require_int("TrackConfig", "history_points", self.history_points, minimum=4, maximum=4_096)
+        require_int("TrackConfig", "max_series", self.max_series, minimum=1, maximum=10_000_000)

@@ -23,15 +23,21 @@ from .errors import ConfigError
 
 __all__ = ["Histogram", "HistogramSpec", "histogram", "histogram_counts"]
 
+#: Most bins of one histogram. Each observed tensor's counts are a float64 row of
+#: ``bins + 3`` held until the next flush (up to 4,096 rows) and kept per series; at
+#: 4,096 bins that is 32 KiB per row, 128 MiB for a full batch of pending rows.
+MAX_BINS = 4_096
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HistogramSpec:
     """Which tensors get a histogram, and its fixed edges.
 
     Args:
-        bins: equal-width bins over ``value_range``. Default 64.
+        bins: equal-width bins over ``value_range``, 1 to ``MAX_BINS`` (4,096). Default 64.
         value_range: ``(low, high)`` in the tensor's units, low < high. Default (-8, 8).
-        every_n_samples: take a histogram every n-th sample of a series. Default 10.
+        every_n_samples: take a histogram every n-th sample of a series, 1 to 2**31.
+            Default 10.
         signals: ``"activation"`` and/or ``"grad_output"``. Default activations only.
         include: glob patterns of module names; None for every observed module.
 
@@ -46,8 +52,10 @@ class HistogramSpec:
     include: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        require_int("histogram", "bins", self.bins, minimum=1)
-        require_int("histogram", "every_n_samples", self.every_n_samples, minimum=1)
+        require_int("histogram", "bins", self.bins, minimum=1, maximum=MAX_BINS)
+        require_int(
+            "histogram", "every_n_samples", self.every_n_samples, minimum=1, maximum=1 << 31
+        )
         if not isinstance(self.value_range, tuple | list) or len(self.value_range) != 2:
             raise ConfigError(
                 f"histogram.value_range must be a (low, high) pair, got {self.value_range!r}"

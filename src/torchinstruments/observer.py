@@ -13,8 +13,11 @@ needs them; see :meth:`Observer._park_hooks`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import math
+import os
+import signal
 import sys
 import threading
 import time
@@ -42,6 +45,7 @@ from .capture import (
     compiled_frames,
     in_backward,
     iter_output_tensors,
+    passive,
 )
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
@@ -243,8 +247,11 @@ class Observer:
         sinks: Iterable[Any],
         options: dict[str, object],
     ) -> None:
-        self.target = target
-        self.root = root
+        # Weak: the registry maps the model to its handle, which holds this observer;
+        # a strong reference back would keep a model dropped without remove_observer
+        # alive for the life of the process.
+        self._target = weakref.ref(target)
+        self._root = weakref.ref(root)
         self.names = [name for name, _ in modules]
         self._modules = [weakref.ref(module) for _, module in modules]
         self.policy = policy
@@ -386,7 +393,7 @@ class Observer:
         self.series_dropped = 0
         self.paths_dropped = 0
         self.skipped_tensors: Counter[str] = Counter()
-        self.errors: dict[tuple[str, str, str, str], _ErrorEntry] = {}
+        self.errors: dict[tuple[str, str, str], _ErrorEntry] = {}
         self.error_count = 0
         self.reports_written = 0
         self.telemetry_seconds = 0.0
@@ -398,9 +405,39 @@ class Observer:
         self._last_write = time.monotonic()
         self._rewrite_interval_s = report_config.rewrite_interval_s
         self._warned_write = False
+        #: True while a report is being built and written (see _TerminationWriter).
+        self.writing = False
+        #: In a process forked after injection: the parent's pid, and the training
+        #: forwards seen before the fork (see :meth:`forked`); None in the original.
+        self.forked_from_pid: int | None = None
+        self.forwards_at_fork = 0
+        #: Staged float32 copies of output gradients, by (key, sample), while they are
+        #: not reduced yet: a later backward pass over the same sample adds into them
+        #: (see _sum_repeated). Cleared whenever staged copies are reduced.
+        self._grad_buffers: dict[tuple[_Key, int], Tensor] = {}
+        self._last_staged: Tensor | None = None
+        self.gradients_summed = 0
+        self.gradients_not_summed = 0
+        #: Indices of the observed modules that ran in a sampled forward.
+        self.modules_called: set[int] = set()
+        #: Module name -> the name of the parent observed in its place, because the
+        #: module never ran in the first sampled forward (see _adopt_parents).
+        self.parents_adopted: dict[str, str] = {}
+        self._adoption_done = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = _AtExit(self)
+
+    @property
+    def target(self) -> nn.Module | None:
+        """The model given to ``inject_observer`` (None once it was collected)."""
+        return self._target()
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The observed root module (the model inside DDP or compile wrappers), or None
+        once it was collected."""
+        return self._root()
 
     # ------------------------------------------------------------------ attach
     def attach(self) -> None:
@@ -441,6 +478,7 @@ class Observer:
         self.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
+        _on_termination.add(self)
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
@@ -471,6 +509,7 @@ class Observer:
         self._state_stack.clear()
         self._no_grad_calls.clear()
         atexit.unregister(self._atexit)
+        _on_termination.discard(self)
 
     # ------------------------------------------------------------------ context
     def enter_root(self, module: nn.Module) -> None:
@@ -638,7 +677,10 @@ class Observer:
         if len(hooks) != 1 or key not in hooks:
             return False
         if not self._caller_depth:
-            self._caller_depth = _find_caller_depth(self.root, _getframe(1))
+            root = self.root
+            if root is None:
+                return False
+            self._caller_depth = _find_caller_depth(root, _getframe(1))
             if not self._caller_depth or self._root_forward_code is None:
                 self._open_ended_off = "caller of the root not found"
                 return False
@@ -804,6 +846,12 @@ class Observer:
             self.on_forward(index, args, output)
             if self._sample_outputs and len(self._state_stack) == 1:
                 self._sample_outputs = {}  # the forward is over: its outputs are not shared
+            if not self._adoption_done and state == self.SAMPLED and len(stack) == 1:
+                self._adoption_done = True
+                try:
+                    self._adopt_parents()
+                except Exception as error:  # never break training
+                    self.record_error("adopt_parents", "", error)
         elif (
             self._unsampled_training
             and len(self._state_stack) == 1  # the outer call, not the root calling itself
@@ -823,11 +871,12 @@ class Observer:
         A hit counts, is recorded, and makes the next forwards sampled.
         """
         try:
-            if type(output) is Tensor and output.is_floating_point():
-                # The common case, kept short: it runs in every unsampled forward.
-                self._sentinel_check(ROOT_INDEX, 0, "output", output)
-            else:
-                self._sentinel_output(ROOT_INDEX, 0, output)
+            with passive():
+                if type(output) is Tensor and output.is_floating_point():
+                    # The common case, kept short: one forward in 8 between samples.
+                    self._sentinel_check(ROOT_INDEX, 0, "output", output)
+                else:
+                    self._sentinel_output(ROOT_INDEX, 0, output)
         except Exception as error:  # never break training
             self.record_error("sentinel", "", error)
 
@@ -961,6 +1010,10 @@ class Observer:
         if sampled:
             self._sample = self.samples_observed
             self.samples_observed += 1
+            if self.samples_observed == self.track_config.warmup_samples:
+                # The first rewrite falls due at the end of warm-up (at the next
+                # _maybe_flush), not only rewrite_interval_s after injection.
+                self._last_write = -math.inf
             self.sample_forwards.append(index)
             if self.caller_step is not None:
                 steps = self._sample_steps
@@ -981,14 +1034,18 @@ class Observer:
         """A selected module returned ``output`` (only called when not in SKIP state)."""
         started = time.perf_counter()
         try:
-            self._on_forward(index, args, output)
+            with passive():
+                self._on_forward(index, args, output)
         finally:
             self._note_cost(time.perf_counter() - started)
 
     def _note_cost(self, seconds: float) -> None:
         self.telemetry_seconds += seconds
         if self._cost_listener is not None:
-            self._cost_listener(seconds)
+            try:  # a user policy's method: whatever it raises stays here
+                self._cost_listener(seconds)
+            except Exception as error:
+                self.record_error("policy.note_cost", "", error)
 
     def _on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
         if not self.attached:
@@ -1043,6 +1100,7 @@ class Observer:
         return self._sample_open
 
     def _observe_call(self, index: int, args: tuple[object, ...], output: object) -> None:
+        self.modules_called.add(index)
         calls = self._calls
         call = calls.get(index, 0)
         calls[index] = call + 1
@@ -1142,7 +1200,8 @@ class Observer:
         """An output gradient arrived for a sampled tensor."""
         started = time.perf_counter()
         try:
-            self._on_grad(key, sample, grad)
+            with passive():
+                self._on_grad(key, sample, grad)
         finally:
             self._note_cost(time.perf_counter() - started)
 
@@ -1165,7 +1224,8 @@ class Observer:
                 if self._implicit_opener is not None and sample == self._sample:
                     self._implicit_backward_seen = True
             elif key in seen:
-                self.repeated_gradients += 1  # retain_graph: a second backward
+                self.repeated_gradients += 1  # retain_graph: another backward pass
+                self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
                 return
             seen.add(key)
             reason = skip_reason(grad)
@@ -1173,11 +1233,34 @@ class Observer:
                 self.skipped_tensors[f"grad_{reason}"] += 1
                 return
             index, call, path = key
-            self._measure((index, call, GRAD_OUTPUT, path), sample, -1, grad)
+            grad_key = (index, call, GRAD_OUTPUT, path)
+            self._last_staged = None
+            self._measure(grad_key, sample, -1, grad)
+            if self._last_staged is not None:
+                buffers = self._grad_buffers
+                buffers[(grad_key, sample)] = self._last_staged
+                self._last_staged = None
+                if len(buffers) > MAX_PENDING_RECORDS:
+                    del buffers[next(iter(buffers))]
             if self.histogram_specs:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
             self.record_error("backward", self.names[key[0]], error)
+
+    def _sum_repeated(self, key: _Key, sample: int, grad: Tensor) -> None:
+        """Another backward pass over sample ``sample`` (``retain_graph=True``) brought
+        ``grad`` for ``key``: add it to the staged copy of the earlier passes' gradient,
+        so that what is measured is the total gradient that reached the output. Only
+        while that copy is not reduced yet (small tensors, until the next flush or the
+        slab fills: backward passes run one after the other within a step); otherwise
+        counted under ``coverage.backward_gradients_not_summed``."""
+        buffer = self._grad_buffers.get((key, sample))
+        if buffer is None or buffer.numel() != grad.numel() or skip_reason(grad) is not None:
+            self.gradients_not_summed += 1
+            return
+        with self._slab_lock:
+            buffer.view(grad.shape).add_(grad.detach())
+        self.gradients_summed += 1
 
     def note_loss_scale(self, scale: Tensor) -> None:
         """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``.
@@ -1188,7 +1271,8 @@ class Observer:
         if not self.attached or not self._awaiting_backward:
             return
         try:
-            value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
+            with passive():
+                value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
             for sample in self._awaiting_backward:
                 self._append_record((-1, 0, _LOSS_SCALE, ""), sample, value)
         except Exception as error:
@@ -1233,6 +1317,7 @@ class Observer:
             if device_type == "cuda":
                 self._producer_streams.add(torch.cuda.current_stream(tensor.device))
             self._device_staged_elements += numel
+            self._last_staged = copy.view(-1)
             if self._device_staged_elements > DEVICE_STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
@@ -1257,6 +1342,7 @@ class Observer:
                     records.append((key, sample, position))
                     slab.used = True
                     self._slab_records += 1
+                    self._last_staged = row
                     if len(records) == slab.capacity:
                         self._reduce_slab(slab)
                     return
@@ -1267,6 +1353,7 @@ class Observer:
             )
             self._staged.append((key, sample, position, copy.view(-1)))
             self._staged_elements += numel
+            self._last_staged = copy.view(-1)
             if self._staged_elements > STAGE_MAX_ELEMENTS:
                 self._reduce_staged()
             return
@@ -1320,6 +1407,8 @@ class Observer:
         records = slab.records
         if not records:
             return
+        self._grad_buffers.clear()  # rows are reused: no gradient may be added any more
+        self._last_staged = None
         slab.records = []
         self._slab_records -= len(records)
         matrix = slab.matrix[: len(records)]
@@ -1354,6 +1443,8 @@ class Observer:
         if self._slabs or self._lengths_seen:
             self._reduce_slabs()
         staged = self._staged
+        self._grad_buffers.clear()  # reduced below: no gradient may be added any more
+        self._last_staged = None
         # Pop rather than swap lists: worker threads may be appending meanwhile.
         taken = [staged.popleft() for _ in range(len(staged))]
         self._staged_elements = self._device_staged_elements = 0
@@ -1446,10 +1537,20 @@ class Observer:
             entry.append((key, position))
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
-        """Count an error raised inside a hook; keep the first few distinct ones."""
+        """Count an error raised inside a hook; keep the first few distinct ones.
+
+        Errors are grouped by kind and place (stage, module, exception type), never by
+        message text, which may vary from one occurrence to the next (a temporary
+        file name, a tensor shape): one failure repeated fills one entry, which keeps
+        the first message, so a later, different error still gets an entry of its own.
+        """
         self.error_count += 1
-        message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        key = (stage, module, type(error).__name__, message)
+        try:
+            text = str(error).strip()
+        except Exception:  # a user exception whose __str__ raises
+            text = ""
+        message = text.splitlines()[0][:300] if text else ""
+        key = (stage, module, type(error).__name__)
         entry = self.errors.get(key)
         if entry is None:
             if len(self.errors) >= max(self.report_config.max_error_entries, 1) * 4:
@@ -1482,6 +1583,10 @@ class Observer:
         only batches whose copy has completed are processed, so no hook waits on the
         device; ``block=True`` waits for all of them.
         """
+        with passive():
+            self._flush_statistics(block)
+
+    def _flush_statistics(self, block: bool) -> None:
         self._reduce_staged()
         pending = self._pending
         if pending:
@@ -1665,26 +1770,145 @@ class Observer:
         self.flush_statistics(block=block)
         return build_report(self)
 
-    def write_report(self, *, block: bool = True) -> None:
-        """Build the report and hand it to the writer and sinks; never raises."""
-        started = time.perf_counter()
-        try:
-            self._write_report(block)
-        finally:
-            self._note_cost(time.perf_counter() - started)
+    def write_report(
+        self, *, block: bool = True, flush: bool = True, files_only: bool = False
+    ) -> None:
+        """Build the report and hand it to the writer and sinks; never raises.
 
-    def _write_report(self, block: bool) -> None:
+        ``flush=False`` writes what is on the host already (pending statistics stay
+        pending): used from a signal handler that may have interrupted a flush.
+        ``files_only=True`` writes the files of ``output_dir`` and nothing to the sinks
+        (the first report, written at injection).
+        """
+        if self.forked_from_pid is not None and self.forwards_seen == self.forwards_at_fork:
+            return  # a forked child that never trained: nothing of its own to write
+        started = time.perf_counter()
+        self.writing = True
+        try:
+            with passive():
+                self._write_report(block, flush, files_only)
+        except Exception as error:  # never into training, whatever the warning filters
+            self.record_error("report", "", error)
+        finally:
+            self.writing = False
+            self._note_cost(time.perf_counter() - started)
+        _on_termination.deliver_deferred()
+
+    def _adopt_parents(self) -> None:
+        """After the first sampled training forward: observe the parent of every
+        selected module that did not run in it, if the parent is not observed yet.
+
+        A parent that computes with a child's weights in functional code never calls
+        the child: ``nn.MultiheadAttention`` applies ``out_proj`` with
+        ``F.multi_head_attention_forward``, so the attention output of every
+        ``nn.TransformerEncoderLayer`` would go unobserved. Its parent's output is that
+        output. Adopted parents are listed under ``coverage.parents_observed``.
+        """
+        root = self.root
+        if root is None or self.capture_direct_forwards:
+            return
+        observed = {id(ref()) for ref in self._modules}
+        for index, name in enumerate(list(self.names)):
+            if index == ROOT_INDEX or index in self.modules_called:
+                continue
+            parent_name = name.rpartition(".")[0]
+            if not parent_name or parent_name in self.parents_adopted.values():
+                if parent_name:
+                    self.parents_adopted[name] = parent_name
+                continue
+            try:
+                parent = root.get_submodule(parent_name)
+            except AttributeError:
+                continue
+            if id(parent) in observed or isinstance(parent, nn.ModuleList | nn.ModuleDict):
+                continue  # observed already, or a container that is never called
+            new_index = len(self.names)
+            self.names.append(parent_name)
+            self._modules.append(weakref.ref(parent))
+            for kind in (ACTIVATION, GRAD_OUTPUT):
+                self._hist_plan[(new_index, kind)] = tuple(
+                    n
+                    for n, spec in enumerate(self.histogram_specs)
+                    if spec.applies_to(parent_name, kind)
+                )
+            hook = ForwardHook(self, new_index)
+            handle = parent.register_forward_hook(hook)
+            self._handles.append(handle)
+            self._parkable.append((parent._forward_hooks, handle.id, hook))
+            observed.add(id(parent))
+            self.parents_adopted[name] = parent_name
+
+    def modules_replaced(self) -> list[str]:
+        """Names of observed modules that are no longer in their place in the model
+        (``model.h[1].ln_1 = nn.Identity()`` after injection): the module now there
+        carries no hook of ours, so that place is no longer observed."""
+        root = self.root
+        if root is None:
+            return []
+        replaced = []
+        for index, name in enumerate(self.names):
+            if index == ROOT_INDEX:
+                continue
+            try:
+                current: object = root.get_submodule(name)
+            except AttributeError:
+                current = None
+            if current is not self._modules[index]():
+                replaced.append(name)
+        return replaced
+
+    def forked(self, parent_pid: int) -> None:
+        """Called in a child process forked while this observer was attached.
+
+        The child must never write the parent's files: its directory writers are
+        pointed at ``fork-<pid>/`` under the parent's directory, other sinks (the
+        parent's loggers) are dropped, and nothing at all is written unless the child
+        runs a training forward of its own (a DataLoader worker never does; Hogwild
+        training with ``torch.multiprocessing`` does, and then says so in ``run``).
+        """
+        from .sinks import DirectorySink
+
+        def own(sink: object) -> object:
+            if not isinstance(sink, DirectorySink):
+                return None
+            return DirectorySink(
+                sink.path / f"fork-{os.getpid()}",
+                write_full_details=sink.write_full_details,
+                plots=sink.plots,
+                write_series_summary=sink.write_series_summary,
+            )
+
+        self.forked_from_pid = parent_pid
+        self.forwards_at_fork = self.forwards_seen
+        self.writer = own(self.writer)
+        self.sinks = [s for s in map(own, self.sinks) if s is not None]
+        self._scalar_sinks = []
+        self._histogram_sinks = []
+
+    def write_on_signal(self) -> None:
+        """Write the report from a signal handler, which runs on the main thread between
+        two bytecodes, possibly inside one of our hooks: pending statistics are flushed
+        only if the staging lock can be taken (the interrupted code may hold it)."""
+        if self._slab_lock.acquire(timeout=0.5):
+            self._slab_lock.release()
+            self.write_report()
+        else:
+            self.write_report(flush=False)
+
+    def _write_report(self, block: bool, flush: bool = True, files_only: bool = False) -> None:
         from .report import build_report, build_series_summary
 
         self._last_write = time.monotonic()
+        sinks = () if files_only else self.sinks
         summarising = [
             target
-            for target in (self.writer, *self.sinks)
+            for target in (self.writer, *sinks)
             if target is not None and getattr(target, "write_series_summary", False)
         ]
         summary = None
         try:
-            self.flush_statistics(block=block)
+            if flush:
+                self.flush_statistics(block=block)
             if summarising:
                 # Before the report, whose coverage counts the rows it omits.
                 summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
@@ -1701,33 +1925,28 @@ class Observer:
             try:
                 writer.write(report)
                 self.reports_written += 1
-            except Exception as error:
-                writer = None  # no further files into a directory that refused the report
+            except Exception as error:  # each file is written on its own: go on
                 self.record_error("write", "", error)
                 if not self._warned_write:
                     self._warned_write = True
-                    warnings.warn(
+                    _warn(
                         f"torchinstruments could not write its report ({error}); training "
-                        "continues, the error is counted and the next write is retried",
-                        RuntimeWarning,
-                        stacklevel=2,
+                        "continues, the error is counted and the next write is retried"
                     )
-        for sink in self.sinks:
+        for sink in sinks:
             try:
                 sink.write(report)
             except Exception as error:
                 self.record_error("sink", type(sink).__name__, error)
         if summary is not None:
             for target in summarising:
-                if target is self.writer and writer is None:
-                    continue  # no further files into a directory that refused the report
                 try:
                     target.write_summary(summary)
                 except Exception as error:
                     self.record_error("series_summary", type(target).__name__, error)
         wanting = [
             target
-            for target in (writer, *self.sinks)
+            for target in (writer, *sinks)
             if target is not None and getattr(target, "write_full_details", False)
         ]
         if wanting:
@@ -1739,6 +1958,118 @@ class Observer:
                     target.write_details(details)
                 except Exception as error:
                     self.record_error("details", type(target).__name__, error)
+
+
+def _warn(message: str) -> None:
+    """Issue a ``RuntimeWarning`` that never raises: under ``-W error`` (or a
+    ``filterwarnings = error`` test setting) a warning becomes an exception, which must
+    not reach the training loop; it is then dropped (the error it reports is counted in
+    the report anyway)."""
+    with contextlib.suppress(Exception):
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class _TerminationWriter:
+    """Writes the report of every live observer when the process gets ``SIGTERM``.
+
+    torchrun, SLURM, Kubernetes and ``timeout`` stop a job with SIGTERM, whose default
+    action ends the process without running ``atexit`` handlers. The handler is
+    installed (from the main thread only, where Python allows it) when the first
+    observer attaches and put back when the last one detaches, if it is still ours.
+    On the signal it writes each live observer's report, then chains to the handler
+    that was installed before (a callable is called; ``SIG_IGN`` ignores the signal;
+    the default action is restored and the signal raised again, so the process ends
+    as it would have, with the same exit status). A signal that arrives while a report
+    is being written is handled once that write is over.
+    """
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Observer] = weakref.WeakSet()
+        self._previous: Any = None
+        self._installed = False
+        self._deferred: int | None = None
+
+    def live(self) -> list[Observer]:
+        """The attached observers of this process."""
+        return list(self._live)
+
+    def add(self, observer: Observer) -> None:
+        self._live.add(observer)
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+        except (ValueError, OSError, AttributeError):  # no SIGTERM, or not allowed here
+            return
+        self._installed = True
+
+    def discard(self, observer: Observer) -> None:
+        self._live.discard(observer)
+        if self._live or not self._installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._handle:
+                previous = self._previous
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        except (ValueError, OSError, TypeError):
+            return
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        live = list(self._live)
+        if any(getattr(observer, "writing", False) for observer in live):
+            self._deferred = signum  # handled by deliver_deferred once the write is over
+            return
+        for observer in live:
+            if observer.attached:
+                with contextlib.suppress(Exception):
+                    observer.write_on_signal()
+        self._chain(signum, frame)
+
+    def deliver_deferred(self) -> None:
+        """Handle a SIGTERM that arrived during a report write (called after each)."""
+        signum = self._deferred
+        if signum is None:
+            return
+        self._deferred = None
+        self._handle(signum, None)
+
+    def _chain(self, signum: int, frame: Any) -> None:
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        # The default action (or a handler not set from Python): end as it would have.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+_on_termination = _TerminationWriter()
+_parent_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork`` hook: re-point every live observer (see
+    :meth:`Observer.forked`); never raises into the child."""
+    global _parent_pid
+    parent, _parent_pid = _parent_pid, os.getpid()
+    for observer in list(_on_termination.live()):
+        with contextlib.suppress(Exception):
+            observer.forked(parent)
+
+
+def _before_fork() -> None:
+    global _parent_pid
+    _parent_pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 class _AtExit:

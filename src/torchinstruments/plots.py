@@ -9,6 +9,7 @@ install does not need matplotlib: asking for plots without it raises at injectio
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 from pathlib import Path
@@ -21,6 +22,10 @@ __all__ = ["MAX_PLOTS", "plot_filename", "render_plot", "require_matplotlib"]
 
 #: Most pictures written per report.
 MAX_PLOTS = 8
+#: Longest module part of a picture's file name, in characters (ASCII after
+#: :func:`plot_filename`): the whole name stays far below the 255 bytes that common
+#: file systems (ext4, XFS, APFS, NTFS) allow for one path component.
+MAX_NAME_PART = 80
 
 
 def require_matplotlib() -> None:
@@ -34,10 +39,33 @@ def require_matplotlib() -> None:
         ) from error
 
 
+def _name_part(text: str, limit: int) -> str:
+    """``text`` as a safe, bounded part of a file name: characters other than ASCII
+    letters, digits, ``.``, ``_`` and ``-`` become ``_``; leading and trailing ``.``
+    and ``_`` go; a part cut to ``limit`` characters ends in 8 hex digits of the SHA-1
+    of ``text``, so that two long names that share a prefix stay apart."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")
+    if len(safe) <= limit:
+        return safe
+    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{safe[: limit - 9].rstrip('._')}-{digest}"
+
+
 def plot_filename(number: int, finding: dict[str, Any]) -> str:
-    """``plots/01-activation_scale_drift-blocks.2.fc1-activation.png`` style names."""
-    module = re.sub(r"[^A-Za-z0-9._-]+", "_", str(finding["module"])).strip("_") or "root"
-    return f"plots/{number:02d}-{finding['category']}-{module}-{finding['signal']}.png"
+    """``plots/01-activation_scale_drift-blocks.2.fc1-activation.png`` style names.
+
+    Every part is made safe and bounded (see :data:`MAX_NAME_PART`): a module name of
+    any length or content gives a file name of at most about 140 ASCII characters.
+
+    Example:
+        >>> plot_filename(1, {"module": "a" * 300, "category": "oscillation",
+        ...                   "signal": "activation"})[:40]
+        'plots/01-oscillation-aaaaaaaaaaaaaaaaaaa'
+    """
+    module = _name_part(str(finding["module"]), MAX_NAME_PART) or "root"
+    category = _name_part(str(finding["category"]), 32)
+    signal = _name_part(str(finding["signal"]), 16)
+    return f"plots/{number:02d}-{category}-{module}-{signal}.png"
 
 
 def render_plot(finding: dict[str, Any]) -> bytes:
@@ -75,10 +103,17 @@ def render_plot(finding: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def write_plots(directory: Path, report: dict[str, Any], write: Any) -> list[str]:
+def write_plots(
+    directory: Path,
+    report: dict[str, Any],
+    write: Any,
+    failures: list[Exception] | None = None,
+) -> list[str]:
     """Render the notable findings' pictures; return the relative paths written.
 
     ``write(path, data)`` does the (atomic) file write, so the sink keeps ownership.
+    Each picture is independent: one that cannot be rendered or written is skipped
+    (its finding gets no ``plot`` link) and its error appended to ``failures``.
     """
     written: list[str] = []
     for finding in report.get("findings", []):
@@ -87,7 +122,12 @@ def write_plots(directory: Path, report: dict[str, Any], write: Any) -> list[str
         if not finding.get("notable") or len(finding.get("history") or []) < 2:
             continue
         name = plot_filename(len(written) + 1, finding)
-        write(directory / name, render_plot(finding))
+        try:
+            write(directory / name, render_plot(finding))
+        except Exception as error:
+            if failures is not None:
+                failures.append(error)
+            continue
         finding["plot"] = name
         written.append(name)
     return written

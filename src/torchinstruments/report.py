@@ -9,9 +9,11 @@ category. The same run gives the same report but for ``generated_at`` and ``run.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import platform
+import re
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -91,17 +93,49 @@ def _round(value: float) -> float | dict[str, object]:
     return float(f"{value:.6g}")
 
 
-def _clean(obj: object) -> Any:
-    """JSON-safe copy: floats rounded to 6 significant digits, no NaN or infinity."""
-    if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
+#: Longest name (module, tensor path) written to JSON, in characters; a longer one is
+#: cut and ends in 8 hex digits of its SHA-1 (see :func:`bounded_text`), the same in
+#: ``report.json`` and ``series.json``, so runs still compare by name.
+MAX_NAME_CHARS = 256
+#: Longest other string written to ``report.json`` (texts that quote names), in
+#: characters.
+MAX_TEXT_CHARS = 4_000
+#: Keys whose string values are names, bounded by ``MAX_NAME_CHARS``.
+_NAME_KEYS = frozenset({"module", "tensor_path", "modules_not_observed", "modules_never_ran"})
+
+
+def bounded_text(text: str, limit: int = MAX_NAME_CHARS) -> str:
+    """``text`` if it has at most ``limit`` characters; else its first characters, an
+    ellipsis and 8 hex digits of its SHA-1, ``limit`` characters in all (two long
+    names that share a prefix stay apart).
+
+    Example:
+        >>> bounded_text("a" * 300, 20)
+        'aaaaaaaaaa…1c2b7a5f'
+    """
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{text[: max(limit - 9, 0)]}…{digest}"
+
+
+def _clean(obj: object, limit: int = MAX_TEXT_CHARS) -> Any:
+    """JSON-safe copy: floats rounded to 6 significant digits, no NaN or infinity,
+    strings bounded (names by ``MAX_NAME_CHARS``, other texts by ``MAX_TEXT_CHARS``)."""
+    if isinstance(obj, bool) or obj is None or isinstance(obj, int):
         return obj
+    if isinstance(obj, str):
+        return obj if len(obj) <= limit else bounded_text(obj, limit)
     if isinstance(obj, float):
         return _round(obj)
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {
+            bounded_text(str(k)): _clean(v, MAX_NAME_CHARS if k in _NAME_KEYS else limit)
+            for k, v in obj.items()
+        }
     if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
-    return str(obj)
+        return [_clean(v, limit) for v in obj]
+    return bounded_text(str(obj), limit)
 
 
 def _point(point: SeriesPoint | None) -> dict[str, float | int]:
@@ -368,8 +402,23 @@ def _modules_not_observed(observer: Observer) -> list[str]:
     return missing[:MAX_MODULES_NOT_OBSERVED]
 
 
-def _limits_hit(observer: Observer, omitted_bytes: int, omitted_top_k: int) -> list[str]:
+def _modules_never_ran(observer: Observer) -> list[str]:
+    """Selected modules whose forward hook never fired in a sampled forward (a child
+    whose parent uses its weights functionally, a branch never taken), at most
+    ``MAX_MODULES_NOT_OBSERVED``; empty before the first sample."""
+    if not observer.samples_observed:
+        return []
+    called = observer.modules_called
+    names = [display_module(name) for i, name in enumerate(observer.names) if i and i not in called]
+    return names[:MAX_MODULES_NOT_OBSERVED]
+
+
+def _limits_hit(
+    observer: Observer, omitted_bytes: int, omitted_top_k: int, replaced: Sequence[str] = ()
+) -> list[str]:
     limits = []
+    if replaced:
+        limits.append("modules_replaced")
     if omitted_bytes:
         limits.append("max_bytes")
     if omitted_top_k:
@@ -441,6 +490,8 @@ def build_report(observer: Observer) -> dict[str, Any]:
         )
         order.extend(finding for _, finding in round_items)
     first_non_finite = _first_non_finite(ranked["non_finite"], observer)
+    replaced = [display_module(name) for name in observer.modules_replaced()]
+    never_ran = _modules_never_ran(observer)
 
     def assemble(kept: int) -> dict[str, Any]:
         findings = order[:kept]
@@ -473,6 +524,14 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "modules_selected": len(observer.names),
                     "modules_observed": _module_count(observer),
                     "modules_not_observed": _modules_not_observed(observer),
+                    "modules_never_ran": never_ran,
+                    "parents_observed": {
+                        display_module(child): display_module(parent)
+                        for child, parent in list(observer.parents_adopted.items())[
+                            :MAX_MODULES_NOT_OBSERVED
+                        ]
+                    },
+                    "modules_replaced": replaced[:MAX_MODULES_NOT_OBSERVED],
                     "tensor_paths_observed": len(
                         {(s.module, s.call_index, s.tensor_path) for s in observer.series.values()}
                     ),
@@ -488,6 +547,8 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "direct_call_samples": observer.implicit_samples,
                     "calls_outside_root_skipped": observer.calls_outside_root,
                     "repeated_backward_gradients": observer.repeated_gradients,
+                    "backward_gradients_summed": observer.gradients_summed,
+                    "backward_gradients_not_summed": observer.gradients_not_summed,
                     "loss_scaled_samples": observer.loss_scale.count,
                     "sentinel_checks": observer.sentinel_checks,
                     "sentinel_nonfinite_forwards": observer.sentinel_nonfinite_forwards,
@@ -500,14 +561,52 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "findings_returned": returned,
                     "findings_omitted": omitted,
                     "errors_total": observer.error_count,
-                    "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k),
+                    "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k, replaced),
                 },
                 "findings": findings,
                 "errors": _errors_section(observer),
             }
         )
 
-    return longest_fitting_prefix(assemble, len(order), config.max_bytes)
+    report = longest_fitting_prefix(assemble, len(order), config.max_bytes)
+    return _fit_sections(report, config.max_bytes)
+
+
+#: Sections emptied, in this order, when a report without findings still exceeds
+#: ``max_bytes``: (section, key, what replaces it).
+_SHRINKABLE: tuple[tuple[str, str, object], ...] = (
+    ("coverage", "histogram_summary", []),
+    ("coverage", "modules_not_observed", []),
+    ("coverage", "modules_never_ran", []),
+    ("coverage", "modules_replaced", []),
+    ("coverage", "parents_observed", {}),
+    ("", "errors", []),
+    ("", "config", {}),
+    ("coverage", "tensors_skipped", {}),
+    ("summary", "headline", None),  # None: cut to 200 characters
+)
+
+
+def _fit_sections(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """Empty the bounded-but-sizeable sections of ``report`` (see ``_SHRINKABLE``) one
+    by one until its bytes fit ``max_bytes``; each emptied one is named under
+    ``coverage.sections_omitted`` and ``max_bytes`` joins ``coverage.limits_hit``.
+    Findings were dropped first (all of them, if it comes to this)."""
+    if len(dumps_report(report)) <= max_bytes:
+        return report
+    coverage = report["coverage"]
+    omitted: list[str] = coverage.setdefault("sections_omitted", [])
+    if "max_bytes" not in coverage["limits_hit"]:
+        coverage["limits_hit"].append("max_bytes")
+    for section, key, empty in _SHRINKABLE:
+        holder = report[section] if section else report
+        if key not in holder or not holder[key]:
+            continue
+        holder[key] = bounded_text(holder[key], 200) if empty is None else empty
+        omitted.append(f"{section}.{key}" if section else key)
+        if len(dumps_report(report)) <= max_bytes:
+            break
+    return report
 
 
 def _sentinel_hits(observer: Observer) -> tuple[NonFiniteBetweenSamples, ...]:
@@ -623,6 +722,14 @@ def _run_section(observer: Observer) -> dict[str, Any]:
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
         "hook_parking": _hook_parking(observer),
+        **(
+            {
+                "forked_from_pid": observer.forked_from_pid,
+                "forwards_before_fork": observer.forwards_at_fork,
+            }
+            if observer.forked_from_pid is not None
+            else {}
+        ),
         "versions": {
             "torchinstruments": __version__,
             "torch": torch.__version__,
@@ -637,14 +744,58 @@ def _hook_parking(observer: Observer) -> str:
     return observer.hook_parking
 
 
+#: Most items of one list (or keys of one mapping) kept in the ``config`` section, and
+#: its deepest nesting: include lists and a custom policy's ``describe()`` are the
+#: user's, of any size.
+MAX_CONFIG_ITEMS = 32
+MAX_CONFIG_DEPTH = 4
+#: Longest string kept in the ``config`` section, in characters.
+MAX_CONFIG_TEXT = 256
+
+
+def _bounded_config(value: object, depth: int = 0) -> Any:
+    """A bounded copy of a config value: at most ``MAX_CONFIG_ITEMS`` items per list or
+    mapping (then one ``"... N more"`` entry), ``MAX_CONFIG_DEPTH`` levels and
+    ``MAX_CONFIG_TEXT`` characters per string."""
+    if isinstance(value, str):
+        return bounded_text(value, MAX_CONFIG_TEXT)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if depth >= MAX_CONFIG_DEPTH:
+        return bounded_text(f"<{type(value).__name__} nested deeper than {depth}>", 64)
+    if isinstance(value, dict):
+        items = list(value.items())
+        kept: dict[str, Any] = {
+            bounded_text(str(k), MAX_CONFIG_TEXT): _bounded_config(v, depth + 1)
+            for k, v in items[:MAX_CONFIG_ITEMS]
+        }
+        if len(items) > MAX_CONFIG_ITEMS:
+            kept["..."] = f"{len(items) - MAX_CONFIG_ITEMS} more"
+        return kept
+    if isinstance(value, list | tuple):
+        listed = [_bounded_config(v, depth + 1) for v in value[:MAX_CONFIG_ITEMS]]
+        if len(value) > MAX_CONFIG_ITEMS:
+            listed.append(f"... {len(value) - MAX_CONFIG_ITEMS} more")
+        return listed
+    return bounded_text(str(value), MAX_CONFIG_TEXT)
+
+
 def _config_section(observer: Observer) -> dict[str, Any]:
-    return {
-        "sampling": observer.policy.describe(),
-        "report": dataclasses.asdict(observer.report_config),
-        "track": dataclasses.asdict(observer.track_config),
-        "capture_direct_forwards": observer.capture_direct_forwards,
-        **observer.options,
-    }
+    """The settings of the run, bounded (see :func:`_bounded_config`)."""
+    try:
+        sampling: object = observer.policy.describe()
+    except Exception as error:  # a user policy's method
+        observer.record_error("policy.describe", "", error)
+        sampling = {"policy": type(observer.policy).__name__, "describe": "raised"}
+    return _bounded_config(
+        {
+            "sampling": sampling,
+            "report": dataclasses.asdict(observer.report_config),
+            "track": dataclasses.asdict(observer.track_config),
+            "capture_direct_forwards": observer.capture_direct_forwards,
+            **observer.options,
+        }
+    )
 
 
 #: Histograms summarised in ``report.json`` (those with the most mass out of range).
@@ -725,26 +876,90 @@ def sparkline(points: Sequence[Sequence[float]], *, log_scale: bool) -> str:
     return "".join(_SPARK_LEVELS[round((v - low) / (high - low) * top)] for v in values)
 
 
+#: Characters that would end a Markdown line or hide text: C0/C1 controls (NUL, CR,
+#: LF, ...) and Unicode line and paragraph separators.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape_controls(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def md_text(value: object) -> str:
+    """A user-derived string as Markdown text on one line: control characters shown as
+    ``\\xNN`` (so it cannot start a line, a heading or a fence), ``<`` and ``&`` as
+    entities (no HTML), and a leading block marker (``#``, ``>``, ``-``, ...) escaped.
+
+    Example:
+        >>> md_text("# x\n<b>")
+        '\\# x\\x0a&lt;b>'
+    """
+    text = _escape_controls(str(value)).replace("&", "&amp;").replace("<", "&lt;")
+    if text[:1] in ("#", ">", "-", "+", "*", "=", "|", "`", "~"):
+        text = "\\" + text
+    return text
+
+
+def md_code(value: object, *, in_table: bool = False) -> str:
+    """A user-derived string (a module name) as one Markdown code span: control
+    characters shown as ``\\xNN``, fenced with one backtick more than the longest run
+    inside it (CommonMark), and ``|`` escaped inside a table cell.
+
+    Example:
+        >>> md_code("a`b")
+        '``a`b``'
+    """
+    text = _escape_controls(str(value))
+    runs = [len(run) for run in re.findall(r"`+", text)]
+    fence = "`" * (max(runs, default=0) + 1)
+    if text.startswith("`") or text.endswith("`"):
+        text = f" {text} "
+    span = f"{fence}{text}{fence}"
+    return span.replace("|", "\\|") if in_table else span
+
+
 def _not_observed_text(coverage: dict[str, Any]) -> str:
     names = coverage.get("modules_not_observed") or []
     if not names:
         return ""
     more = coverage["modules_selected"] - coverage["modules_observed"] > len(names)
-    listed = ", ".join(f"`{name}`" for name in names) + ("..." if more else "")
+    listed = ", ".join(md_code(name) for name in names) + ("..." if more else "")
     return (
         " Not observed (never called in a sampled training forward, or no floating "
         f"output): {listed}."
     )
 
 
+def _placement_text(coverage: dict[str, Any]) -> str:
+    """Sentences on modules that never ran, parents observed in their place and
+    modules replaced after injection (their places are no longer observed)."""
+    parts = []
+    never = coverage.get("modules_never_ran") or []
+    if never:
+        parts.append(" Never ran in a sampled forward: " + ", ".join(map(md_code, never)) + ".")
+    parents = coverage.get("parents_observed") or {}
+    if parents:
+        pairs = ", ".join(f"{md_code(c)} by {md_code(p)}" for c, p in parents.items())
+        parts.append(f" Observed through their parent: {pairs}.")
+    replaced = coverage.get("modules_replaced") or []
+    if replaced:
+        parts.append(
+            " Replaced after injection, no longer observed: "
+            + ", ".join(map(md_code, replaced))
+            + "."
+        )
+    return "".join(parts)
+
+
 def _markdown_finding(f: dict[str, Any]) -> list[str]:
     title = f["category"].replace("_", " ").capitalize()
     call = "" if f.get("call_index") is None else f", call {f['call_index']}"
-    path = f" ({f['tensor_path']})" if f.get("tensor_path") else ""
+    path = f" ({md_text(f['tensor_path'])})" if f.get("tensor_path") else ""
     lines = [
-        f"### {title} #{f['rank']}: `{f['module']}`{call}, {f['signal']}.{f['metric']}{path}",
+        f"### {title} #{f['rank']}: {md_code(f['module'])}{call}, "
+        f"{f['signal']}.{f['metric']}{path}",
         "",
-        f["interpretation"],
+        md_text(f["interpretation"]),
         "",
     ]
     ranking = f.get("ranking", {})
@@ -760,7 +975,7 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
     )
     echoes = f.get("evidence", {}).get("echoes")
     if echoes:
-        names = ", ".join(f"`{e['module']}`" for e in echoes)
+        names = ", ".join(md_code(e["module"]) for e in echoes)
         lines.append(f"- Echoes at the same samples (not listed separately): {names}.")
     history = f.get("history") or []
     if len(history) >= 2:
@@ -773,7 +988,7 @@ def _markdown_finding(f: dict[str, Any]) -> list[str]:
     plot = f.get("plot")
     if plot:
         lines.append(f"- Picture: [{plot}]({plot})")
-    lines.append(f"- Next experiment: {f['next_experiment']}")
+    lines.append(f"- Next experiment: {md_text(f['next_experiment'])}")
     lines.append("")
     return lines
 
@@ -785,7 +1000,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# torchinstruments report",
         "",
-        f"**{summary['headline']}**",
+        f"**{md_text(summary['headline'])}**",
         "",
         (
             "Single process"
@@ -805,8 +1020,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             else f"training forward {first['forward_index']} (between samples)"
         )
         lines += [
-            f"First non-finite value: {where}, `{first['module']}` call "
-            f"{first['call_index']}, {first['signal']} {first['tensor_path']}"
+            f"First non-finite value: {where}, {md_code(first['module'])} call "
+            f"{first['call_index']}, {first['signal']} {md_text(first['tensor_path'])}"
             + (" (the run recovered)." if first.get("recovered") else "."),
             "",
         ]
@@ -833,8 +1048,9 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             shown[f["category"]] = shown.get(f["category"], 0) + 1
             lines.append(
-                f"| {f['category']} | {f['rank']} | `{f['module']}` | {f.get('call_index', '')} "
-                f"| {f['signal']}.{f['metric']} | {f.get('tensor_path', '')} "
+                f"| {f['category']} | {f['rank']} | {md_code(f['module'], in_table=True)} "
+                f"| {f.get('call_index', '')} | {f['signal']}.{f['metric']} "
+                f"| {md_code(f.get('tensor_path') or '', in_table=True)} "
                 f"| {f['first']['value']} @{f['first']['sample']} "
                 f"| {f['latest']['value']} @{f['latest']['sample']} |"
             )
@@ -844,10 +1060,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- Modules observed: {coverage['modules_observed']} of {coverage['modules_selected']} "
         f"selected; tensor paths: {coverage['tensor_paths_observed']}; series: "
-        f"{coverage['series']}.{_not_observed_text(coverage)}",
+        f"{coverage['series']}.{_not_observed_text(coverage)}{_placement_text(coverage)}",
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
-        f"- Tensors skipped: {coverage['tensors_skipped'] or 'none'}.",
+        f"- Tensors skipped: {md_text(coverage['tensors_skipped'] or 'none')}.",
         f"- Findings returned: {sum(coverage['findings_returned'].values())}; limits that "
         f"removed evidence: {', '.join(coverage['limits_hit']) or 'none'}.",
         f"- Hook errors: {coverage['errors_total']}.",
@@ -857,7 +1073,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["## Errors caught in hooks", ""]
         for e in report["errors"]:
             lines.append(
-                f"- {e['stage']} `{e['module']}`: {e['error_type']}: {e['message']} ({e['count']}x)"
+                f"- {md_text(e['stage'])} {md_code(e['module'])}: {md_text(e['error_type'])}: "
+                f"{md_text(e['message'])} ({e['count']}x)"
             )
         lines.append("")
     lines += [
@@ -979,10 +1196,10 @@ def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[
     first_nonzero = tracker.first_nonzero
     low, high = tracker.min, tracker.max
     return {
-        "module": display_module(series.module),
+        "module": bounded_text(display_module(series.module)),
         "call_index": series.call_index,
         "signal": series.signal,
-        "tensor_path": series.tensor_path,
+        "tensor_path": bounded_text(series.tensor_path),
         "metric": metric,
         "forward_position": position,
         "count": tracker.count,
@@ -1028,22 +1245,38 @@ def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
         for metric in SUMMARY_METRICS
         if (tracker := series.trackers.get(metric)) is not None and tracker.count
     ]
+    # One encoder for every row: json.dumps with options builds a new one per call.
+    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+    # The names of the selected modules take at most half of max_bytes: the first
+    # ones in selection order, the rest counted under modules_selected_omitted.
+    names: list[str] = []
+    room = max_bytes // 2
+    for name in observer.names:
+        text = bounded_text(name)
+        room -= _utf8_length(encode(text)) + 1
+        if room < 0:
+            break
+        names.append(text)
     header = _clean(
         {
             "schema": SERIES_SCHEMA,
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "run": _run_section(observer),
             "config": _config_section(observer),
-            "modules_selected": list(observer.names),
+            "modules_selected": names,
+            "modules_selected_omitted": len(observer.names) - len(names),
             "sample_forwards": {
                 "runs": observer.sample_forwards.runs,
                 "complete": observer.sample_forwards.complete,
             },
         }
     )
-    # One encoder for every row: json.dumps with options builds a new one per call.
-    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
     header_text = encode(header)
+    if _utf8_length(header_text) > max_bytes - 64:
+        # A tiny bound: the schedule's runs (up to 1,024) and the settings go first.
+        header["sample_forwards"] = {"runs": [], "complete": False}
+        header["config"] = {}
+        header_text = encode(header)
     budget = max_bytes - _utf8_length(header_text) - 64
     kept: list[dict[str, Any]] = []
     texts: list[str] = []

@@ -14,7 +14,7 @@ import bisect
 import time
 from typing import Protocol, runtime_checkable
 
-from ._validate import require_float, require_int
+from ._validate import require_float, require_int, shown
 from .errors import ConfigError
 
 __all__ = [
@@ -67,7 +67,7 @@ class EveryNSampling:
     __slots__ = ("n",)
 
     def __init__(self, n: int) -> None:
-        self.n = require_int("EveryNSampling", "n", n, minimum=1)
+        self.n = require_int("EveryNSampling", "n", n, minimum=1, maximum=1 << 62)
 
     def should_sample(self, forward_index: int) -> bool:
         return forward_index % self.n == 0
@@ -286,22 +286,27 @@ def resolve_sampling(sampling: object) -> SamplingPolicy:
         return DefaultSampling()
     if isinstance(sampling, bool):
         raise ConfigError(
-            f"inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy, "
-            f"got {sampling!r}"
+            "inject_observer: sampling must be None, an int >= 1 (at most 2**62) or a "
+            f"SamplingPolicy, got {sampling!r}"
         )
     if isinstance(sampling, int):
-        if sampling < 1:
+        if not 1 <= sampling <= 1 << 62:
             raise ConfigError(
-                f"inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy, "
-                f"got {sampling!r}"
+                "inject_observer: sampling must be None, an int >= 1 (at most 2**62) or a "
+                f"SamplingPolicy, got {shown(sampling)}"
             )
         return EveryNSampling(sampling)
+    if isinstance(sampling, type):
+        raise ConfigError(
+            "inject_observer: sampling must be None, an int >= 1 or a SamplingPolicy "
+            f"instance, got the class {sampling.__name__}; pass {sampling.__name__}()"
+        )
     if isinstance(sampling, SamplingPolicy):
         return sampling
     raise ConfigError(
         "inject_observer: sampling must be None, an int >= 1 or an object with "
         f"should_sample(forward_index) and describe(), got {type(sampling).__name__} "
-        f"{sampling!r}"
+        f"{shown(sampling)}"
     )
 
 

@@ -11,8 +11,11 @@ so a run killed at any moment leaves the last complete report.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -124,6 +127,71 @@ class _SinkBase:
         self.close()
 
 
+def atomic_write_together(files: Sequence[tuple[Path, bytes]]) -> list[OSError]:
+    """Write several files atomically, staging all before replacing any.
+
+    Each file's temporary copy is written in full first; then the files are replaced
+    in order, one right after the other. A file whose copy cannot be written (or
+    replaced) keeps its previous content, and the others are written all the same.
+
+    Returns:
+        The errors met, one per file that was not written.
+    """
+    errors: list[OSError] = []
+    staged: list[tuple[str, Path]] = []
+    for path, data in files:
+        temporary = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(data)
+            os.chmod(temporary, 0o644)  # mkstemp creates 0600; reports are for reading
+            staged.append((temporary, path))
+        except OSError as error:
+            errors.append(error)
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+    for temporary, path in staged:
+        try:
+            os.replace(temporary, path)
+        except OSError as error:
+            errors.append(error)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+    return errors
+
+
+#: Files whose temporary copies :func:`remove_stale_temporaries` may delete.
+_OWN_FILES = ("report.json", "index.md", "series.json", "details.json")
+
+
+def remove_stale_temporaries(directory: Path) -> int:
+    """Delete the temporary copies (``.report.json.<random>`` and the like) that an
+    earlier run killed in the middle of a write left in ``directory``; return how many.
+
+    Each killed write can leave one per file, and on a nearly full disk they take the
+    space the next write needs. Only names that :func:`atomic_write_together` makes for
+    this library's own files are touched, and only regular files.
+    """
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        own = any(
+            name.startswith(f".{base}.") and len(name) == len(base) + 10 for base in _OWN_FILES
+        )
+        if own and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
 class DirectorySink(_SinkBase):
     """Writes ``report.json`` and ``index.md`` into a directory, atomically.
 
@@ -173,6 +241,7 @@ class DirectorySink(_SinkBase):
 
             require_matplotlib()
         self.path = Path(output_dir)
+        self._cleaned = False
         self.write_full_details = write_full_details
         self.plots = plots
         self.write_series_summary = write_series_summary
@@ -210,14 +279,42 @@ class DirectorySink(_SinkBase):
         return self.path / "index.md"
 
     def write(self, report: dict[str, Any]) -> None:
-        atomic_write(self.report_path, dumps_report(report))
+        """Write ``report.json`` and ``index.md`` (and the pictures, with ``plots``).
+
+        Each file is written on its own: one that fails does not stop the others, and
+        the first error is raised once all were tried. Pictures are written first;
+        both texts are then staged in full and the two files replaced one right after
+        the other, so that ``index.md`` renders the same report as ``report.json``
+        except for a kill in the instant between the two replacements.
+        """
+        failures: list[Exception] = []
+        shown = report
         if self.plots:
             from .plots import write_plots
 
             # Pictures are linked from index.md only (report.json stays as bounded).
-            report = {**report, "findings": [dict(f) for f in report["findings"]]}
-            write_plots(self.path, report, atomic_write)
-        atomic_write(self.index_path, render_markdown(report).encode())
+            shown = {**report, "findings": [dict(f) for f in report["findings"]]}
+            write_plots(self.path, shown, atomic_write, failures)
+        texts: list[tuple[Path, bytes]] = []
+        for path, render in (
+            (self.report_path, lambda: dumps_report(report)),
+            (self.index_path, lambda: render_markdown(shown).encode()),
+        ):
+            try:
+                texts.append((path, render()))
+            except Exception as error:
+                failures.append(error)
+        if not self._cleaned:
+            self._cleaned = True
+            remove_stale_temporaries(self.path)
+        errors = atomic_write_together(texts)
+        full = any(error.errno == errno.ENOSPC for error in errors)
+        # On a full disk, what earlier killed writes left may be what is missing.
+        if full and remove_stale_temporaries(self.path):
+            errors = atomic_write_together(texts)
+        failures.extend(errors)
+        if failures:
+            raise failures[0]
 
     def __repr__(self) -> str:
         details = ", write_full_details=True" if self.write_full_details else ""
