@@ -60,3 +60,29 @@ def test_grad_scaler_scale_is_divided_out_and_reported_once(tmp_path: Path) -> N
     assert loss_scale[0]["max"]["value"] > 2.0**10  # the scaler grew
     assert report["coverage"]["loss_scaled_samples"] == 40
     assert not [f for f in scale if f["notable"] and f["module"] != "<model>"]
+
+
+def test_a_loss_gradient_step_at_the_last_sample_waits_for_the_next(tmp_path: Path) -> None:
+    # One batch whose loss gradient is 16x smaller, at the run's last sample: a model
+    # that fits a batch shrinks it so once. Unconfirmed, it is no model-wide finding;
+    # the same step confirmed by one more sample is.
+    def run(directory: Path, steps: int) -> dict:
+        torch.manual_seed(0)
+        model = ResidualNet()
+        inject_observer(model, output_dir=directory, sampling=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+        for step, (x, y) in enumerate(make_batches(steps)):
+            weight = 1.0 if step < 60 else 1.0 / 16
+            optimizer.zero_grad()
+            (weight * nn.functional.mse_loss(model(x), y)).backward()
+            optimizer.step()
+        remove_observer(model)
+        return read_report(directory)
+
+    def model_wide(report: dict) -> list[dict]:
+        return [f for f in report["findings"] if f["module"] == "<model>" and f["notable"]]
+
+    assert model_wide(run(tmp_path / "last", 61)) == []
+    (confirmed,) = model_wide(run(tmp_path / "confirmed", 62))
+    assert confirmed["change_sample"] == 60
+    assert abs(confirmed["evidence"]["factor"] - 1 / 16) / (1 / 16) < 0.5

@@ -274,9 +274,11 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
 
     Two sources: the ``torch.amp.GradScaler`` loss scale, known exactly and divided out
     of every output-gradient value (not notable: scaling is expected); and an abrupt step
-    of at least ``MODEL_WIDE_FACTOR`` (4x) and 6 standard deviations in the loss gradient
+    of at least ``MODEL_WIDE_FACTOR`` (4x) and 6 residual spreads in the loss gradient
     (the root output's gradient RMS), such as a changed loss reduction or accumulation
-    factor (notable). Module findings are measured net of both.
+    factor (notable), confirmed by the sample after it: what such a cause does lasts,
+    while one batch that the model already fits can shrink the loss gradient 10x once.
+    Module findings are measured net of both.
     """
     findings: list[dict[str, Any]] = []
     scale = observer.loss_scale
@@ -320,6 +322,7 @@ def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
     if (
         tracker is not None
         and change is not None
+        and change.confirmed
         and abs(change.step) >= math.log(MODEL_WIDE_FACTOR)
         and abs(change.step_z) >= 6.0
         and tracker.first
