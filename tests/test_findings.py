@@ -471,3 +471,16 @@ def test_a_scale_series_between_zero_and_huge_values_is_judged_without_overflow(
     tracker = series.trackers["rms"]
     assert tracker.level(1000.0) == sys.float_info.max
     assert tracker.level(math.log(1e-30)) == 0.0
+
+
+def test_a_change_that_began_later_is_not_the_origin_however_early_its_module():
+    # The downstream module steps 8x at sample 40; an upstream one steps 2.5x three
+    # samples later (an update the optimizer made after the fault). Both are large in
+    # their own noise and one group, but the later change is a consequence.
+    downstream = stepped_activation("later_in_forward", 5, 8.0, seed=1, step_at=40)
+    upstream = stepped_activation("earlier_in_forward", 0, 2.5, seed=2, step_at=43)
+    ranked = run_rules([upstream, downstream])
+    first = ranked["activation_scale_drift"][0]
+    assert first.notable and first.series.module == "later_in_forward"
+    assert first.onset == 40
+    assert [e.series.module for e in first.echoes] == ["earlier_in_forward"]

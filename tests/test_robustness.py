@@ -364,6 +364,7 @@ class _BrokenIterable:
         ({"output_dir": "bad\x00name"}, r"output_dir must be a non-empty path .*, got 'bad"),
         ({"output_dir": b"stats"}, r"output_dir must be a non-empty path .*, got b'stats'"),
         ({"output_dir": "d/" * 2_000}, r"output_dir .* got a path of 4000 bytes"),
+        ({"output_dir": "x" * 300}, r"output_dir must be a path the file system accepts"),
         ({"sinks": _BrokenIterable()}, r"sinks must be an iterable, .* raised RuntimeError"),
         ({"histograms": lambda: [histogram()] * 65}, r"histograms must hold at most 64 specs"),
         ({"include": ["x" * 2_000]}, r"include must hold at most 10,000 patterns"),

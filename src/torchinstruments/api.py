@@ -416,12 +416,19 @@ def inject_observer(
             handle = ObserverHandle(model, None, None)
             _REGISTRY[model] = handle
             return handle
-        if write_files and directory.exists() and not directory.is_dir():
+        try:
+            is_file = directory.exists() and not directory.is_dir()
+            key = str(directory.resolve())
+        except OSError as error:  # a name longer than the file system allows, a loop
+            raise ConfigError(
+                f"inject_observer: output_dir must be a path the file system accepts, got "
+                f"{str(directory)[:200]!r} ({error.strerror or error})"
+            ) from error
+        if write_files and is_file:
             raise ConfigError(
                 f"inject_observer: output_dir must be a directory (or not exist yet), got "
                 f"{str(directory)!r}, which is an existing file"
             )
-        key = str(directory.resolve())
         holder = _ACTIVE_DIRS.get(key)
         if holder is not None and holder() is not None and not holder().removed:  # type: ignore[union-attr]
             raise ObserverStateError(

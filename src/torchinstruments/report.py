@@ -70,8 +70,10 @@ Rules for your answer:
    the values (first, latest, min, max with their sample indices) from the report.
 2. Separate measurement (what the numbers show) from mechanism (why it might happen);
    label mechanisms as hypotheses.
-3. Treat findings with "warmup_complete": false, "early_in_run": true (the series'
-   reference was still young), or "notable": false, as weak evidence.
+3. Treat findings with "warmup_complete": false or "notable": false as weak evidence.
+   "early_in_run": true means the series' reference was still young, so the change had
+   to pass twice the usual residual spreads to be notable: weigh it by its
+   "change_in_residual_spreads", and prefer a later change of similar size.
 4. A finding's "evidence.echoes" are modules that changed at the same samples; the
    finding is where the change begins along depth, judged in each series' own noise
    units ("evidence.cross_section" shows the neighbours): prefer the finding itself as

@@ -7,8 +7,9 @@ their origin: notable candidates of one signal whose change began at about the s
 sample form a group. A fault propagates forward through activations and backward
 through gradients, so the group is laid out in propagation order (forward order for
 activations, reverse forward order for output gradients) and the origin is where the
-profile of change begins: the first member whose step, in its own noise units (residual
-spreads), is at least ``ORIGIN_SHARE`` of the group's largest. A member before it that
+profile of change begins: the first member, among those whose change began within
+``ORIGIN_ONSET_SLACK_SAMPLES`` of the group's earliest, whose step, in its own noise units
+(residual spreads), is at least ``ORIGIN_SHARE`` of the group's largest. A member before it that
 moved far less is an echo carried upstream by the optimizer between samples (an update
 driven by the faulty module's gradients), not the start. The others are listed in the
 origin's evidence instead of being returned as findings of their own.
@@ -47,6 +48,11 @@ ONSET_TOLERANCE_SAMPLES = 5
 #: Least step of a group member, as a share of the group's largest (both in residual
 #: spreads), for the member to be where the profile of change begins.
 ORIGIN_SHARE = 0.25
+#: The origin is among the members whose change began within this many samples of the
+#: group's earliest: a change that began later is a consequence, however early it sits in
+#: propagation order (one sample of slack: a step of a few spreads may alarm one sample
+#: after a larger echo of it).
+ORIGIN_ONSET_SLACK_SAMPLES = 1
 #: Least share of the observed modules (of one signal) in one group that makes it a
 #: model-wide event.
 MODEL_WIDE_SHARE = 0.5
@@ -174,13 +180,19 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
     """The member where the profile of change begins (see the module docstring); the
     group is in propagation order. Candidates without a change point (non-finite values,
     whose onset is exact) keep the plain propagation order."""
+    earliest = min((c.onset for c in group if c.onset is not None), default=None)
+    first = [
+        c
+        for c in group
+        if earliest is None or c.onset is None or c.onset <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
+    ]
     largest = max(step_size(c) for c in group)
     if largest <= 0.0:
-        return group[0]
-    for candidate in group:
+        return first[0]
+    for candidate in first:
         if candidate.change is None or step_size(candidate) >= ORIGIN_SHARE * largest:
             return candidate
-    return group[0]
+    return first[0]
 
 
 def _model_wide_share(
