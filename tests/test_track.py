@@ -674,3 +674,28 @@ def test_volatility_ratio_is_per_forward_so_wider_gaps_are_not_more_volatile():
     per_sample = t.volatility / t.baseline_volatility
     assert per_sample > 2.5
     assert 0.4 < t.volatility_ratio < 1.6
+
+
+def test_history_keeps_the_same_samples_for_series_that_began_at_different_samples():
+    # A series observed from sample 0 and one first observed at sample 1 (a module added
+    # to the observation after the first sampled forward) keep the same grid of sample
+    # indices, so two series (or two runs) are compared at the same samples.
+    early, late = make(history=8, h=1e9), make(history=8, h=1e9)
+    for sample in range(200):
+        early.update(sample, math.sin(sample))
+        if sample >= 1:
+            late.update(sample, math.cos(sample))
+    grid_early = [s for s, _ in early.history()][1:-1]
+    grid_late = [s for s, _ in late.history()][1:-1]
+    assert grid_early == grid_late == [32, 64, 96, 128, 160, 192]
+    assert early.history()[0][0] == 0 and late.history()[0][0] == 1  # the first stays
+
+
+def test_history_of_a_series_off_the_grid_is_still_kept_and_bounded():
+    t = make(history=8, h=1e9)
+    for i in range(300):
+        t.update(2 * i + 1, float(i))  # odd samples only: never a multiple of the stride
+    samples = [s for s, _ in t.history()]
+    assert 4 <= len(samples) <= 8
+    assert samples[0] == 1 and samples[-1] == 599
+    assert samples == sorted(set(samples))

@@ -87,6 +87,10 @@ def bounded_exp(x: float) -> float:
     return math.exp(x) if x < _LOG_OF_MAX else sys.float_info.max
 
 
+#: Before any sample (the history's last kept sample, at first).
+_NO_SAMPLE = -(1 << 62)
+
+
 #: A CUSUM run-up entry: (sample, forward, excess residual in spreads, forecast, spread,
 #: slope before the value, value), in tracked units.
 _RunupEntry = tuple[int, int, float, float, float, float, float]
@@ -286,6 +290,7 @@ class SeriesTracker:
         "_flip_ema",
         "_forward",
         "_history",
+        "_history_last",
         "_history_stride",
         "_last_diff",
         "_latest_sample",
@@ -387,6 +392,7 @@ class SeriesTracker:
         self._flip_ema = 2.0 / 3.0
         self._history: list[tuple[int, float]] = []
         self._history_stride = 1
+        self._history_last = _NO_SAMPLE
         #: Every value so far was equal (see :meth:`_repeat`).
         self._constant = True
 
@@ -472,7 +478,8 @@ class SeriesTracker:
             if count == warmup:
                 self.warmup_end_sample = sample
         self._update_trend(sample, forward, v, count)
-        if (count - 1) % self._history_stride == 0:
+        stride = self._history_stride
+        if sample % stride == 0 or sample > self._history_last + stride:
             self._append_history(sample, value)
 
     def _repeat(self, sample: int, value: float, forward: int) -> None:
@@ -502,7 +509,8 @@ class SeriesTracker:
             self._base_count = count
             if count == self._warmup:
                 self.warmup_end_sample = sample
-        if (count - 1) % self._history_stride == 0:
+        stride = self._history_stride
+        if sample % stride == 0 or sample > self._history_last + stride:
             self._append_history(sample, value)
 
     @property
@@ -709,11 +717,27 @@ class SeriesTracker:
         return None
 
     def _append_history(self, sample: int, value: float) -> None:
+        """Keep a point on the history's grid: sample indices that are multiples of the
+        stride, the same for every series and run (so that series that began at
+        different samples, or two runs, keep the same samples), or, for a series that
+        misses the grid, a point more than a stride after the last one kept. When full,
+        the stride doubles and the points off the new grid go (the first stays)."""
         self._history.append((sample, value))
-        if len(self._history) >= self._config.history_points:
-            # Keep every other point and halve the density of what follows.
-            self._history = self._history[::2]
-            self._history_stride *= 2
+        self._history_last = sample
+        if len(self._history) < self._config.history_points:
+            return
+        stride = self._history_stride * 2
+        self._history_stride = stride
+        kept: list[tuple[int, float]] = []
+        last = _NO_SAMPLE
+        for point in self._history:
+            if not kept or point[0] % stride == 0 or point[0] > last + stride:
+                kept.append(point)
+                last = point[0]
+        if len(kept) >= self._config.history_points:
+            kept = self._history[::2]  # not reduced by the grid: every other point
+        self._history = kept
+        self._history_last = kept[-1][0]
 
     # ------------------------------------------------------------------ views
     @property
@@ -816,7 +840,9 @@ class SeriesTracker:
         return self._peak - self._prev if self.count else 0.0
 
     def history(self) -> list[tuple[int, float]]:
-        """Bounded, evenly downsampled ``(sample, value)`` points, oldest first."""
+        """Bounded ``(sample, value)`` points, oldest first: the first, those on a grid of
+        sample indices whose stride doubles each time the history fills (the same grid for
+        every series), and the latest."""
         points = list(self._history)
         if self.latest is not None and (not points or points[-1][0] != self.latest.sample):
             points.append((self.latest.sample, self.latest.value))
