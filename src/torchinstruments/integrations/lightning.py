@@ -24,11 +24,12 @@ except ImportError as error:  # pragma: no cover - depends on what is installed
         'package): pip install "torchinstruments[lightning]"'
     ) from error
 
-from ..api import ObserverHandle, inject_observer
+from ..api import ObserverHandle
 from ..config import ReportConfig
 from ..errors import ConfigError
 from ..sampling import SamplingPolicy
 from ..sinks import MetricLoggerSink, Sink, TensorBoardSink
+from ._observation import Observation
 
 __all__ = ["TorchInstrumentsCallback"]
 
@@ -88,15 +89,16 @@ class TorchInstrumentsCallback(Callback):
             raise ConfigError(
                 f"TorchInstrumentsCallback: log_to_loggers must be a bool, got {log_to_loggers!r}"
             )
-        self.output_dir = Path(output_dir)
-        self.sampling = sampling
-        self.report_config = report_config
-        self.include = include
-        self.exclude = exclude
+        self._observation = Observation(
+            output_dir, sampling, report_config, include, exclude, sinks
+        )
         self.metrics = tuple(metrics)
         self.log_to_loggers = log_to_loggers
-        self.sinks = list(sinks)
-        self.handle: ObserverHandle | None = None
+
+    @property
+    def handle(self) -> ObserverHandle | None:
+        """The observer's handle while ``fit`` runs, else None."""
+        return self._observation.handle
 
     def _logger_sinks(self, trainer: Trainer) -> list[Sink]:
         sinks: list[Sink] = []
@@ -111,35 +113,22 @@ class TorchInstrumentsCallback(Callback):
         return sinks
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        sinks = [*self.sinks, *(self._logger_sinks(trainer) if self.log_to_loggers else [])]
-        self.handle = inject_observer(
-            pl_module,
-            output_dir=self.output_dir,
-            sampling=self.sampling,
-            report_config=self.report_config,
-            include=self.include,
-            exclude=self.exclude,
-            sinks=sinks,
+        self._observation.start(
+            pl_module, self._logger_sinks(trainer) if self.log_to_loggers else ()
         )
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.handle is not None:
-            self.handle.set_step(trainer.global_step)
-
-    def _remove(self) -> None:
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.remove()
+        self._observation.set_step(trainer.global_step)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._remove()
+        self._observation.stop()
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
-        self._remove()  # a failed run still leaves its report
+        self._observation.stop()  # a failed run still leaves its report
 
     def __repr__(self) -> str:
-        return f"TorchInstrumentsCallback(output_dir={str(self.output_dir)!r})"
+        return f"TorchInstrumentsCallback(output_dir={str(self._observation.output_dir)!r})"

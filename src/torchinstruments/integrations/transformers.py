@@ -27,11 +27,12 @@ except ImportError as error:  # pragma: no cover - depends on what is installed
 
 from torch import nn
 
-from ..api import ObserverHandle, inject_observer
+from ..api import ObserverHandle
 from ..config import ReportConfig
 from ..errors import ConfigError
 from ..sampling import SamplingPolicy
 from ..sinks import Sink
+from ._observation import Observation
 
 __all__ = ["TorchInstrumentsCallback"]
 
@@ -82,13 +83,14 @@ class TorchInstrumentsCallback(TrainerCallback):
         exclude: str | Sequence[str] | None = None,
         sinks: Iterable[Sink] = (),
     ) -> None:
-        self.output_dir = Path(output_dir)
-        self.sampling = sampling
-        self.report_config = report_config
-        self.include = include
-        self.exclude = exclude
-        self.sinks = list(sinks)
-        self.handle: ObserverHandle | None = None
+        self._observation = Observation(
+            output_dir, sampling, report_config, include, exclude, sinks
+        )
+
+    @property
+    def handle(self) -> ObserverHandle | None:
+        """The observer's handle while training runs, else None."""
+        return self._observation.handle
 
     def on_train_begin(
         self,
@@ -103,28 +105,17 @@ class TorchInstrumentsCallback(TrainerCallback):
                 "TorchInstrumentsCallback.on_train_begin: expected the Trainer's model "
                 f"(an nn.Module), got {type(model).__name__}"
             )
-        self.handle = inject_observer(
-            model,
-            output_dir=self.output_dir,
-            sampling=self.sampling,
-            report_config=self.report_config,
-            include=self.include,
-            exclude=self.exclude,
-            sinks=self.sinks,
-        )
+        self._observation.start(model)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.handle is not None:
-            self.handle.set_step(state.global_step + 1)
+        self._observation.set_step(state.global_step + 1)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            handle.remove()
+        self._observation.stop()
 
     def __repr__(self) -> str:
-        return f"TorchInstrumentsCallback(output_dir={str(self.output_dir)!r})"
+        return f"TorchInstrumentsCallback(output_dir={str(self._observation.output_dir)!r})"

@@ -1,0 +1,64 @@
+"""What both framework callbacks keep between training start and end: the observer's
+settings, and the handle of the observer they injected."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from torch import nn
+
+from ..api import ObserverHandle, inject_observer
+from ..config import ReportConfig
+from ..sampling import SamplingPolicy
+from ..sinks import Sink
+
+
+class Observation:
+    """The settings of :func:`~torchinstruments.inject_observer` that a callback takes,
+    the observer's handle while training runs (``handle``, else None), and the start
+    and end of the observation.
+
+    Args: as for :func:`~torchinstruments.inject_observer` (validated there, at
+    :meth:`start`); ``sinks`` are the caller's own, always added.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        sampling: int | SamplingPolicy | None,
+        report_config: ReportConfig | None,
+        include: str | Sequence[str] | None,
+        exclude: str | Sequence[str] | None,
+        sinks: Iterable[Sink],
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.sampling = sampling
+        self.report_config = report_config
+        self.include = include
+        self.exclude = exclude
+        self.sinks = list(sinks)
+        self.handle: ObserverHandle | None = None
+
+    def start(self, model: nn.Module, extra_sinks: Sequence[Sink] = ()) -> None:
+        """Inject the observer into ``model`` with the caller's sinks and ``extra_sinks``."""
+        self.handle = inject_observer(
+            model,
+            output_dir=self.output_dir,
+            sampling=self.sampling,
+            report_config=self.report_config,
+            include=self.include,
+            exclude=self.exclude,
+            sinks=[*self.sinks, *extra_sinks],
+        )
+
+    def set_step(self, step: int) -> None:
+        """The sinks' step from now on (see :meth:`ObserverHandle.set_step`)."""
+        if self.handle is not None:
+            self.handle.set_step(step)
+
+    def stop(self) -> None:
+        """Remove the observer (writing the final report); nothing if none is injected."""
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
