@@ -484,3 +484,47 @@ def test_a_change_that_began_later_is_not_the_origin_however_early_its_module():
     assert first.notable and first.series.module == "later_in_forward"
     assert first.onset == 40
     assert [e.series.module for e in first.echoes] == ["earlier_in_forward"]
+
+
+def _drifting_activation(module: str, position: int, seed: int, rate_of) -> TensorSeries:
+    """Activation RMS ``exp(rate_of(sample))`` with 1% noise."""
+    rng = random.Random(seed)
+    series = new_series(module, position)
+    for sample in range(SAMPLES):
+        series.update(CONFIG, sample, {"rms": noisy(rng, math.exp(rate_of(sample)))})
+    return series
+
+
+def test_a_series_that_leaves_a_settled_course_is_a_notable_break_of_trend():
+    """Flat for 36 samples, then growing 4% a sample (never a step between two samples):
+    the module heads activation_scale_drift with a change of kind "trend", dated at the
+    bend or just after it, never before; its neighbours stay quiet."""
+    series = [
+        quiet_activation("z_first", 0, seed=1),
+        _drifting_activation("m_grows", 1, seed=2, rate_of=lambda s: 0.04 * max(0, s - 36)),
+        quiet_activation("a_last", 2, seed=3),
+    ]
+    head = run_rules(series)["activation_scale_drift"][0]
+    assert head.series.module == "m_grows" and head.notable
+    assert head.change is not None and head.change.kind == "trend"
+    assert head.change.step_z > 6 and head.change.slope_change_t > 6
+    assert 36 <= head.onset <= 40
+    assert head.evidence["first_notable_step"]["change_kind"] == "trend"
+    text = RULES["activation_scale_drift"].interpretation(head)
+    assert text.startswith("m_grows (call 0, output) activation.rms began to rise from sample")
+    assert not any(c.notable for c in run_rules(series)["activation_scale_drift"][1:])
+
+
+@pytest.mark.parametrize(
+    "rate_of",
+    [
+        # Early training that settles: x5 over the first samples, then flat.
+        lambda s: 1.6 * (1.0 - math.exp(-s / 12.0)),
+        # Steady drift from the first sample: x11 over the run, no change of course.
+        lambda s: 0.04 * s,
+    ],
+    ids=["settles", "steady"],
+)
+def test_settling_or_steady_drift_is_not_a_break_of_trend(rate_of):
+    series = [_drifting_activation("m", 0, seed=5, rate_of=rate_of)]
+    assert not any(c.notable for c in run_rules(series)["activation_scale_drift"])

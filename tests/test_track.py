@@ -28,6 +28,7 @@ from torchinstruments.track import (
     ChangePoint,
     SeriesPoint,
     SeriesTracker,
+    fit_trend_break,
 )
 
 EXACT = 1e-12  # same float64 operations, possibly in another order
@@ -699,3 +700,97 @@ def test_history_of_a_series_off_the_grid_is_still_kept_and_bounded():
     assert 4 <= len(samples) <= 8
     assert samples[0] == 1 and samples[-1] == 599
     assert samples == sorted(set(samples))
+
+
+# ---------------------------------------------------------------- breaks of trend
+def test_fit_trend_break_recovers_an_exact_broken_line():
+    """Irregular positions, slope 0.01 up to x = 75 and 0.05 after: the corner is found
+    between the points 70 and 80, where the two lines meet."""
+    xs = [0.0, 10.0, 30.0, 40.0, 70.0, 80.0, 100.0, 130.0, 150.0, 160.0]
+    ys = [2.0 + 0.01 * x + 0.04 * max(0.0, x - 75.0) for x in xs]
+    fit = fit_trend_break(xs, ys)
+    assert fit is not None
+    assert fit.position == pytest.approx(75.0, abs=1e-3)
+    # The corner is placed by golden-section search (to about 1e-5 of the span).
+    assert fit.slope_before == pytest.approx(0.01, rel=1e-4)
+    assert fit.slope_after == pytest.approx(0.05, rel=1e-4)
+    assert fit.departure == pytest.approx(0.04 * (160.0 - 75.0), rel=1e-4)
+    assert fit.level_end == pytest.approx(2.0 + 0.01 * 160.0 + 0.04 * 85.0, rel=1e-6)
+    assert fit.spread == pytest.approx(0.0, abs=1e-4)
+    assert fit.t > 1e3
+    # A straight line has no break: zero departure, t = 0 against the floor.
+    line = fit_trend_break(xs, [1.0 + 0.3 * x for x in xs], spread_floor=0.01)
+    assert line is not None
+    assert abs(line.departure) < 1e-9 and abs(line.t) < 1e-6
+
+
+def test_fit_trend_break_is_the_least_squares_broken_line():
+    """Against numpy's least squares: the chosen corner has the smallest residual sum of
+    squares over a fine grid of corners, and slopes, spread and t are those of the
+    regression at that corner."""
+    numpy = pytest.importorskip("numpy")
+    rng = random.Random(11)
+    xs = [float(x) for x in (0, 3, 9, 14, 20, 31, 38, 45, 60, 62, 75, 90, 101, 120)]
+    ys = [0.5 - 0.002 * x + 0.02 * max(0.0, x - 52.0) + rng.gauss(0.0, 0.03) for x in xs]
+    fit = fit_trend_break(xs, ys)
+    assert fit is not None
+    x, y = numpy.array(xs), numpy.array(ys)
+
+    def regression(corner: float):
+        design = numpy.stack([numpy.ones_like(x), x, numpy.maximum(0.0, x - corner)], axis=1)
+        coef, rss, *_ = numpy.linalg.lstsq(design, y, rcond=None)
+        return coef, float(rss[0]), design
+
+    coef, rss, design = regression(fit.position)
+    grid = numpy.linspace(xs[2], xs[-4], 2000)  # corners with 4 points before, 3 after
+    assert rss <= min(regression(c)[1] for c in grid) + 1e-12
+    spread = math.sqrt(rss / (len(xs) - 3))
+    error = spread * math.sqrt(numpy.linalg.inv(design.T @ design)[2, 2])
+    assert fit.slope_before == pytest.approx(coef[1], rel=1e-8)
+    assert fit.slope_after == pytest.approx(coef[1] + coef[2], rel=1e-8)
+    assert fit.spread == pytest.approx(spread, rel=1e-8)
+    assert fit.t == pytest.approx(coef[2] / error, rel=1e-6)
+    assert fit.departure == pytest.approx(coef[2] * (xs[-1] - fit.position), rel=1e-8)
+
+
+def test_fit_trend_break_needs_points_on_both_sides():
+    assert fit_trend_break([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 6) is None
+    assert fit_trend_break([1.0] * 8, [0.0] * 8) is None
+
+
+def test_trend_break_of_a_series_that_starts_to_grow_is_dated_where_it_leaves_the_trend():
+    """Log RMS flat (1% noise) on the default schedule, then growing 0.1% per forward
+    from forward 500 (too gradual between two samples for a step): a break of kind
+    "trend", dated no earlier than forward 500 and before the next sample (570), with
+    the new slope and the departure at the latest sample."""
+    rng = random.Random(2)
+    t = make(warmup=24, k=2.5, h=5.0, log_scale=True, noise_floor=0.02)
+    forwards = [f for f in SCHEDULE if f <= 1500]
+    for sample, forward in enumerate(forwards):
+        growth = 0.001 * max(0, forward - 500)
+        t.update(sample, math.exp(growth + rng.gauss(0.0, 0.01)), forward)
+    assert t.change_count == 0
+    change = t.trend_break()
+    assert change is not None and change.kind == "trend" and change.confirmed
+    assert 500 <= change.start_forward < 570
+    # The onset sample: the first sample at or after the bend (506 or 570 here).
+    assert forwards[change.start_sample] == min(f for f in forwards if f >= change.start_forward)
+    assert change.alarm_sample == len(forwards) - 1
+    assert change.slope_before == pytest.approx(0.0, abs=1e-4)
+    assert change.slope_after == pytest.approx(0.001, rel=0.02)
+    assert change.step == pytest.approx(0.001 * (forwards[-1] - 500), rel=0.1)
+    assert change.step_z > 20 and change.slope_change_t > 10
+    assert t.trend_break() is change  # computed once per new value
+
+
+def test_trend_break_starts_after_the_latest_step():
+    """A step is a change of its own: the fit starts after it, so a flat series with one
+    step has no break of trend to speak of."""
+    t = make(warmup=8, k=2.5, h=5.0, log_scale=True, noise_floor=0.02)
+    rng = random.Random(4)
+    for sample in range(60):
+        t.update(sample, (3.0 if sample >= 30 else 1.0) * math.exp(rng.gauss(0.0, 0.01)))
+    assert [c.start_sample for c in t.changes] == [30]
+    change = t.trend_break()
+    assert change is not None and change.start_sample > 30
+    assert abs(change.step) < 0.05

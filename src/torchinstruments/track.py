@@ -23,6 +23,10 @@ absolute residual times sqrt(pi/2), Huber-clipped, so that a fault does not infl
 feeds Page's two-sided CUSUM (Page 1954). An alarm records a :class:`ChangePoint` dated at
 the sample where the departure began and re-anchors the trend on the new level; the next
 ``CONFIRM_SAMPLES`` values confirm the change or mark it transient.
+
+A fault that bends the trend rather than stepping it is found when a report is built:
+:meth:`SeriesTracker.trend_break` fits a continuous broken line to the bounded history
+(:func:`fit_trend_break`); the rules judge whether the bend matters.
 """
 
 from __future__ import annotations
@@ -36,7 +40,20 @@ from typing import NamedTuple
 
 from .config import TrackConfig
 
-__all__ = ["ChangePoint", "Departure", "SeriesPoint", "SeriesTracker"]
+__all__ = [
+    "ChangePoint",
+    "Departure",
+    "SeriesPoint",
+    "SeriesTracker",
+    "TrendBreakFit",
+    "fit_trend_break",
+]
+
+#: Least points of a trend break's fit at and before the break, and after it.
+TREND_POINTS_BEFORE = 4
+TREND_POINTS_AFTER = 3
+#: Spreads past the earlier trend that date a trend break's onset.
+TREND_ONSET_SPREADS = 2.0
 
 #: Values at or below this are treated as this, before taking logs (a dead unit's RMS is 0).
 LOG_FLOOR = 1e-30
@@ -188,6 +205,16 @@ class ChangePoint:
         slope_before: the trend's slope before the change, per training forward.
         reference_count: values the series had seen before the alarm (how much its
             reference rests on).
+        kind: ``"step"`` (a CUSUM alarm: the level moved between two samples) or
+            ``"trend"`` (a break of the trend found by :func:`fit_trend_break`: from
+            ``start_sample`` on, the series moves at another slope; ``level_before`` is
+            then the earlier trend extrapolated to ``alarm_sample``, the latest point,
+            ``level_after`` the fitted value there, and both spreads the fit's residual
+            spread).
+        slope_after: for a trend break, the slope from ``start_sample`` on, per training
+            forward (tracked units); 0 for a step.
+        slope_change_t: for a trend break, the t-statistic of the change of slope (its
+            least-squares estimate over its standard error); 0 for a step.
     """
 
     start_sample: int
@@ -202,6 +229,9 @@ class ChangePoint:
     slope_before: float = 0.0
     reference_count: int = 0
     spread_after: float = 0.0
+    kind: str = "step"
+    slope_after: float = 0.0
+    slope_change_t: float = 0.0
     _after_count: int = 1
     _after_sum: float = 0.0
     _after_residuals: int = 0
@@ -238,6 +268,179 @@ class ChangePoint:
         self._after_sum += abs(residual) / math.sqrt(1.0 + w * w + (1.0 - w) * (1.0 - w))
         self._after_residuals += 1
         self.spread_after = MAD_TO_STD * self._after_sum / self._after_residuals
+
+
+class TrendBreakFit(NamedTuple):
+    """The best broken line through a series' points (see :func:`fit_trend_break`).
+
+    Attributes:
+        position: where the two pieces meet, in the units of ``x`` (between two points,
+            or on one).
+        slope_before, slope_after: slopes of the two pieces, per unit of ``x``.
+        departure: how far the second piece is from the first one's extension at the
+            last point (``(slope_after - slope_before) * (x_last - x_break)``).
+        spread: residual standard deviation of the fit, ``sqrt(RSS / (n - 3))``.
+        t: ``(slope_after - slope_before)`` over its standard error.
+        level_end: the fitted value at the last point.
+    """
+
+    position: float
+    slope_before: float
+    slope_after: float
+    departure: float
+    spread: float
+    t: float
+    level_end: float
+
+
+def _broken_line(
+    n: int, sums: tuple[float, float, float, float, float], hinge: tuple[float, float, float, float]
+) -> tuple[float, float, float, float, float] | None:
+    """Solve the 3x3 normal equations of ``v = a + s*u + d*h`` (``h = max(0, u - u_b)``)
+    from the sums ``(Su, Suu, Sv, Suv, Svv)`` and ``(Sh, Shh, Suh, Shv)``; return
+    ``(rss, a, s, d, (X'X)^-1_dd)``, or None for a singular system (Cramer's rule)."""
+    s_u, s_uu, s_v, s_uv, s_vv = sums
+    s_h, s_hh, s_uh, s_hv = hinge
+    a11, a12, a13, a22, a23, a33 = float(n), s_u, s_h, s_uu, s_uh, s_hh
+    c11 = a22 * a33 - a23 * a23
+    c12 = a13 * a23 - a12 * a33
+    c13 = a12 * a23 - a13 * a22
+    det = a11 * c11 + a12 * c12 + a13 * c13
+    if not det > 1e-12 * max(a11 * a22 * a33, 1e-300):
+        return None
+    c22 = a11 * a33 - a13 * a13
+    c23 = a12 * a13 - a11 * a23
+    c33 = a11 * a22 - a12 * a12
+    coef_a = (c11 * s_v + c12 * s_uv + c13 * s_hv) / det
+    coef_s = (c12 * s_v + c22 * s_uv + c23 * s_hv) / det
+    coef_d = (c13 * s_v + c23 * s_uv + c33 * s_hv) / det
+    rss = s_vv - (coef_a * s_v + coef_s * s_uv + coef_d * s_hv)
+    return rss, coef_a, coef_s, coef_d, c33 / det
+
+
+def _hinge_sums(us: list[float], vs: list[float], ub: float) -> tuple[float, float, float, float]:
+    """``(Sh, Shh, Suh, Shv)`` of the hinge column ``max(0, u - ub)``, directly."""
+    s_h = s_hh = s_uh = s_hv = 0.0
+    for u, v in zip(us, vs, strict=True):
+        if u > ub:
+            h = u - ub
+            s_h += h
+            s_hh += h * h
+            s_uh += u * h
+            s_hv += h * v
+    return s_h, s_hh, s_uh, s_hv
+
+
+#: Golden-section steps that place a break between its neighbouring points.
+_REFINE_STEPS = 24
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def fit_trend_break(
+    xs: list[float],
+    ys: list[float],
+    *,
+    points_before: int = TREND_POINTS_BEFORE,
+    points_after: int = TREND_POINTS_AFTER,
+    spread_floor: float = 0.0,
+) -> TrendBreakFit | None:
+    """Least-squares fit of a continuous broken line (two straight pieces that meet at a
+    point), ``y = a + s*x + d*max(0, x - x_b)`` (segmented regression, Hinkley 1971).
+
+    Every point with at least ``points_before`` points at or before it and
+    ``points_after`` after it is tried as ``x_b``, each in O(1) from suffix sums; the one
+    with the smallest residual sum of squares is then moved, by golden-section search,
+    to the best position between its two neighbouring points (a bend between two
+    sparse samples is dated where the lines meet, not at the point before it).
+
+    Args:
+        xs: increasing positions (training forwards).
+        ys: values at them (tracked units), as long as ``xs``.
+        points_before, points_after: least points at or before the break, and after it.
+        spread_floor: least residual spread (a perfect fit is not infinitely sure).
+
+    Returns:
+        The fit, or None with too few points or degenerate positions.
+    """
+    n = len(xs)
+    if n < points_before + points_after or n != len(ys):
+        return None
+    x0, span = xs[0], xs[-1] - xs[0]
+    if span <= 0:
+        return None
+    us = [(x - x0) / span for x in xs]
+    mean_y = sum(ys) / n
+    vs = [y - mean_y for y in ys]
+    sums = (
+        sum(us),
+        sum(u * u for u in us),
+        sum(vs),
+        sum(u * v for u, v in zip(us, vs, strict=True)),
+        sum(v * v for v in vs),
+    )
+    best: tuple[float, int] | None = None
+    # Suffix sums over the points strictly after each break candidate.
+    t_u = t_uu = t_v = t_uv = 0.0
+    for count, b in enumerate(range(n - 1, points_before - 2, -1)):
+        if count >= points_after and b >= points_before - 1:
+            ub = us[b]
+            hinge = (
+                t_u - count * ub,
+                t_uu - 2.0 * ub * t_u + count * ub * ub,
+                t_uu - ub * t_u,
+                t_uv - ub * t_v,
+            )
+            solved = _broken_line(n, sums, hinge)
+            if solved is not None and (best is None or solved[0] < best[0]):
+                best = (solved[0], b)
+        u, v = us[b], vs[b]
+        t_u += u
+        t_uu += u * u
+        t_v += v
+        t_uv += u * v
+    if best is None:
+        return None
+    index = best[1]
+
+    def rss_at(ub: float) -> float:
+        solved = _broken_line(n, sums, _hinge_sums(us, vs, ub))
+        return math.inf if solved is None else solved[0]
+
+    low, high = us[index - 1] if index > 0 else us[index], us[index + 1]
+    x1, x2 = high - _GOLDEN * (high - low), low + _GOLDEN * (high - low)
+    r1, r2 = rss_at(x1), rss_at(x2)
+    for _ in range(_REFINE_STEPS):
+        if r1 <= r2:
+            high, x2, r2 = x2, x1, r1
+            x1 = high - _GOLDEN * (high - low)
+            r1 = rss_at(x1)
+        else:
+            low, x1, r1 = x1, x2, r2
+            x2 = low + _GOLDEN * (high - low)
+            r2 = rss_at(x2)
+    ub = x1 if r1 <= r2 else x2
+    solved = _broken_line(n, sums, _hinge_sums(us, vs, ub))
+    if solved is None or solved[0] > best[0]:
+        ub = us[index]
+        solved = _broken_line(n, sums, _hinge_sums(us, vs, ub))
+    assert solved is not None
+    rss, coef_a, coef_s, coef_d, inverse_dd = solved
+    spread = max(math.sqrt(max(rss, 0.0) / (n - 3)), spread_floor)
+    error = spread * math.sqrt(max(inverse_dd, 0.0))
+    departure = coef_d * (1.0 - ub)
+    if error > 0.0:
+        t = coef_d / error
+    else:  # an exact fit: a break is certain if there is one at all
+        t = math.copysign(math.inf, coef_d) if abs(departure) > 1e-9 * (1.0 + abs(mean_y)) else 0.0
+    return TrendBreakFit(
+        position=x0 + ub * span,
+        slope_before=coef_s / span,
+        slope_after=(coef_s + coef_d) / span,
+        departure=departure,
+        spread=spread,
+        t=t,
+        level_end=mean_y + coef_a + coef_s + departure,
+    )
 
 
 class SeriesTracker:
@@ -307,6 +510,7 @@ class SeriesTracker:
         "_runup_pos",
         "_slope",
         "_spread",
+        "_trend_break",
         "_vol_rate_ema",
         "_vol_sq_ema",
         "_warm_gap_mean",
@@ -390,8 +594,9 @@ class SeriesTracker:
         self.flips = 0
         self.diffs = 0
         self._flip_ema = 2.0 / 3.0
-        self._history: list[tuple[int, float]] = []
+        self._history: list[tuple[int, float, int]] = []
         self._history_stride = 1
+        self._trend_break: tuple[int, ChangePoint | None] = (-1, None)
         self._history_last = _NO_SAMPLE
         #: Every value so far was equal (see :meth:`_repeat`).
         self._constant = True
@@ -480,7 +685,7 @@ class SeriesTracker:
         self._update_trend(sample, forward, v, count)
         stride = self._history_stride
         if sample % stride == 0 or sample > self._history_last + stride:
-            self._append_history(sample, value)
+            self._append_history(sample, value, forward)
 
     def _repeat(self, sample: int, value: float, forward: int) -> None:
         """:meth:`update` for a series whose every value so far equals ``value``, with
@@ -511,7 +716,7 @@ class SeriesTracker:
                 self.warmup_end_sample = sample
         stride = self._history_stride
         if sample % stride == 0 or sample > self._history_last + stride:
-            self._append_history(sample, value)
+            self._append_history(sample, value, forward)
 
     @property
     def latest(self) -> SeriesPoint | None:
@@ -716,19 +921,19 @@ class SeriesTracker:
                 break
         return None
 
-    def _append_history(self, sample: int, value: float) -> None:
+    def _append_history(self, sample: int, value: float, forward: int) -> None:
         """Keep a point on the history's grid: sample indices that are multiples of the
         stride, the same for every series and run (so that series that began at
         different samples, or two runs, keep the same samples), or, for a series that
         misses the grid, a point more than a stride after the last one kept. When full,
         the stride doubles and the points off the new grid go (the first stays)."""
-        self._history.append((sample, value))
+        self._history.append((sample, value, forward))
         self._history_last = sample
         if len(self._history) < self._config.history_points:
             return
         stride = self._history_stride * 2
         self._history_stride = stride
-        kept: list[tuple[int, float]] = []
+        kept: list[tuple[int, float, int]] = []
         last = _NO_SAMPLE
         for point in self._history:
             if not kept or point[0] % stride == 0 or point[0] > last + stride:
@@ -843,10 +1048,93 @@ class SeriesTracker:
         """Bounded ``(sample, value)`` points, oldest first: the first, those on a grid of
         sample indices whose stride doubles each time the history fills (the same grid for
         every series), and the latest."""
-        points = list(self._history)
+        points = [(sample, value) for sample, value, _ in self._history]
         if self.latest is not None and (not points or points[-1][0] != self.latest.sample):
             points.append((self.latest.sample, self.latest.value))
         return points
+
+    def trend_break(self) -> ChangePoint | None:
+        """The best break of the trend in the bounded history, as a :class:`ChangePoint`
+        of kind ``"trend"``, or None (fewer than ``TREND_POINTS_BEFORE`` +
+        ``TREND_POINTS_AFTER`` points to fit, or a constant series).
+
+        The fit (:func:`fit_trend_break`, positions in training forwards, values in
+        tracked units) covers the history from the end of warm-up, or from the latest
+        step change that was not transient (a step is a change of its own, which a
+        broken line would mistake for a bend), to the latest value. Whether the break
+        matters (its size, its t-statistic, how much faster the new slope is) is the
+        rules' judgement. Computed when asked, once per new value.
+        """
+        if self._trend_break[0] == self.count:
+            return self._trend_break[1]
+        found = self._fit_trend_break()
+        self._trend_break = (self.count, found)
+        return found
+
+    def _fit_trend_break(self) -> ChangePoint | None:
+        start = self.warmup_end_sample
+        if start is None or self._constant or self.first is None:
+            return None
+        for change in self._changes:
+            if not change.transient and change.alarm_sample > start:
+                start = change.alarm_sample
+        points = [(s, v, f) for s, v, f in self._history if s >= start]
+        if points and points[-1][0] != self._latest_sample:
+            points.append((self._latest_sample, self._latest_value, self._forward))
+        if len(points) < TREND_POINTS_BEFORE + TREND_POINTS_AFTER:
+            return None
+        fit = fit_trend_break(
+            [float(f) for _, _, f in points],
+            [self.transform(v) for _, v, _ in points],
+            spread_floor=self._noise_floor,
+        )
+        if fit is None:
+            return None
+        spread = fit.spread
+        end = points[-1]
+        # The onset: the first sample at or after the bend, interpolated between the two
+        # kept points around it (samples between kept points are evenly spread there).
+        after = next(i for i, p in enumerate(points) if p[2] >= fit.position)
+        # A curve that keeps bending after the break (growth that compounds) puts the
+        # best corner early: the onset is the first value, from the corner on, that is
+        # TREND_ONSET_SPREADS spreads past the earlier trend in the break's direction.
+        direction = 1.0 if fit.departure > 0 else -1.0
+        before_end = fit.level_end - fit.departure
+        departed = next(
+            (
+                i
+                for i in range(after, len(points))
+                if direction
+                * (
+                    self.transform(points[i][1])
+                    - (before_end - fit.slope_before * (end[2] - points[i][2]))
+                )
+                > TREND_ONSET_SPREADS * spread
+            ),
+            after,
+        )
+        onset_sample, onset_forward = points[departed][0], points[departed][2]
+        if departed == after and after > 0 and points[after][2] > fit.position:
+            s0, _, f0 = points[after - 1]
+            share = (fit.position - f0) / (onset_forward - f0)
+            onset_sample = min(s0 + math.ceil(share * (onset_sample - s0)), onset_sample)
+            onset_forward = min(math.ceil(fit.position), onset_forward)
+        return ChangePoint(
+            start_sample=onset_sample,
+            alarm_sample=end[0],
+            level_before=fit.level_end - fit.departure,
+            std_before=spread,
+            level_after=fit.level_end,
+            confirmed=True,
+            start_forward=onset_forward,
+            alarm_forward=end[2],
+            slope_before=fit.slope_before,
+            reference_count=min(self.count, onset_sample - self.first.sample),
+            spread_after=spread,
+            kind="trend",
+            slope_after=fit.slope_after,
+            slope_change_t=fit.t,
+        )
 
     def level(self, tracked: float) -> float:
         """Map a tracked-units level (an EMA, the baseline) back to the metric's units

@@ -57,6 +57,17 @@ EARLY_Z_FACTOR = 2.0
 #: Least rise of excess kurtosis, and least factor of the tail ratio, in one notable step.
 KURTOSIS_STEP_NOTABLE = 3.0
 TAIL_RATIO_FACTOR_NOTABLE = 1.5
+#: A break of the trend (:meth:`~torchinstruments.track.SeriesTracker.trend_break`: from
+#: one sample on, the series moves along another straight line) is notable when the new
+#: slope is at least ``TREND_ACCELERATION`` times the old one (a series that leaves a
+#: settled course; one that settles after early training is the common, healthy case),
+#: the slope change has a t-statistic of at least ``TREND_T_NOTABLE``, and its departure
+#: from the old trend at the latest sample is at least ``SHIFT_Z_NOTABLE`` residual
+#: spreads of the fit and, for scale metrics, ``TREND_FACTOR_NOTABLE`` (2x; other metrics
+#: take their category's least step).
+TREND_ACCELERATION = 3.0
+TREND_T_NOTABLE = 6.0
+TREND_FACTOR_NOTABLE = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +234,17 @@ def _net_measure(c: Candidate) -> str:
 def _step_evidence(change: ChangePoint | None, tracker: SeriesTracker) -> dict[str, object]:
     if change is None:
         return {}
+    trend = (
+        {
+            "trend_slope_after_per_forward": change.slope_after,
+            "trend_slope_change_t": change.slope_change_t,
+        }
+        if change.kind == "trend"
+        else {}
+    )
     return {
+        "change_kind": change.kind,
+        **trend,
         "step_start_sample": change.start_sample,
         "step_start_forward": change.start_forward,
         "step_alarm_sample": change.alarm_sample,
@@ -257,6 +278,53 @@ def _first_notable(
         if abs(change.step_z) >= _least_z(change, tracker, min_abs_step_z):
             return change
     return None
+
+
+def _notable_trend(tracker: SeriesTracker, *, min_abs_step: float) -> ChangePoint | None:
+    """The tracker's break of trend if it is notable (see ``TREND_ACCELERATION``), else
+    None."""
+    change = tracker.trend_break()
+    if change is None or abs(change.step) < min_abs_step:
+        return None
+    if abs(change.slope_after) < TREND_ACCELERATION * abs(change.slope_before):
+        return None
+    if abs(change.slope_change_t) < TREND_T_NOTABLE:
+        return None
+    if abs(change.step_z) < _least_z(change, tracker, SHIFT_Z_NOTABLE):
+        return None
+    return change
+
+
+def _per_100_forwards(tracker: SeriesTracker, slope: float) -> str:
+    """A slope per forward, as the change over 100 forwards (a percentage for scale
+    metrics)."""
+    if tracker.log_scale:
+        return f"{format_value((bounded_exp(slope * 100.0) - 1.0) * 100.0)}%"
+    return format_value(slope * 100.0)
+
+
+def _trend_text(c: Candidate, change: ChangePoint, measure: str) -> str:
+    """Interpretation of a break of trend (``change.kind == "trend"``)."""
+    t = c.judged
+    verb = "rise" if change.slope_after > 0 else "fall"
+    faster = " faster" if change.slope_before * change.slope_after > 0 else ""
+    net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
+    after, before = t.level(change.level_after), t.level(change.level_before)
+    size = (
+        f"{format_value(bounded_exp(abs(change.step)))}x, "
+        if t.log_scale and after > 0.0 and before > 0.0
+        else ""
+    )
+    return (
+        f"{_where(c)} began to {verb}{faster}{net} from sample {change.start_sample} "
+        f"(training forward {change.start_forward}): its {measure} moved by "
+        f"{_per_100_forwards(t, change.slope_before)} per 100 forwards before and "
+        f"{_per_100_forwards(t, change.slope_after)} after, and at sample "
+        f"{change.alarm_sample} the broken line through its values was at "
+        f"{format_value(after)} where the earlier trend leads to {format_value(before)} "
+        f"({size}{format_value(abs(change.step_z))} residual spreads of the fit; slope change "
+        f"t = {format_value(abs(change.slope_change_t))}). Raw values went from {_span(c)}."
+    )
 
 
 def _large_tail_step(metric: str, change: ChangePoint) -> bool:
@@ -308,6 +376,9 @@ class _ScaleRule(Rule):
     ``STEP_FACTOR_NOTABLE`` (1.3x) and ``SHIFT_Z_NOTABLE`` (6) residual spreads, and the
     values after it did not return to the old trend. Smooth drift of any size is followed
     by the trend and is never notable on its own. The onset is the step's first sample.
+    Without a notable step, a notable break of trend (``TREND_ACCELERATION``) is the
+    finding, dated where the series left the earlier trend; its score is the departure
+    at the latest sample.
     """
 
     def judge(
@@ -341,7 +412,7 @@ class _ScaleRule(Rule):
             evidence["net_of_loss_gradient"] = _scale_evidence(judged)
         change = _first_notable(
             judged, min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
-        )
+        ) or _notable_trend(judged, min_abs_step=math.log(TREND_FACTOR_NOTABLE))
         notable = change is not None
         if change is not None:
             evidence["first_notable_step"] = _step_evidence(change, judged)
@@ -381,6 +452,8 @@ class _ScaleRule(Rule):
                 f"{_where(c)} followed its own trend{_net(c.series)} with no abrupt step; "
                 f"raw values went from {_span(c)}."
             )
+        if change.kind == "trend":
+            return _trend_text(c, change, measure)
         verb = "stepped up" if change.step > 0 else "stepped down"
         net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
         text = (
@@ -483,6 +556,10 @@ class HeavyTailGrowth(Rule):
             ),
             None,
         )
+        if first is None:
+            trend = _notable_trend(tracker, min_abs_step=0.0)
+            if trend is not None and trend.step > 0 and _large_tail_step(metric, trend):
+                first = trend
         change = first if first is not None else _first_largest_of(rising)
         if change is None:
             return None
@@ -512,6 +589,10 @@ class HeavyTailGrowth(Rule):
         change = c.change
         assert change is not None
         t = c.tracker
+        if change.kind == "trend":
+            return (
+                _trend_text(c, change, c.metric) + " The largest elements moved away from the bulk."
+            )
         return (
             f"{_where(c)} stepped up from sample {change.start_sample}: "
             f"{format_value(t.level(change.level_after))} where its own trend forecast "
@@ -709,7 +790,7 @@ class ZeroFractionGrowth(Rule):
             return None
         first = _first_notable(
             tracker, min_abs_step=ZERO_FRACTION_NOTABLE, min_abs_step_z=SHIFT_Z_NOTABLE
-        )
+        ) or _notable_trend(tracker, min_abs_step=ZERO_FRACTION_NOTABLE)
         change = first if first is not None else tracker.strongest_change
         if change is None or abs(change.step) < 0.01:
             return None
@@ -735,6 +816,8 @@ class ZeroFractionGrowth(Rule):
     def interpretation(self, c: Candidate) -> str:
         change = c.change
         assert change is not None
+        if change.kind == "trend":
+            return _trend_text(c, change, c.metric)
         verb = "rose" if change.step > 0 else "fell"
         return (
             f"{_where(c)} {verb} abruptly from sample {change.start_sample}: "
