@@ -508,8 +508,9 @@ def test_a_series_that_leaves_a_settled_course_is_a_notable_break_of_trend():
     assert head.series.module == "m_grows" and head.notable
     assert head.change is not None and head.change.kind == "trend"
     assert head.change.step_z > 6 and head.change.slope_change_t > 6
-    assert 36 <= head.onset <= 40
-    assert head.evidence["first_notable_step"]["change_kind"] == "trend"
+    assert head.onset is not None and 36 <= head.onset <= 40
+    evidence = head.evidence["first_notable_step"]
+    assert isinstance(evidence, dict) and evidence["change_kind"] == "trend"
     text = RULES["activation_scale_drift"].interpretation(head)
     assert text.startswith("m_grows (call 0, output) activation.rms began to rise from sample")
     assert not any(c.notable for c in run_rules(series)["activation_scale_drift"][1:])
