@@ -422,7 +422,7 @@ def test_a_modest_step_after_an_identical_prefix_is_the_first_divergence(tmp_pat
     first = comparison["summary"]["first_divergence"]
     assert (first["module"], first["kind"], first["metric"]) == ("fc", "value", "rms")
     assert first["sample"] == 30  # forward 60, the first sampled forward with the fault
-    assert first["last_agreeing"]["sample"] == 28  # the compared history point before it
+    assert first["last_agreeing"]["sample"] == 29  # the sample before it (every one kept)
     entry = next(
         e for e in comparison["categories"]["activation_scale"]["entries"] if e["module"] == "fc"
     )

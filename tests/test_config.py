@@ -152,7 +152,7 @@ def test_track_config_defaults():
     assert config.slow_ema_alpha == 0.05
     assert config.cusum_allowance == 2.5
     assert config.cusum_threshold == 5.0
-    assert config.history_points == 32
+    assert config.history_points == 64
     assert config.max_series == 50_000
 
 

@@ -108,7 +108,10 @@ class TrackConfig:
             (Montgomery, ch. 9): with k = 2.5 one value 7.5 spreads away alarms, or two
             values 5 spreads away.
         history_points: points of bounded history kept per series (downsampled by two each
-            time it fills), 4 to 4,096. Default 32.
+            time it fills), 4 to 4,096. Default 64: every sample of a 1,000-step run at
+            the default schedule (44 samples), so that ``compare`` meets two runs at the
+            first sample after a change and a break of trend is dated between close
+            points; a 10,000-step run (82 samples) keeps about every other sample.
         max_series: most series tracked, 1 to 10,000,000; series beyond it are not
             created and are counted under ``coverage.series_dropped``. Default 50,000.
 
@@ -121,7 +124,7 @@ class TrackConfig:
     slow_ema_alpha: float = 0.05
     cusum_allowance: float = 2.5
     cusum_threshold: float = 5.0
-    history_points: int = 32
+    history_points: int = 64
     max_series: int = 50_000
 
     def __post_init__(self) -> None:
