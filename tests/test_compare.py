@@ -98,7 +98,10 @@ def test_dropped_norm_is_the_first_divergence(runs: dict[str, Path], tmp_path: P
     assert fc1["candidate"] > 2 * fc1["baseline"]
     leader = comparison["categories"]["activation_scale"]["entries"][0]
     assert leader["module"].startswith("blocks.2.") and leader["notable"]
-    assert comparison["categories"]["gradient_scale"]["notable"] == 0
+    # Gradients that diverge notably are those of the modified block (blocks.2.fc1's
+    # output gradient moves 10% at the first difference, 1% being the noise there).
+    gradients = comparison["categories"]["gradient_scale"]["entries"]
+    assert all(e["module"].startswith("blocks.2.") for e in gradients if e["notable"])
     assert comparison["summary"]["headline"].startswith("First divergence at sample 28")
     markdown = (tmp_path / "comparison.md").read_text(encoding="utf-8")
     assert markdown.startswith("# torchinstruments comparison")
@@ -388,16 +391,36 @@ def test_first_non_finite_sample_is_exact_and_extra_samples_are_flagged(tmp_path
 
 
 # ---------------------------------------------------------------------- same-seed pairs
-def _same_seed_run(directory: Path, fault: str | None, steps: int = 120, at: int = 60) -> Path:
-    """ResidualNet trained with SGD, observed every 2nd forward; from step ``at`` the
+class _GradScale(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gradient * ctx.factor, None
+
+
+def _same_seed_run(
+    directory: Path, fault: str | None, steps: int = 120, at: int = 60, sampling: int = 2
+) -> Path:
+    """ResidualNet trained with SGD, observed every ``sampling``-th forward; from step ``at`` the
     candidate's ``fault`` applies: ``"fc_x1.5"`` scales ``fc.weight`` by 1.5 once,
     ``"weights_x0.5"`` halves every parameter once (a run-level change: a mis-scaled
-    weight-decay step, a reload of the wrong checkpoint)."""
+    weight-decay step, a reload of the wrong checkpoint), ``"fc_grad_x20"`` scales the
+    gradient that reaches ``fc``'s output by 20 from then on (a backward-only bug)."""
     torch.manual_seed(0)
     model = ResidualNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    inject_observer(model, output_dir=directory, sampling=2)
+    inject_observer(model, output_dir=directory, sampling=sampling)
     for step, (x, y) in enumerate(make_batches(steps)):
+        if step == at and fault == "fc_grad_x20":
+            model.fc.register_forward_hook(
+                lambda module, inputs, output: _GradScale.apply(output, 20.0)
+            )
         if step == at and fault == "fc_x1.5":
             with torch.no_grad():
                 model.fc.weight.mul_(1.5)
@@ -414,7 +437,7 @@ def _same_seed_run(directory: Path, fault: str | None, steps: int = 120, at: int
 
 def test_a_modest_step_after_an_identical_prefix_is_the_first_divergence(tmp_path: Path) -> None:
     # Runs identical up to their first difference have no run-to-run noise before it, so
-    # a 1.5x weight there is judged in the series' own noise (about 6%), not the 10% floor
+    # a 1.5x weight there is judged against a tenth of the floor (1%), not the 10% floor
     # (against which it is 4 units, below the threshold of 5).
     base = _same_seed_run(tmp_path / "base", None)
     cand = _same_seed_run(tmp_path / "cand", "fc_x1.5")
@@ -427,8 +450,26 @@ def test_a_modest_step_after_an_identical_prefix_is_the_first_divergence(tmp_pat
         e for e in comparison["categories"]["activation_scale"]["entries"] if e["module"] == "fc"
     )
     at_first = entry["noise"]["at_first_difference"]
-    assert at_first["sigma"] < entry["noise"]["sigma"] == 0.1  # the floor, elsewhere
+    assert (at_first["sigma"], at_first["basis"]) == (0.01, "floor")
+    assert entry["noise"]["sigma"] == 0.1  # the floor, elsewhere
     assert at_first["points"] == 2
+
+
+def test_a_backward_only_fault_after_an_identical_prefix_is_led_by_the_gradient(
+    tmp_path: Path,
+) -> None:
+    # Every 8th forward observed; from step 57 the gradient reaching fc's output is
+    # scaled by 20 (a backward-only bug). At sample 8 (forward 64) every activation has
+    # moved through seven optimizer steps (which alone would read as model-wide), while
+    # the output gradients of fc and the modules before it moved 10x more: fc's
+    # gradient, the first in backward order to reach a quarter of the largest, leads.
+    base = _same_seed_run(tmp_path / "base", None, sampling=8)
+    cand = _same_seed_run(tmp_path / "cand", "fc_grad_x20", at=57, sampling=8)
+    comparison = read(compare_runs(base, cand, tmp_path / "out"))
+    first = comparison["summary"]["first_divergence"]
+    assert (first["module"], first["signal"], first["sample"]) == ("fc", "grad_output", 8)
+    activations = [e for e in comparison["first_divergences"] if e["signal"] == "activation"]
+    assert {e["module"] for e in activations if e["sample"] == 8} >= {"inp", "fc"}
 
 
 def test_a_run_level_change_after_an_identical_prefix_is_model_wide(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from ._validate import require_float, require_int
 from .errors import ConfigError, ReportReadError
 from .find import display_module
 from .sampling import SampleForwards
-from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
+from .series import ACTIVATION, GRAD_OUTPUT, LOG_SCALE_METRICS, SIGNALS
 
 __all__ = [
     "COMPARISON_INDEX_NAME",
@@ -87,6 +87,14 @@ MODEL_WIDE_DIVERGENCE_SHARE = 0.5
 #: samples the optimizer carries a fault's gradient upstream, so modules before it move a
 #: little, the module itself most.
 DIVERGENCE_ORIGIN_SHARE = 0.25
+#: At the first difference of an identical pair, the output gradients lead when their
+#: largest departure of a scale metric is at least this many times the activations': a fault of
+#: the backward pass (a gradient scaled or cut) moves activations only through the few
+#: optimizer steps since the last sample (23x in a GPT-2 whose gradient was scaled by
+#: 0.05), while a fault of the forward pass, or of the optimizer (a learning rate x30),
+#: moves both about alike (at most 2.2x over the forward and optimizer faults of the
+#: real-model benchmark). This test comes before the model-wide one.
+GRADIENT_LEADS_FACTOR = 5.0
 #: Module name of a model-wide first divergence.
 MODEL = "<model>"
 #: Scales a median absolute deviation to a standard deviation for normal data.
@@ -838,10 +846,13 @@ def _noise(
     steeply in early training does not hide a later step behind an inflated spread
     (files without a residual spread fall back on the warm-up standard deviation).
     ``identical_before``: the runs agreed exactly before (a same-seed pair up to their
-    first difference), so no run-to-run floor applies, only a tenth of it."""
+    first difference): their difference had no noise at all until then, so the series'
+    own variability over time (its trend residuals, volatility and point spread) says
+    nothing about it; only a tenth of the floor applies."""
     floor = noise_floor(metric, log_scale=series.log_scale)
     if identical_before:
         floor = IDENTICAL_LOG_NOISE_FLOOR if series.log_scale else IDENTICAL_FRACTION_NOISE_FLOOR
+        return _Noise(floor, "floor", {"floor": floor})
     parts = {
         "floor": floor,
         "residual_spread": (
@@ -1008,6 +1019,12 @@ def _compare_values(
             "baseline": _number(points_b[k]),
             "candidate": _number(points_c[k]),
             "departure": _number(departures[first]),
+            "noise": {
+                "sigma": _number(sigmas[first]),
+                "basis": "floor at first difference"
+                if identical is not None and sigmas[first] == identical.sigma
+                else noise.basis,
+            },
             "points_beyond_threshold_after": beyond,
             "points_after": len(common) - first,
         }
@@ -1075,6 +1092,9 @@ def _value_interpretation(entry: dict[str, Any], base: _Series, threshold: float
             f"({_difference_text(base, largest['baseline'] or 0.0, largest['candidate'] or 0.0)}; "
             f"{noise_text})."
         )
+    at_first = first.get("noise")
+    if isinstance(at_first, dict):
+        noise_text = f"noise {_text(at_first['sigma'])} {units}, from {at_first['basis']}"
     agreeing = first.get("last_agreeing")
     after = f", after agreeing at {_describe_when(agreeing)}" if agreeing else ""
     return (
@@ -1341,28 +1361,66 @@ def _profile_at_first_difference(
     order) among them. A fault at one module reaches the modules before it only through
     the weights the optimizer changed since the last sample, a run-level change moves
     the first module as much as any. Returns the events in their new order and the
-    model-wide record, or None."""
+    model-wide record, or None. When the output gradients depart far more than the
+    activations there (``GRADIENT_LEADS_FACTOR``), the first gradient in backward order
+    whose departure reaches ``DIVERGENCE_ORIGIN_SHARE`` of their largest leads instead."""
     at = [
         e
         for e in events
         if e.key == first_difference and e.kind == "value" and e.signal == ACTIVATION
     ]
-    if not at:
+    gradients = sorted(
+        (
+            e
+            for e in events
+            if e.key == first_difference and e.kind == "value" and e.signal == GRAD_OUTPUT
+        ),
+        key=_Event.order,
+    )
+    if not at and not gradients:
         return events, None
     at.sort(key=_Event.order)
-    largest = max(abs(e.fields["departure"] or 0.0) for e in at)
+    largest = max((abs(e.fields["departure"] or 0.0) for e in at), default=0.0)
+    # Gradients against activations: scale metrics only (log units with one floor), as
+    # fractions are counted in units of another size.
+    largest_gradient, largest_scale = (
+        max(
+            (abs(e.fields["departure"] or 0.0) for e in group if e.metric in LOG_SCALE_METRICS),
+            default=0.0,
+        )
+        for group in (gradients, at)
+    )
+    root = display_module("")
+    departing = {e.module for e in at if e.module not in ("", root)}  # not a compared module
+    share = len(departing) / max(modules_compared, 1)
+    model_wide = first_module in departing and share >= MODEL_WIDE_DIVERGENCE_SHARE
+    ordered = list(events)
+    if largest_gradient > 0.0 and largest_gradient >= GRADIENT_LEADS_FACTOR * largest_scale:
+        # A fault of the backward pass: the gradients lead, from the first in backward
+        # order whose departure reaches the share of their largest (activations that all
+        # moved, through the optimizer steps since the last sample, are its echoes).
+        origin = next(
+            e
+            for e in gradients
+            if e.metric in LOG_SCALE_METRICS
+            and abs(e.fields["departure"] or 0.0) >= DIVERGENCE_ORIGIN_SHARE * largest_gradient
+        )
+        anchor = at[0] if at else gradients[0]
+        if origin is not anchor:
+            ordered.remove(origin)
+            ordered.insert(ordered.index(anchor), origin)
+        return ordered, None
+    if not at:
+        return events, None
     origin = next(
         e for e in at if abs(e.fields["departure"] or 0.0) >= DIVERGENCE_ORIGIN_SHARE * largest
     )
-    departing = {e.module for e in at}
-    share = len(departing) / max(modules_compared, 1)
     # The origin moves ahead of the activation departures before it at that point only;
     # a module that stopped being called or turned non-finite there keeps its place.
-    ordered = list(events)
     if origin is not at[0]:
         ordered.remove(origin)
         ordered.insert(ordered.index(at[0]), origin)
-    if first_module not in departing or share < MODEL_WIDE_DIVERGENCE_SHARE:
+    if not model_wide:
         return ordered, None
     origin = at[0]
     when = {
@@ -1608,9 +1666,9 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
                 "metrics. noise = the largest of the baseline's trend-residual spread, its "
                 "residual volatility, the detrended spread of its compared points and a "
                 "floor. When every common series agreed exactly at three or more compared "
-                "points before the runs' first difference (a same-seed pair), the floor "
-                "there and at the next point is a tenth of the usual one: such runs have no "
-                "run-to-run noise until then. A series diverges notably at the first point "
+                "points before the runs' first difference (a same-seed pair), the noise "
+                "there and at the next point is a tenth of the usual floor alone: such runs "
+                "have no run-to-run noise until then. A series diverges notably at the first point "
                 "that starts a run of persistence_points consecutive departures beyond the "
                 "threshold with one sign; sustained_departure ranks series within a "
                 "category. At an identical pair's first difference, the activation whose "
