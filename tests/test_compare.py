@@ -395,13 +395,14 @@ class _GradScale(torch.autograd.Function):
     """Identity forward; the backward multiplies the gradient by ``factor``."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        tensor, factor = args
         ctx.factor = factor
         return tensor.clone()
 
     @staticmethod
-    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gradient * ctx.factor, None
+    def backward(ctx: Any, *gradients: Any) -> Any:
+        return gradients[0] * ctx.factor, None
 
 
 def _same_seed_run(
