@@ -711,7 +711,7 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observ
 
 
 def _run_section(observer: Observer) -> dict[str, Any]:
-    from . import __version__
+    from ._version import __version__
 
     info = observer.rank_info
     return {
