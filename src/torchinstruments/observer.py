@@ -13,19 +13,16 @@ needs them; see :meth:`Observer._park_hooks`.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import dataclasses
 import inspect
 import math
 import os
-import signal
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
@@ -33,6 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _amp
+from ._error_log import ErrorLog
+from ._lifecycle import AtExit, on_termination, warn
+from ._snapshot import Counters, RunSnapshot
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
     ForwardHook,
@@ -129,16 +129,6 @@ _transform_level: Callable[[], object] = getattr(
 _LOSS_SCALE = "loss_scale"
 #: Gradient values of these metrics are divided by the GradScaler loss scale.
 _SCALE_METRICS = ("rms", "mean_abs", "max_abs")
-
-
-@dataclass(slots=True)
-class _ErrorEntry:
-    stage: str
-    module: str
-    error_type: str
-    message: str
-    count: int = 0
-    first_sample: int | None = None
 
 
 #: (module index, call index, signal, tensor path) of one observed tensor.
@@ -381,20 +371,19 @@ class Observer:
         self.backward_samples_observed = 0
         self._last_grad_samples: list[int] = []
         self.eval_forwards_skipped = 0
-        self.recompute_calls = 0
-        self.implicit_samples = 0
+        self.recompute_calls_ignored = 0
+        self.direct_call_samples = 0
         #: True once a training forward went through the root (not only direct calls).
         self.root_forward_seen = False
-        self.calls_outside_root = 0
+        self.calls_outside_root_skipped = 0
         #: The training forward of each sample (runs of arithmetic progressions).
         self.sample_forwards = SampleForwards()
-        self.repeated_gradients = 0
+        self.repeated_backward_gradients = 0
         self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
         self.series_dropped = 0
         self.paths_dropped = 0
         self.skipped_tensors: Counter[str] = Counter()
-        self.errors: dict[tuple[str, str, str], _ErrorEntry] = {}
-        self.error_count = 0
+        self.error_log = ErrorLog(report_config.max_error_entries)
         self.reports_written = 0
         self.telemetry_seconds = 0.0
         self.series_summary_omitted = 0
@@ -416,8 +405,8 @@ class Observer:
         #: (see _sum_repeated). Cleared whenever staged copies are reduced.
         self._grad_buffers: dict[tuple[_Key, int], Tensor] = {}
         self._last_staged: Tensor | None = None
-        self.gradients_summed = 0
-        self.gradients_not_summed = 0
+        self.backward_gradients_summed = 0
+        self.backward_gradients_not_summed = 0
         #: Indices of the observed modules that ran in a sampled forward.
         self.modules_called: set[int] = set()
         #: Module name -> the name of the parent observed in its place, because the
@@ -426,7 +415,7 @@ class Observer:
         self._adoption_done = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
-        self._atexit = _AtExit(self)
+        self._atexit = AtExit(self)
 
     @property
     def target(self) -> nn.Module | None:
@@ -478,7 +467,7 @@ class Observer:
         self.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
-        _on_termination.add(self)
+        on_termination.add(self)
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
@@ -509,7 +498,7 @@ class Observer:
         self._state_stack.clear()
         self._no_grad_calls.clear()
         atexit.unregister(self._atexit)
-        _on_termination.discard(self)
+        on_termination.discard(self)
 
     # ------------------------------------------------------------------ context
     def enter_root(self, module: nn.Module) -> None:
@@ -750,7 +739,7 @@ class Observer:
                 self._sample_in_backward = True
                 return False
             self.state = self.RECOMPUTE
-            self.recompute_calls += 1
+            self.recompute_calls_ignored += 1
             return False
         if len(self._state_stack) > 1 and self._state_stack[-1] in (
             self.SAMPLED,
@@ -1084,7 +1073,7 @@ class Observer:
             # Training goes through the root: a submodule called on its own (an auxiliary
             # loss, a probe) is a side computation, kept out of the training series
             # (capture_direct_forwards=True asks for such calls to be observed).
-            self.calls_outside_root += 1
+            self.calls_outside_root_skipped += 1
             return False
         if (
             self._implicit_opener is not None
@@ -1094,7 +1083,7 @@ class Observer:
             return self._sample_open
         self._implicit_opener = index
         self._implicit_backward_seen = False
-        self.implicit_samples += 1
+        self.direct_call_samples += 1
         self._open_sample()
         self._maybe_flush()
         return self._sample_open
@@ -1174,7 +1163,7 @@ class Observer:
         Recomputations that no sampled call awaits are ignored and counted."""
         waiting = self._no_grad_calls.get(index)
         if not waiting or not torch.is_grad_enabled():
-            self.recompute_calls += 1
+            self.recompute_calls_ignored += 1
             return
         # The first module of a recomputed region receives the region's saved inputs
         # (same storage as in the first pass); later ones replay the first pass's call
@@ -1224,7 +1213,7 @@ class Observer:
                 if self._implicit_opener is not None and sample == self._sample:
                     self._implicit_backward_seen = True
             elif key in seen:
-                self.repeated_gradients += 1  # retain_graph: another backward pass
+                self.repeated_backward_gradients += 1  # retain_graph: another backward pass
                 self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
                 return
             seen.add(key)
@@ -1256,11 +1245,11 @@ class Observer:
         counted under ``coverage.backward_gradients_not_summed``."""
         buffer = self._grad_buffers.get((key, sample))
         if buffer is None or buffer.numel() != grad.numel() or skip_reason(grad) is not None:
-            self.gradients_not_summed += 1
+            self.backward_gradients_not_summed += 1
             return
         with self._slab_lock:
             buffer.view(grad.shape).add_(grad.detach())
-        self.gradients_summed += 1
+        self.backward_gradients_summed += 1
 
     def note_loss_scale(self, scale: Tensor) -> None:
         """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``.
@@ -1537,28 +1526,8 @@ class Observer:
             entry.append((key, position))
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
-        """Count an error raised inside a hook; keep the first few distinct ones.
-
-        Errors are grouped by kind and place (stage, module, exception type), never by
-        message text, which may vary from one occurrence to the next (a temporary
-        file name, a tensor shape): one failure repeated fills one entry, which keeps
-        the first message, so a later, different error still gets an entry of its own.
-        """
-        self.error_count += 1
-        try:
-            text = str(error).strip()
-        except Exception:  # a user exception whose __str__ raises
-            text = ""
-        message = text.splitlines()[0][:300] if text else ""
-        key = (stage, module, type(error).__name__)
-        entry = self.errors.get(key)
-        if entry is None:
-            if len(self.errors) >= max(self.report_config.max_error_entries, 1) * 4:
-                return
-            entry = _ErrorEntry(stage, module, type(error).__name__, message)
-            entry.first_sample = self._sample if self._sample >= 0 else None
-            self.errors[key] = entry
-        entry.count += 1
+        """Count an error raised inside a hook (see :class:`~._error_log.ErrorLog`)."""
+        self.error_log.record(stage, module, error, self._sample if self._sample >= 0 else None)
 
     # ------------------------------------------------------------------ flush
     def _maybe_flush(self) -> None:
@@ -1768,7 +1737,7 @@ class Observer:
         from .report import build_report
 
         self.flush_statistics(block=block)
-        return build_report(self)
+        return build_report(self.snapshot())
 
     def write_report(
         self, *, block: bool = True, flush: bool = True, files_only: bool = False
@@ -1792,7 +1761,7 @@ class Observer:
         finally:
             self.writing = False
             self._note_cost(time.perf_counter() - started)
-        _on_termination.deliver_deferred()
+        on_termination.deliver_deferred()
 
     def _adopt_parents(self) -> None:
         """After the first sampled training forward: observe the parent of every
@@ -1837,6 +1806,65 @@ class Observer:
             self._parkable.append((parent._forward_hooks, handle.id, hook))
             observed.add(id(parent))
             self.parents_adopted[name] = parent_name
+
+    def snapshot(self) -> RunSnapshot:
+        """A frozen view of this observer for the report (see :class:`RunSnapshot`).
+
+        Call after a flush; the policy's ``describe()`` is asked here (an error it
+        raises is counted, and the report shows the policy's class name instead).
+        """
+        try:
+            sampling: object = self.policy.describe()
+        except Exception as error:  # a user policy's method
+            self.record_error("policy.describe", "", error)
+            sampling = {"policy": type(self.policy).__name__, "describe": "raised"}
+        errors = self.error_log
+        counters = Counters(
+            forwards_seen=self.forwards_seen,
+            samples_observed=self.samples_observed,
+            backward_samples_observed=self.backward_samples_observed,
+            eval_forwards_skipped=self.eval_forwards_skipped,
+            recompute_calls_ignored=self.recompute_calls_ignored,
+            direct_call_samples=self.direct_call_samples,
+            calls_outside_root_skipped=self.calls_outside_root_skipped,
+            repeated_backward_gradients=self.repeated_backward_gradients,
+            backward_gradients_summed=self.backward_gradients_summed,
+            backward_gradients_not_summed=self.backward_gradients_not_summed,
+            loss_scaled_samples=self.loss_scale.count,
+            sentinel_checks=self.sentinel_checks,
+            sentinel_nonfinite_forwards=self.sentinel_nonfinite_forwards,
+            series_dropped=self.series_dropped,
+            series_summary_omitted=self.series_summary_omitted,
+            paths_dropped=self.paths_dropped,
+            errors_total=errors.total,
+        )
+        return RunSnapshot(
+            names=tuple(self.names),
+            series=dict(self.series),
+            histograms=dict(self.histograms),
+            loss_scale=self.loss_scale,
+            sample_forwards=self.sample_forwards,
+            counters=counters,
+            sentinel_events=tuple(dict(event) for event in self.sentinel_events),
+            errors=tuple(dataclasses.replace(entry) for entry in errors.entries.values()),
+            skipped_tensors=dict(self.skipped_tensors),
+            modules_called=frozenset(self.modules_called),
+            parents_adopted=dict(self.parents_adopted),
+            modules_replaced=tuple(self.modules_replaced()),
+            root_forward_seen=self.root_forward_seen,
+            report_config=self.report_config,
+            track_config=self.track_config,
+            sampling=sampling,
+            capture_direct_forwards=self.capture_direct_forwards,
+            full_sentinel=self.full_sentinel,
+            hook_parking=self.hook_parking,
+            rank_info=self.rank_info,
+            options=dict(self.options),
+            started_at=self.started_at,
+            telemetry_seconds=self.telemetry_seconds,
+            forked_from_pid=self.forked_from_pid,
+            forwards_at_fork=self.forwards_at_fork,
+        )
 
     def modules_replaced(self) -> list[str]:
         """Names of observed modules that are no longer in their place in the model
@@ -1911,12 +1939,15 @@ class Observer:
                 self.flush_statistics(block=block)
             if summarising:
                 # Before the report, whose coverage counts the rows it omits.
-                summary = build_series_summary(self, self.report_config.series_summary_max_bytes)
+                summary = build_series_summary(
+                    self.snapshot(), self.report_config.series_summary_max_bytes
+                )
                 self.series_summary_omitted = summary["omitted"]
         except Exception as error:
             self.record_error("series_summary", "", error)
         try:
-            report = build_report(self)  # statistics flushed above
+            snapshot = self.snapshot()
+            report = build_report(snapshot)  # statistics flushed above
         except Exception as error:
             self.record_error("report", "", error)
             return
@@ -1929,7 +1960,7 @@ class Observer:
                 self.record_error("write", "", error)
                 if not self._warned_write:
                     self._warned_write = True
-                    _warn(
+                    warn(
                         f"torchinstruments could not write its report ({error}); training "
                         "continues, the error is counted and the next write is retried"
                     )
@@ -1952,138 +1983,12 @@ class Observer:
         if wanting:
             from .report import build_details
 
-            details = build_details(self)
+            details = build_details(snapshot)
             for target in wanting:
                 try:
                     target.write_details(details)
                 except Exception as error:
                     self.record_error("details", type(target).__name__, error)
-
-
-def _warn(message: str) -> None:
-    """Issue a ``RuntimeWarning`` that never raises: under ``-W error`` (or a
-    ``filterwarnings = error`` test setting) a warning becomes an exception, which must
-    not reach the training loop; it is then dropped (the error it reports is counted in
-    the report anyway)."""
-    with contextlib.suppress(Exception):
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-class _TerminationWriter:
-    """Writes the report of every live observer when the process gets ``SIGTERM``.
-
-    torchrun, SLURM, Kubernetes and ``timeout`` stop a job with SIGTERM, whose default
-    action ends the process without running ``atexit`` handlers. The handler is
-    installed (from the main thread only, where Python allows it) when the first
-    observer attaches and put back when the last one detaches, if it is still ours.
-    On the signal it writes each live observer's report, then chains to the handler
-    that was installed before (a callable is called; ``SIG_IGN`` ignores the signal;
-    the default action is restored and the signal raised again, so the process ends
-    as it would have, with the same exit status). A signal that arrives while a report
-    is being written is handled once that write is over.
-    """
-
-    def __init__(self) -> None:
-        self._live: weakref.WeakSet[Observer] = weakref.WeakSet()
-        self._previous: Any = None
-        self._installed = False
-        self._deferred: int | None = None
-
-    def live(self) -> list[Observer]:
-        """The attached observers of this process."""
-        return list(self._live)
-
-    def add(self, observer: Observer) -> None:
-        self._live.add(observer)
-        if self._installed or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            self._previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._handle)
-        except (ValueError, OSError, AttributeError):  # no SIGTERM, or not allowed here
-            return
-        self._installed = True
-
-    def discard(self, observer: Observer) -> None:
-        self._live.discard(observer)
-        if self._live or not self._installed:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            if signal.getsignal(signal.SIGTERM) == self._handle:
-                previous = self._previous
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        except (ValueError, OSError, TypeError):
-            return
-        self._installed = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        live = list(self._live)
-        if any(getattr(observer, "writing", False) for observer in live):
-            self._deferred = signum  # handled by deliver_deferred once the write is over
-            return
-        for observer in live:
-            if observer.attached:
-                with contextlib.suppress(Exception):
-                    observer.write_on_signal()
-        self._chain(signum, frame)
-
-    def deliver_deferred(self) -> None:
-        """Handle a SIGTERM that arrived during a report write (called after each)."""
-        signum = self._deferred
-        if signum is None:
-            return
-        self._deferred = None
-        self._handle(signum, None)
-
-    def _chain(self, signum: int, frame: Any) -> None:
-        previous = self._previous
-        if callable(previous):
-            previous(signum, frame)
-            return
-        if previous == signal.SIG_IGN:
-            return
-        # The default action (or a handler not set from Python): end as it would have.
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-_on_termination = _TerminationWriter()
-_parent_pid = os.getpid()
-
-
-def _after_fork_in_child() -> None:
-    """``os.register_at_fork`` hook: re-point every live observer (see
-    :meth:`Observer.forked`); never raises into the child."""
-    global _parent_pid
-    parent, _parent_pid = _parent_pid, os.getpid()
-    for observer in list(_on_termination.live()):
-        with contextlib.suppress(Exception):
-            observer.forked(parent)
-
-
-def _before_fork() -> None:
-    global _parent_pid
-    _parent_pid = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
-
-
-class _AtExit:
-    """Writes the final report at interpreter exit, holding the observer weakly."""
-
-    __slots__ = ("_observer",)
-
-    def __init__(self, observer: Observer) -> None:
-        self._observer = weakref.ref(observer)
-
-    def __call__(self) -> None:
-        observer = self._observer()
-        if observer is not None and observer.attached:
-            observer.write_report()
 
 
 def _training_context(module: nn.Module) -> bool:
