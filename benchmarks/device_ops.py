@@ -62,7 +62,7 @@ def count(workload: overhead.Workload, observe: bool, steps: int, tmp: Path) -> 
         handle = inject_observer(pair.observed, output_dir=tmp, sampling=1)
         observer = handle._observer
         assert observer is not None
-        observer.device_path_types = frozenset({"cpu", "cuda"})
+        observer.buffer.device_path_types = frozenset({"cpu", "cuda"})
         # Flush as often as with CUDA statistics pending (the CPU cadence is longer).
         observer.FLUSH_INTERVAL_FORWARDS = DEVICE_FLUSH_INTERVAL_FORWARDS
     # Past warm-up (24 samples), whose end writes a report (one flush more) once.

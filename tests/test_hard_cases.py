@@ -1159,8 +1159,8 @@ def test_forwards_without_backward_leak_nothing(tmp_path: Path, mode: str | None
     assert all(ref() is None for ref in kept), "an output (and its graph) is kept alive"
     assert live("GradHook") == 0
     observer = handle._observer
-    staging = sum(1 + len(slab.rows) for slab in observer._slabs.values())
-    staging += observer._slab_scratch is not None
+    staging = sum(1 + len(slab.rows) for slab in observer.buffer.slabs.values())
+    staging += observer.buffer.slab_scratch is not None
     assert live_tensors() <= baseline + 2 + staging
     remove_observer(model)
 

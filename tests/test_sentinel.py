@@ -57,7 +57,7 @@ def inject(model: nn.Module, directory: Path, accelerator: bool, **options: Any)
     if accelerator:
         observer = handle._observer
         assert observer is not None
-        observer.device_path_types = frozenset({"cpu"})
+        observer.buffer.device_path_types = frozenset({"cpu"})
 
 
 ACCELERATOR = pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
@@ -460,7 +460,7 @@ def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
     handle = inject_observer(model, output_dir=tmp_path, sampling=100)
     observer = handle._observer
     assert observer is not None
-    observer.device_path_types = frozenset({"cpu"})
+    observer.buffer.device_path_types = frozenset({"cpu"})
     generator = torch.Generator().manual_seed(0)
     for index in range(20):
         model.gate.divisor.fill_(0.0 if index == 7 else 1.0)

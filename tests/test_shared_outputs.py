@@ -36,13 +36,13 @@ def train(model: nn.Module, tmp_path: Path, **options: Any) -> tuple[Observer, l
     observer = handle._observer
     assert observer is not None
     measured: list[Any] = []
-    original = observer._measure
+    original = observer.buffer.measure
 
     def spy(key: Any, sample: int, position: int, tensor: Tensor) -> None:
         measured.append((key, sample))
         original(key, sample, position, tensor)
 
-    observer._measure = spy  # type: ignore[method-assign]
+    observer.buffer.measure = spy  # type: ignore[method-assign]
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randn(8, 4, generator=generator)

@@ -42,7 +42,7 @@ class ErrorLog:
         max_entries: ``ReportConfig.max_error_entries``, the entries the report lists.
     """
 
-    __slots__ = ("_capacity", "entries", "total")
+    __slots__ = ("_capacity", "entries", "sample", "total")
 
     def __init__(self, max_entries: int) -> None:
         self._capacity = max(max_entries, 1) * 4
@@ -50,9 +50,11 @@ class ErrorLog:
         self.entries: dict[tuple[str, str, str], ErrorEntry] = {}
         #: Errors recorded, kept or not.
         self.total = 0
+        #: The sample opened last (None before the first): a new entry's first sample.
+        self.sample: int | None = None
 
-    def record(self, stage: str, module: str, error: BaseException, sample: int | None) -> None:
-        """Count ``error``, raised at ``stage`` for ``module`` while ``sample`` was open."""
+    def record(self, stage: str, module: str, error: BaseException) -> None:
+        """Count ``error``, raised at ``stage`` for ``module``."""
         self.total += 1
         try:
             text = str(error).strip()
@@ -65,6 +67,6 @@ class ErrorLog:
             if len(self.entries) >= self._capacity:
                 return
             entry = ErrorEntry(stage, module, type(error).__name__, message)
-            entry.first_sample = sample
+            entry.first_sample = self.sample
             self.entries[key] = entry
         entry.count += 1

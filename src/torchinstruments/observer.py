@@ -18,12 +18,10 @@ import inspect
 import math
 import os
 import sys
-import threading
 import time
 import weakref
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from operator import itemgetter
 from typing import Any
 
 import torch
@@ -32,7 +30,9 @@ from torch import Tensor, nn
 from . import _amp
 from ._error_log import ErrorLog
 from ._lifecycle import AtExit, on_termination, warn
+from ._records import HistogramCounts, LossScale, Record, SentinelSum, SeriesKey, Statistics
 from ._snapshot import Counters, RunSnapshot
+from ._staging import MAX_PENDING_RECORDS, StatisticsBuffer
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
     ForwardHook,
@@ -51,18 +51,9 @@ from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
 from .histogram import Histogram, HistogramSpec, histogram_counts
 from .reduce import (
-    BATCH_MAX_ELEMENTS,
     STAT_WIDTH,
-    Subsample,
-    cpu_statistics_batch,
-    cpu_statistics_deferred,
-    cpu_statistics_matrix_,
-    cpu_statistics_subsamples,
-    cpu_statistics_unchecked,
-    device_statistics_batch_unchecked,
     finish_statistics,
     skip_reason,
-    tensor_statistics,
 )
 from .sampling import SampleForwards, SamplingPolicy
 from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
@@ -76,36 +67,11 @@ __all__ = ["Observer", "RankInfo"]
 MAX_SAMPLES_AWAITING_BACKWARD = 256
 #: Most samples whose caller step (``ObserverHandle.set_step``) is kept for the sinks.
 MAX_SAMPLE_STEPS = 4096
-#: Records kept on the device before a flush moves them to the host.
-MAX_PENDING_RECORDS = 4_096
 #: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
 #: are read at a flush, so a non-finite hit forces samples at most this much later.
 DEVICE_FLUSH_INTERVAL_FORWARDS = 32
 #: Measured rows awaiting processing that other keys share (oldest dropped beyond).
 MAX_ALIASED_ROWS = 4_096
-#: CPU tensors of at most this many elements are copied (as float32) when observed and
-#: reduced later in batches (see Observer._measure); larger ones are reduced at once.
-STAGE_MAX_NUMEL = 1 << 15
-#: Most rows of one staging slab (see _Slab): a slab holds at most
-#: ``BATCH_MAX_ELEMENTS`` elements (1 MiB), and no more rows than this.
-SLAB_MAX_ROWS = 256
-#: Accelerator (CUDA) tensors of at most this many elements are staged the same way:
-#: each tensor operation there costs a kernel launch, several microseconds of host time,
-#: so one ragged batch (all staged tensors of a device, any lengths, about 55 operations)
-#: saves about 35 launches per tensor.
-DEVICE_STAGE_MAX_NUMEL = 1 << 20
-#: Staged CPU elements (float32) after which the staged copies are reduced (16 MiB);
-#: also the bound on the elements of all staging slabs together.
-STAGE_MAX_ELEMENTS = 1 << 22
-#: The same for accelerator copies (32 MiB): fewer, larger batches save launches; while
-#: one is reduced, about four times its size is held on the device.
-DEVICE_STAGE_MAX_ELEMENTS = 1 << 23
-_STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: Prefix of pending-record signals carrying histogram counts.
-_HISTOGRAM = "histogram"
-#: Pending-record signal carrying a device-side sentinel sum, non-finite where the
-#: checked tensor held a non-finite value (CUDA).
-_SENTINEL = "sentinel"
 #: Index of the root among the observed modules (``select_modules`` puts it first).
 ROOT_INDEX = 0
 #: torch.jit.is_tracing without its Python wrapper (called once per root forward).
@@ -125,62 +91,12 @@ _getframe = sys._getframe
 _transform_level: Callable[[], object] = getattr(
     getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
 )
-#: Pending-record signal carrying the GradScaler loss scale of a sample.
-_LOSS_SCALE = "loss_scale"
 #: Gradient values of these metrics are divided by the GradScaler loss scale.
 _SCALE_METRICS = ("rms", "mean_abs", "max_abs")
 
 
 #: (module index, call index, signal, tensor path) of one observed tensor.
-_Key = tuple[int, int, str, str]
-#: What a pending record says about its statistics row: (series key, sample, position).
-_Meta = tuple[_Key, int, int]
-#: A statistics record waiting for the host: its meta and its row (a device vector, or
-#: host floats for CPU tensors). Hooks add one with a single ``list.append`` of a tuple,
-#: which is atomic, so worker threads of one forward never interleave half records.
-_Record = tuple[_Key, int, int, Tensor | list[float]]
-#: A staged copy awaiting a batch: (key, sample, position, flat float32 copy, or the
-#: subsample of a large CPU tensor whose full passes are done).
-_Staged = tuple[_Key, int, int, "Tensor | Subsample"]
-
-
-class _Slab:
-    """Preallocated rows for the float32 copies of small CPU tensors of one length.
-
-    A copy goes into the next free row and the rows are reduced in place when the slab
-    is full or at a flush (:func:`~torchinstruments.reduce.cpu_statistics_matrix_`), then
-    reused. Compared with one fresh tensor per copy, stacked at the flush, this saves
-    the stacking copy and, above all, the allocator's churn: piles of fresh copies were
-    handed back to the system after each flush and faulted in again (a copy of 16,384
-    elements cost 15 us inside a training step; in a microbenchmark, 35 us against
-    4.5 us once 64 or more copies were alive).
-    """
-
-    __slots__ = ("capacity", "matrix", "records", "rows", "used")
-
-    def __init__(self, numel: int) -> None:
-        self.capacity = self.capacity_for(numel)
-        self.matrix = torch.empty(self.capacity, numel)
-        #: One view per row, made on first use and kept (``select`` views: a row of
-        #: ``unbind`` is a multi-output view, slower to view again).
-        self.rows: list[Tensor] = []
-        #: (key, sample, position) of the rows filled so far, in row order.
-        self.records: list[_Meta] = []
-        #: Whether a row was filled since the last flush (others may be freed).
-        self.used = True
-
-    @staticmethod
-    def capacity_for(numel: int) -> int:
-        """Rows of a slab for tensors of ``numel`` elements."""
-        return max(1, min(SLAB_MAX_ROWS, BATCH_MAX_ELEMENTS // numel))
-
-    def next_row(self) -> Tensor:
-        """The view of the next free row."""
-        filled = len(self.records)
-        rows = self.rows
-        if filled == len(rows):
-            rows.append(self.matrix[filled])
-        return rows[filled]
+_Key = SeriesKey
 
 
 class Observer:
@@ -334,30 +250,9 @@ class Observer:
         self._quiet_sentinel = -1
 
         # Pipeline state.
-        self._pending: list[_Record] = []
-        # A deque: hooks on worker threads append while a flush pops (both atomic).
-        self._staged: deque[_Staged] = deque()
-        self._staged_elements = 0
-        self._device_staged_elements = 0
-        #: Staging slabs of small CPU tensors by length (see _Slab); the lock orders
-        #: hooks of several threads that fill them and the flush that reduces them.
-        self._slabs: dict[int, _Slab] = {}
-        self._slab_elements = 0
-        self._slab_records = 0
-        self._slab_lock = threading.Lock()
-        self._slab_scratch: Tensor | None = None
-        #: Lengths of small CPU tensors met without a slab since the last flush.
-        self._lengths_seen: dict[int, None] = {}
-        #: Device types that take the accelerator path: tensors up to
-        #: ``DEVICE_STAGE_MAX_NUMEL`` elements are staged and reduced together, whatever
-        #: their lengths, by ``device_statistics_batch_unchecked``; sentinel sums are read
-        #: at the next flush; nothing is read back inside a hook. Tests add "cpu" to run
-        #: that path without a GPU.
-        self.device_path_types: frozenset[str] = frozenset({"cuda"})
-        #: CUDA streams that made staged copies or pending device rows since the last
-        #: flush: work on another stream that reads them must wait for these.
-        self._producer_streams: set[Any] = set()
-        self._in_flight: list[_InFlight] = []
+        self.error_log = ErrorLog(report_config.max_error_entries)
+        #: Staging, reduction and transfer to the host (see _staging.py).
+        self.buffer = StatisticsBuffer(self.names, self.error_log)
         self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
         self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
         self._backward_counted: dict[int, None] = {}
@@ -383,7 +278,6 @@ class Observer:
         self.series_dropped = 0
         self.paths_dropped = 0
         self.skipped_tensors: Counter[str] = Counter()
-        self.error_log = ErrorLog(report_config.max_error_entries)
         self.reports_written = 0
         self.telemetry_seconds = 0.0
         self.series_summary_omitted = 0
@@ -400,11 +294,6 @@ class Observer:
         #: forwards seen before the fork (see :meth:`forked`); None in the original.
         self.forked_from_pid: int | None = None
         self.forwards_at_fork = 0
-        #: Staged float32 copies of output gradients, by (key, sample), while they are
-        #: not reduced yet: a later backward pass over the same sample adds into them
-        #: (see _sum_repeated). Cleared whenever staged copies are reduced.
-        self._grad_buffers: dict[tuple[_Key, int], Tensor] = {}
-        self._last_staged: Tensor | None = None
         self.backward_gradients_summed = 0
         self.backward_gradients_not_summed = 0
         #: Indices of the observed modules that ran in a sampled forward.
@@ -464,7 +353,7 @@ class Observer:
                 handle = module.register_forward_hook(hook)
                 self._handles.append(handle)
                 self._parkable.append((module._forward_hooks, handle.id, hook))
-        self.attached = True
+        self.attached = self.buffer.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
         on_termination.add(self)
@@ -491,7 +380,7 @@ class Observer:
             else:
                 del module.__dict__["forward"]
         self._wrapped.clear()
-        self.attached = False
+        self.attached = self.buffer.attached = False
         _amp.uninstall(self)
         # Hooks that compiled code or stale references still call return at once.
         self.state = self.SKIP
@@ -574,7 +463,8 @@ class Observer:
                         stack.pop()
                         self._open_ended = True
                         self._plan_quiet_forwards()
-                    if self._pending or self._staged or self._slab_records:
+                    buffer = self.buffer
+                    if buffer.pending or buffer.staged or buffer.slab_records:
                         self._maybe_flush()
                     elif _monotonic() - self._last_write >= self._rewrite_interval_s:
                         self.write_report(block=False)
@@ -639,7 +529,7 @@ class Observer:
         sentinel = _next_root_sentinel(start, self.ROOT_SENTINEL_INTERVAL)
         every = (
             DEVICE_FLUSH_INTERVAL_FORWARDS
-            if self._producer_streams
+            if self.buffer.producer_streams
             else self.FLUSH_INTERVAL_FORWARDS
         )
         flush = (start + every) // every * every - 1  # forwards_seen a multiple of every
@@ -939,7 +829,7 @@ class Observer:
         if value.is_complex():
             # Real and imaginary parts side by side: |z| could overflow where they do not.
             value = torch.view_as_real(value.resolve_conj())
-        if value.is_cpu and "cpu" not in self.device_path_types:
+        if value.is_cpu and "cpu" not in self.buffer.device_path_types:
             # A non-finite element makes the sum non-finite; one plain reduction is
             # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
             # with a dtype argument). Confirm before counting: a sum can overflow.
@@ -952,10 +842,8 @@ class Observer:
         if value.dtype == torch.float64:
             value = value * 0.0
         bad = value.sum(dtype=torch.float64).reshape(1)
-        if value.is_cuda:
-            self._producer_streams.add(torch.cuda.current_stream(value.device))
-        # The position slot carries the index of the next sample, read when processed.
-        self._pending.append(((index, call, _SENTINEL, path), forward, self.samples_observed, bad))
+        key = (index, call, ACTIVATION, path)
+        self.buffer.append(SentinelSum(key, forward, self.samples_observed, bad))
 
     def _confirm_cpu_sentinel(self, index: int, call: int, path: str, tensor: Tensor) -> None:
         """A CPU sentinel's sum was not finite: count a hit unless the sum only
@@ -997,7 +885,7 @@ class Observer:
             sampled = True
         self._sample_open = sampled
         if sampled:
-            self._sample = self.samples_observed
+            self._sample = self.error_log.sample = self.samples_observed
             self.samples_observed += 1
             if self.samples_observed == self.track_config.warmup_samples:
                 # The first rewrite falls due at the end of warm-up (at the next
@@ -1115,7 +1003,7 @@ class Observer:
             if first is not None and (first[0]() is not leaf or first[1] != version):
                 first = None
             if first is None:
-                self._measure(key, sample, position, leaf)
+                self.buffer.measure(key, sample, position, leaf)
             else:
                 # What an earlier call of this sample returned, unchanged since (a
                 # container or the root passing on a submodule's output): the same
@@ -1223,14 +1111,7 @@ class Observer:
                 return
             index, call, path = key
             grad_key = (index, call, GRAD_OUTPUT, path)
-            self._last_staged = None
-            self._measure(grad_key, sample, -1, grad)
-            if self._last_staged is not None:
-                buffers = self._grad_buffers
-                buffers[(grad_key, sample)] = self._last_staged
-                self._last_staged = None
-                if len(buffers) > MAX_PENDING_RECORDS:
-                    del buffers[next(iter(buffers))]
+            self.buffer.measure_gradient(grad_key, sample, grad)
             if self.histogram_specs:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
@@ -1243,13 +1124,10 @@ class Observer:
         while that copy is not reduced yet (small tensors, until the next flush or the
         slab fills: backward passes run one after the other within a step); otherwise
         counted under ``coverage.backward_gradients_not_summed``."""
-        buffer = self._grad_buffers.get((key, sample))
-        if buffer is None or buffer.numel() != grad.numel() or skip_reason(grad) is not None:
+        if self.buffer.add_repeated(key, sample, grad):
+            self.backward_gradients_summed += 1
+        else:
             self.backward_gradients_not_summed += 1
-            return
-        with self._slab_lock:
-            buffer.view(grad.shape).add_(grad.detach())
-        self.backward_gradients_summed += 1
 
     def note_loss_scale(self, scale: Tensor) -> None:
         """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``.
@@ -1263,7 +1141,7 @@ class Observer:
             with passive():
                 value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
             for sample in self._awaiting_backward:
-                self._append_record((-1, 0, _LOSS_SCALE, ""), sample, value)
+                self.buffer.append(LossScale(sample, value))
         except Exception as error:
             self.record_error("loss_scale", "", error)
 
@@ -1274,243 +1152,8 @@ class Observer:
             spec = self.histogram_specs[number]
             if sample % spec.every_n_samples:
                 continue
-            key = (index, call, f"{_HISTOGRAM}{number}:{signal}", path)
-            self._append_record(key, sample, histogram_counts(tensor, spec))
-
-    def _measure(
-        self, key: tuple[int, int, str, str], sample: int, position: int, tensor: Tensor
-    ) -> None:
-        """Reduce one observed tensor, or stage a float32 copy of it for a batch.
-
-        Small tensors are copied and reduced later, many at a time (per-operation
-        overhead, not arithmetic, is what reducing them costs: PyTorch's dispatch on the
-        CPU, a kernel launch on CUDA): on the CPU into a row of the staging slab of their
-        length (:class:`_Slab`), reduced when it is full or at a flush; on CUDA into a
-        ragged device batch (:meth:`_reduce_staged`). The copy is needed: the tensor may
-        be changed in place after the hook returns (``out += residual``, ``relu_``).
-        Larger CPU tensors get their full passes at once and their subsample staged
-        (:class:`~torchinstruments.reduce.Subsample`), and larger CUDA tensors are reduced
-        to a device vector (no synchronisation).
-        """
-        numel = tensor.numel()
-        device_type = tensor.device.type
-        if (
-            device_type in self.device_path_types
-            and numel <= DEVICE_STAGE_MAX_NUMEL
-            and tensor.dtype in _STAGED_DTYPES
-        ):
-            copy = tensor.detach().to(
-                torch.float32, memory_format=torch.contiguous_format, copy=True
-            )
-            self._staged.append((key, sample, position, copy.view(-1)))
-            if device_type == "cuda":
-                self._producer_streams.add(torch.cuda.current_stream(tensor.device))
-            self._device_staged_elements += numel
-            self._last_staged = copy.view(-1)
-            if self._device_staged_elements > DEVICE_STAGE_MAX_ELEMENTS:
-                self._reduce_staged()
-            return
-        if device_type != "cpu":
-            if device_type == "cuda":
-                self._producer_streams.add(torch.cuda.current_stream(tensor.device))
-            self._pending.append((key, sample, position, tensor_statistics(tensor)))
-            return
-        if numel <= STAGE_MAX_NUMEL and tensor.dtype in _STAGED_DTYPES:
-            with self._slab_lock:
-                slab = self._slabs.get(numel)
-                if slab is None:
-                    slab = self._new_slab(numel)
-                if slab is not None:
-                    # Copied (as float32, in logical order) into the slab's next free row.
-                    row = slab.next_row()
-                    if tensor.is_contiguous():
-                        row.copy_(tensor.detach().view(-1))
-                    else:
-                        row.view(tensor.shape).copy_(tensor.detach())
-                    records = slab.records
-                    records.append((key, sample, position))
-                    slab.used = True
-                    self._slab_records += 1
-                    self._last_staged = row
-                    if len(records) == slab.capacity:
-                        self._reduce_slab(slab)
-                    return
-            # More lengths than slabs (dynamic shapes): a copy of its own, reduced at the
-            # flush with the other copies of its length.
-            copy = tensor.detach().to(
-                torch.float32, memory_format=torch.contiguous_format, copy=True
-            )
-            self._staged.append((key, sample, position, copy.view(-1)))
-            self._staged_elements += numel
-            self._last_staged = copy.view(-1)
-            if self._staged_elements > STAGE_MAX_ELEMENTS:
-                self._reduce_staged()
-            return
-        result = cpu_statistics_deferred(tensor)
-        if isinstance(result, Subsample):
-            # The full passes are done; the subsample's own statistics (about ten small
-            # operations) are taken in a batch with the other staged tensors.
-            self._staged.append((key, sample, position, result))
-            self._staged_elements += result.part.numel()
-            if self._staged_elements > STAGE_MAX_ELEMENTS:
-                self._reduce_staged()
-            return
-        self._pending.append((key, sample, position, result))
-
-    def _new_slab(self, numel: int) -> _Slab | None:
-        """A slab for tensors of ``numel`` elements (lock held), or None: then the tensor
-        is copied on its own.
-
-        A length gets a slab the second time it is met between two flushes (with dynamic
-        shapes most lengths come and go, and a slab is worth its making only for one
-        that recurs); slabs then stay while they are used. While the slabs would exceed
-        ``STAGE_MAX_ELEMENTS``, slabs unused since the last flush are freed; if that is
-        not enough, None. Evicting busy slabs for new lengths made and dropped a slab per
-        copy once a step had more lengths than fit (17 and more), four times the cost of
-        a copy of its own.
-        """
-        seen = self._lengths_seen
-        if numel not in seen:
-            if len(seen) >= 4 * SLAB_MAX_ROWS:
-                seen.clear()
-            seen[numel] = None
-            return None
-        size = _Slab.capacity_for(numel) * numel
-        slabs = self._slabs
-        if self._slab_elements + size > STAGE_MAX_ELEMENTS:
-            for length, stale in list(slabs.items()):
-                if not stale.used and not stale.records:
-                    del slabs[length]
-                    self._slab_elements -= stale.matrix.numel()
-                    if self._slab_elements + size <= STAGE_MAX_ELEMENTS:
-                        break
-            if self._slab_elements + size > STAGE_MAX_ELEMENTS:
-                return None
-        slab = _Slab(numel)
-        self._slabs[numel] = slab
-        self._slab_elements += slab.matrix.numel()
-        return slab
-
-    def _reduce_slab(self, slab: _Slab) -> None:
-        """Reduce the filled rows of ``slab`` into pending host rows (lock held)."""
-        records = slab.records
-        if not records:
-            return
-        self._grad_buffers.clear()  # rows are reused: no gradient may be added any more
-        self._last_staged = None
-        slab.records = []
-        self._slab_records -= len(records)
-        matrix = slab.matrix[: len(records)]
-        try:
-            scratch = self._slab_scratch
-            if scratch is None:
-                scratch = self._slab_scratch = torch.empty(BATCH_MAX_ELEMENTS)
-            rows = cpu_statistics_matrix_(matrix, scratch=scratch)
-        except Exception as error:
-            # The rows are workspace now: nothing to retry; the error is counted.
-            self.record_error("reduce", self.names[records[0][0][0]], error)
-            return
-        pending = self._pending
-        for (key, sample, position), row in zip(records, rows, strict=True):
-            pending.append((key, sample, position, row))
-
-    def _reduce_slabs(self) -> None:
-        """Reduce every slab (a flush); free them all once the observer is detached."""
-        with self._slab_lock:
-            self._lengths_seen.clear()
-            slabs = self._slabs
-            for slab in slabs.values():
-                self._reduce_slab(slab)
-                slab.used = False
-            if not self.attached:
-                slabs.clear()
-                self._slab_elements = 0
-                self._slab_scratch = None
-
-    def _reduce_staged(self) -> None:
-        """Reduce the staged copies, grouped by length, into pending host rows."""
-        if self._slabs or self._lengths_seen:
-            self._reduce_slabs()
-        staged = self._staged
-        self._grad_buffers.clear()  # reduced below: no gradient may be added any more
-        self._last_staged = None
-        # Pop rather than swap lists: worker threads may be appending meanwhile.
-        taken = [staged.popleft() for _ in range(len(staged))]
-        self._staged_elements = self._device_staged_elements = 0
-        if not taken:
-            return
-        # Subsamples of large CPU tensors and copies of small ones (lengths without a
-        # slab) are batched by length; a device batch takes copies of any lengths.
-        groups: dict[tuple[bool, torch.device, int], list[int]] = {}
-        device_path_types = self.device_path_types
-        for i, record in enumerate(taken):
-            value = record[3]
-            if isinstance(value, Subsample):
-                key = (True, value.part.device, value.part.numel())
-            elif value.device.type in device_path_types:
-                key = (False, value.device, 0)
-            else:
-                key = (False, value.device, value.numel())
-            groups.setdefault(key, []).append(i)
-        pending = self._pending
-        for (subsamples, device, length), indices in groups.items():
-            rows: Sequence[Tensor | list[float] | None]
-            values = [taken[i][3] for i in indices]
-            try:
-                if subsamples:
-                    rows = cpu_statistics_subsamples(values)  # type: ignore[arg-type]
-                elif length:
-                    rows = cpu_statistics_batch(values)  # type: ignore[arg-type]
-                else:
-                    if device.type == "cuda":
-                        self._order_streams(device, values)  # type: ignore[arg-type]
-                    rows = device_statistics_batch_unchecked(values).unbind(0)  # type: ignore[arg-type]
-            except Exception:
-                # One bad value must not cost the whole batch: reduce them one by one.
-                rows = [self._reduce_one(taken[i]) for i in indices]
-            for i, row in zip(indices, rows, strict=True):
-                if row is not None:
-                    key, sample, position, _ = taken[i]
-                    pending.append((key, sample, position, row))
-
-    def _order_streams(self, device: torch.device, tensors: Sequence[Tensor]) -> None:
-        """Make the current CUDA stream wait (on the device, no host sync) for the other
-        streams that made ``tensors``, and keep their memory until it has used them
-        (the caching allocator would otherwise hand it back to the making stream)."""
-        current = torch.cuda.current_stream(device)
-        others = [s for s in self._producer_streams if s.device == device and s != current]
-        if not others:
-            return
-        for stream in others:
-            current.wait_stream(stream)
-        for tensor in tensors:
-            tensor.record_stream(current)
-
-    def _order_pending(self, pending: Sequence[_Record]) -> None:
-        """:meth:`_order_streams` for the device rows about to be stacked and copied."""
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for *_, row in pending:
-            if isinstance(row, Tensor) and row.is_cuda:
-                by_device.setdefault(row.device, []).append(row)
-        for device, rows in by_device.items():
-            self._order_streams(device, rows)
-
-    def _reduce_one(self, record: _Staged) -> Tensor | list[float] | None:
-        try:
-            flat = record[3]
-            if isinstance(flat, Subsample):
-                return cpu_statistics_subsamples([flat])[0]
-            return cpu_statistics_unchecked(flat) if flat.is_cpu else tensor_statistics(flat)
-        except Exception as error:
-            self.record_error("reduce", self.names[record[0][0]], error)
-            return None
-
-    def _append_record(
-        self, key: tuple[int, int, str, str], sample: int, row: Tensor | list[float]
-    ) -> None:
-        if isinstance(row, Tensor) and row.is_cuda:
-            self._producer_streams.add(torch.cuda.current_stream(row.device))
-        self._pending.append((key, sample, -1, row))
+            counts = histogram_counts(tensor, spec)
+            self.buffer.append(HistogramCounts((index, call, signal, path), sample, number, counts))
 
     def _add_alias(self, measured: _Key, sample: int, key: _Key, position: int) -> None:
         """Give ``key`` (at forward ``position``) the row that ``measured`` gets in
@@ -1527,14 +1170,14 @@ class Observer:
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook (see :class:`~._error_log.ErrorLog`)."""
-        self.error_log.record(stage, module, error, self._sample if self._sample >= 0 else None)
+        self.error_log.record(stage, module, error)
 
     # ------------------------------------------------------------------ flush
     def _maybe_flush(self) -> None:
-        pending = len(self._pending) + len(self._staged) + self._slab_records
+        pending = self.buffer.waiting()
         interval = (
             DEVICE_FLUSH_INTERVAL_FORWARDS
-            if self._producer_streams
+            if self.buffer.producer_streams
             else self.FLUSH_INTERVAL_FORWARDS
         )
         if pending and self._prompt_sinks:
@@ -1556,34 +1199,15 @@ class Observer:
             self._flush_statistics(block)
 
     def _flush_statistics(self, block: bool) -> None:
-        self._reduce_staged()
-        pending = self._pending
-        if pending:
-            self._pending = []
-            # Trackers need each series in sample order; rows of small tensors (staged)
-            # come after rows of large ones (reduced at once) of later samples.
-            pending.sort(key=itemgetter(1))  # by sample
+        buffer = self.buffer
+        buffer.launch()
+        for records, rows in buffer.arrived(block=block):
             try:
-                if self._producer_streams:
-                    ordered = set(self._producer_streams)
-                    self._order_pending(pending)
-                    # What those streams made so far is ordered now; a stream another
-                    # thread added meanwhile stays for the next flush.
-                    self._producer_streams -= ordered
-                self._in_flight.append(_launch_transfer(pending))
-            except Exception as error:
-                self.record_error("flush", "", error)
-        while self._in_flight:
-            batch = self._in_flight[0]
-            if not block and not batch.ready():
-                break
-            self._in_flight.pop(0)
-            try:
-                self._process(batch.meta, batch.rows())
+                self._process(records, rows)
             except Exception as error:
                 self.record_error("flush", "", error)
 
-    def _process(self, meta: list[_Meta], rows: list[list[float]]) -> None:
+    def _process(self, records: list[Record], rows: list[list[float]]) -> None:
         grad_groups: dict[int, list[tuple[tuple[int, int, str, str], dict[str, float | None]]]]
         grad_groups = {}
         loss_scales = self._loss_scales
@@ -1592,20 +1216,20 @@ class Observer:
         aliases = self._aliases
         forward_of = self.sample_forwards.forward
         forwards: dict[int, int | None] = {}
-        for (key, sample, position), row in zip(meta, rows, strict=True):
-            if key[2] == _LOSS_SCALE:
-                if row[0] > 0 and math.isfinite(row[0]):
-                    loss_scales[sample] = row[0]
-                    if len(loss_scales) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
-                        del loss_scales[next(iter(loss_scales))]
+        for record, row in zip(records, rows, strict=True):
+            if not isinstance(record, Statistics):
+                if isinstance(record, LossScale):
+                    if row[0] > 0 and math.isfinite(row[0]):
+                        loss_scales[record.sample] = row[0]
+                        if len(loss_scales) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
+                            del loss_scales[next(iter(loss_scales))]
+                elif isinstance(record, HistogramCounts):
+                    self._add_histogram(record, row)
+                elif not math.isfinite(row[0]):  # a SentinelSum
+                    key, forward, next_sample, _ = record
+                    self._sentinel_hit(forward, key[0], key[1], key[3], next_sample)
                 continue
-            if key[2].startswith(_HISTOGRAM):
-                self._add_histogram(key, sample, row)
-                continue
-            if key[2] == _SENTINEL:
-                if not math.isfinite(row[0]):
-                    self._sentinel_hit(sample, key[0], key[1], key[3], position)
-                continue
+            key, sample, position, _ = record
             values = finish_statistics(row)
             shared = aliases.pop((key, sample), None) if aliases else None
             if key[2] == GRAD_OUTPUT:
@@ -1692,17 +1316,17 @@ class Observer:
         forward = self.sample_forwards.forward(sample)
         return sample if forward is None else forward
 
-    def _add_histogram(self, key: tuple[int, int, str, str], sample: int, row: list[float]) -> None:
-        number_text, signal = key[2][len(_HISTOGRAM) :].split(":", 1)
-        number = int(number_text)
-        histogram_key = (key[0], key[1], signal, key[3], number)
+    def _add_histogram(self, record: HistogramCounts, row: list[float]) -> None:
+        key, sample, number, _ = record
+        index, call, signal, path = key
+        histogram_key = (index, call, signal, path, number)
         histogram = self.histograms.get(histogram_key)
         if histogram is None:
             histogram = Histogram(self.histogram_specs[number])
             self.histograms[histogram_key] = histogram
         histogram.add(sample, row)
         if self._histogram_sinks:
-            tag = scalar_tag(self.names[key[0]], key[1], signal, key[3], "histogram")
+            tag = scalar_tag(self.names[index], call, signal, path, "histogram")
             for sink in self._histogram_sinks:
                 try:
                     sink.write_histogram(tag, histogram.spec.edges, row, self.sink_step(sample))
@@ -1917,8 +1541,9 @@ class Observer:
         """Write the report from a signal handler, which runs on the main thread between
         two bytecodes, possibly inside one of our hooks: pending statistics are flushed
         only if the staging lock can be taken (the interrupted code may hold it)."""
-        if self._slab_lock.acquire(timeout=0.5):
-            self._slab_lock.release()
+        lock = self.buffer.lock
+        if lock.acquire(timeout=0.5):
+            lock.release()
             self.write_report()
         else:
             self.write_report(flush=False)
@@ -2094,64 +1719,3 @@ def _first_tensor_pointer(args: tuple[object, ...]) -> object:
             except Exception:
                 return 0
     return 0
-
-
-class _InFlight:
-    """One batch of statistics on its way to the host."""
-
-    __slots__ = ("_events", "_host", "meta")
-
-    def __init__(
-        self,
-        meta: list[_Meta],
-        host: list[tuple[list[int], Tensor | list[list[float]]]],
-        events: list[Any],
-    ) -> None:
-        self.meta = meta
-        self._host = host
-        self._events = events
-
-    def ready(self) -> bool:
-        return all(event.query() for event in self._events)
-
-    def rows(self) -> list[list[float]]:
-        for event in self._events:
-            event.synchronize()
-        rows: list[list[float]] = [[] for _ in range(len(self.meta))]
-        for positions, host in self._host:
-            values = host.tolist() if isinstance(host, Tensor) else host
-            for i, row in zip(positions, values, strict=True):
-                rows[i] = row
-        return rows
-
-
-def _launch_transfer(records: list[_Record]) -> _InFlight:
-    """Stack the pending device vectors per device and start one host copy per device.
-
-    Rows already on the host (CPU tensors are reduced to host floats) pass through.
-    """
-    meta: list[_Meta] = [(key, sample, position) for key, sample, position, _ in records]
-    stats = [stat for *_, stat in records]
-    by_device: dict[tuple[torch.device, int], list[int]] = {}
-    host_rows: list[int] = []
-    for i, item in enumerate(stats):
-        if isinstance(item, Tensor):
-            by_device.setdefault((item.device, item.numel()), []).append(i)
-        else:
-            host_rows.append(i)
-    host: list[tuple[list[int], Tensor | list[list[float]]]] = []
-    if host_rows:
-        host.append((host_rows, [stats[i] for i in host_rows]))  # type: ignore[misc]
-    events: list[Any] = []
-    for (device, _), positions in by_device.items():
-        stacked = torch.stack([stats[i] for i in positions])  # type: ignore[misc]
-        if device.type == "cuda":
-            buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            buffer.copy_(stacked, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            events.append(event)
-            host.append((positions, buffer))
-        else:
-            host.append((positions, stacked.cpu()))
-    return _InFlight(meta, host, events)
