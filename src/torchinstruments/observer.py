@@ -30,9 +30,10 @@ from torch import Tensor, nn
 from . import _amp
 from ._error_log import ErrorLog
 from ._lifecycle import AtExit, on_termination, warn
-from ._records import HistogramCounts, LossScale, Record, SentinelSum, SeriesKey, Statistics
+from ._records import HistogramCounts, LossScale, SentinelSum, SeriesKey
 from ._snapshot import Counters, RunSnapshot
 from ._staging import MAX_PENDING_RECORDS, StatisticsBuffer
+from ._store import SeriesStore
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
     ForwardHook,
@@ -49,29 +50,22 @@ from .capture import (
 )
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
-from .histogram import Histogram, HistogramSpec, histogram_counts
+from .histogram import HistogramSpec, histogram_counts
 from .reduce import (
     STAT_WIDTH,
-    finish_statistics,
     skip_reason,
 )
 from .sampling import SampleForwards, SamplingPolicy
-from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
-from .sinks import scalar_tag
-from .track import SeriesTracker
+from .series import ACTIVATION, GRAD_OUTPUT
 
 __all__ = ["Observer", "RankInfo"]
 
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
 MAX_SAMPLES_AWAITING_BACKWARD = 256
-#: Most samples whose caller step (``ObserverHandle.set_step``) is kept for the sinks.
-MAX_SAMPLE_STEPS = 4096
 #: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
 #: are read at a flush, so a non-finite hit forces samples at most this much later.
 DEVICE_FLUSH_INTERVAL_FORWARDS = 32
-#: Measured rows awaiting processing that other keys share (oldest dropped beyond).
-MAX_ALIASED_ROWS = 4_096
 #: Index of the root among the observed modules (``select_modules`` puts it first).
 ROOT_INDEX = 0
 #: torch.jit.is_tracing without its Python wrapper (called once per root forward).
@@ -91,10 +85,6 @@ _getframe = sys._getframe
 _transform_level: Callable[[], object] = getattr(
     getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
 )
-#: Gradient values of these metrics are divided by the GradScaler loss scale.
-_SCALE_METRICS = ("rms", "mean_abs", "max_abs")
-
-
 #: (module index, call index, signal, tensor path) of one observed tensor.
 _Key = SeriesKey
 
@@ -166,7 +156,6 @@ class Observer:
         self.capture_direct_forwards = capture_direct_forwards
         self.full_sentinel = full_sentinel
         self.histogram_specs = tuple(histograms)
-        self.histograms: dict[tuple[int, int, str, str, int], Histogram] = {}
         # Per module and signal: indices of the specs that apply (resolved once).
         self._hist_plan = {
             (index, signal): tuple(
@@ -178,21 +167,8 @@ class Observer:
         self.rank_info = rank_info
         self.writer = writer
         self.sinks = list(sinks)
-        self._scalar_sinks = [
-            sink for sink in self.sinks if callable(getattr(sink, "write_scalars", None))
-        ]
-        self._histogram_sinks = [
-            sink for sink in self.sinks if callable(getattr(sink, "write_histogram", None))
-        ]
-        # Sinks whose loggers accept no step below their latest (wandb): every sample is
-        # handed over by the start of the next training forward (see _maybe_flush).
-        self._prompt_sinks = any(
-            getattr(sink, "prompt", False) is True for sink in self._scalar_sinks
-        ) or any(getattr(sink, "prompt", False) is True for sink in self._histogram_sinks)
         #: The caller's step (ObserverHandle.set_step) that samples opened from now take.
         self.caller_step: int | None = None
-        # Per sample, the caller's step when it opened (bounded: oldest dropped first).
-        self._sample_steps: dict[int, int] = {}
         self.options = options
         self.attached = False
 
@@ -209,8 +185,6 @@ class Observer:
         # _observe_call). Weak, so that an output autograd does not keep (checkpointing,
         # a branch summed away) is freed as it would be without the observer.
         self._sample_outputs: dict[int, tuple[weakref.ref[Tensor], int, _Key, _Key | None]] = {}
-        # Per measured (key, sample): the keys and forward positions that share its row.
-        self._aliases: dict[tuple[_Key, int], list[tuple[_Key, int]]] = {}
         self._implicit_opener: int | None = None
         self._implicit_backward_seen = False
         self._no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = {}
@@ -253,12 +227,10 @@ class Observer:
         self.error_log = ErrorLog(report_config.max_error_entries)
         #: Staging, reduction and transfer to the host (see _staging.py).
         self.buffer = StatisticsBuffer(self.names, self.error_log)
-        self.series: dict[tuple[int, int, str, str], TensorSeries] = {}
         self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
         self._backward_counted: dict[int, None] = {}
         self._leaf_hooks: list[Any] = []
         self._awaiting_backward: dict[int, None] = {}
-        self._loss_scales: dict[int, float] = {}
 
         # Counters.
         self.forwards_seen = 0
@@ -274,8 +246,6 @@ class Observer:
         #: The training forward of each sample (runs of arithmetic progressions).
         self.sample_forwards = SampleForwards()
         self.repeated_backward_gradients = 0
-        self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
-        self.series_dropped = 0
         self.paths_dropped = 0
         self.skipped_tensors: Counter[str] = Counter()
         self.reports_written = 0
@@ -305,6 +275,18 @@ class Observer:
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = AtExit(self)
+        #: The trackers, histograms and dashboard values (see _store.py).
+        self.store = SeriesStore(
+            names=self.names,
+            track_config=track_config,
+            histogram_specs=self.histogram_specs,
+            sample_forwards=self.sample_forwards,
+            errors=self.error_log,
+            sinks=self.sinks,
+        )
+        # Sinks whose loggers accept no step below their latest (wandb): every sample is
+        # handed over by the start of the next training forward (see _maybe_flush).
+        self._prompt_sinks = self.store.prompt
 
     @property
     def target(self) -> nn.Module | None:
@@ -893,10 +875,7 @@ class Observer:
                 self._last_write = -math.inf
             self.sample_forwards.append(index)
             if self.caller_step is not None:
-                steps = self._sample_steps
-                steps[self._sample] = self.caller_step
-                if len(steps) > MAX_SAMPLE_STEPS:
-                    del steps[next(iter(steps))]
+                self.store.note_step(self._sample, self.caller_step)
             awaiting = self._awaiting_backward
             awaiting[self._sample] = None
             if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
@@ -1009,7 +988,7 @@ class Observer:
                 # container or the root passing on a submodule's output): the same
                 # values and the same gradient, so its rows are shared, not measured.
                 # (A change through ``.data`` bumps no version and goes unseen here.)
-                self._add_alias(first[2], sample, key, position)
+                self.store.add_alias(first[2], sample, key, position)
             if self.histogram_specs:
                 self._histogram(index, call, ACTIVATION, path, sample, leaf)
             if leaf.requires_grad and grad_enabled:
@@ -1021,7 +1000,7 @@ class Observer:
                         and first[3] is not None
                         and not self._hist_plan.get((index, GRAD_OUTPUT))
                     ):
-                        self._add_alias(first[3], sample, grad_key, -1)
+                        self.store.add_alias(first[3], sample, grad_key, -1)
                         continue
                     node.register_prehook(
                         NodeGradHook(self, (index, call, path), sample, leaf.output_nr)
@@ -1155,19 +1134,6 @@ class Observer:
             counts = histogram_counts(tensor, spec)
             self.buffer.append(HistogramCounts((index, call, signal, path), sample, number, counts))
 
-    def _add_alias(self, measured: _Key, sample: int, key: _Key, position: int) -> None:
-        """Give ``key`` (at forward ``position``) the row that ``measured`` gets in
-        ``sample``, when it is processed (see :meth:`_process`)."""
-        aliases = self._aliases
-        entry = aliases.get((measured, sample))
-        if entry is None:
-            aliases[(measured, sample)] = [(key, position)]
-            if len(aliases) > MAX_ALIASED_ROWS:
-                # A row that never comes (a sample whose backward never ran).
-                del aliases[next(iter(aliases))]
-        else:
-            entry.append((key, position))
-
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook (see :class:`~._error_log.ErrorLog`)."""
         self.error_log.record(stage, module, error)
@@ -1203,154 +1169,12 @@ class Observer:
         buffer.launch()
         for records, rows in buffer.arrived(block=block):
             try:
-                self._process(records, rows)
+                hits = self.store.process(records, rows)
             except Exception as error:
                 self.record_error("flush", "", error)
-
-    def _process(self, records: list[Record], rows: list[list[float]]) -> None:
-        grad_groups: dict[int, list[tuple[tuple[int, int, str, str], dict[str, float | None]]]]
-        grad_groups = {}
-        loss_scales = self._loss_scales
-        scalars: list[tuple[TensorSeries, int, dict[str, float | None]]] = []
-        config = self.track_config
-        aliases = self._aliases
-        forward_of = self.sample_forwards.forward
-        forwards: dict[int, int | None] = {}
-        for record, row in zip(records, rows, strict=True):
-            if not isinstance(record, Statistics):
-                if isinstance(record, LossScale):
-                    if row[0] > 0 and math.isfinite(row[0]):
-                        loss_scales[record.sample] = row[0]
-                        if len(loss_scales) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
-                            del loss_scales[next(iter(loss_scales))]
-                elif isinstance(record, HistogramCounts):
-                    self._add_histogram(record, row)
-                elif not math.isfinite(row[0]):  # a SentinelSum
-                    key, forward, next_sample, _ = record
-                    self._sentinel_hit(forward, key[0], key[1], key[3], next_sample)
                 continue
-            key, sample, position, _ = record
-            values = finish_statistics(row)
-            shared = aliases.pop((key, sample), None) if aliases else None
-            if key[2] == GRAD_OUTPUT:
-                group = grad_groups.setdefault(sample, [])
-                group.append((key, values))
-                if shared:
-                    # Copies: each is divided by the loss scale and the root RMS later.
-                    group.extend((alias, dict(values)) for alias, _ in shared)
-                continue
-            for series_key, series_position in ((key, position), *(shared or ())):
-                series = self._series_for(series_key)
-                if series is None:
-                    continue
-                series.forward_position = series_position
-                forward = forwards.get(sample, -1)
-                if forward == -1:
-                    forward = forwards[sample] = forward_of(sample)
-                series.update(config, sample, values, forward)
-                if self._scalar_sinks:
-                    scalars.append((series, sample, values))
-        for sample in sorted(grad_groups):
-            group = grad_groups[sample]
-            forward = forward_of(sample)
-            loss_scale = loss_scales.get(sample)
-            if loss_scale is not None:
-                self.loss_scale.update(sample, loss_scale, forward)
-                for _, values in group:
-                    for metric in _SCALE_METRICS:
-                        value = values[metric]
-                        if value is not None:
-                            values[metric] = value / loss_scale
-            reference = next(
-                (v["rms"] for k, v in group if k[0] == ROOT_INDEX and v["rms"] is not None),
-                None,
-            )
-            for key, values in group:
-                series = self._series_for(key)
-                if series is None:
-                    continue
-                rms = values["rms"]
-                if key[0] != ROOT_INDEX and reference and rms is not None:
-                    # Net of the loss gradient: what the model between here and the
-                    # output does to the gradient (loss scale and loss size cancel).
-                    values[RMS_TO_ROOT] = rms / reference
-                series.update(config, sample, values, forward)
-                if self._scalar_sinks:
-                    scalars.append((series, sample, values))
-        if scalars:
-            self._forward_scalars(scalars)
-
-    def _forward_scalars(
-        self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]
-    ) -> None:
-        """Hand one host batch of per-sample values to each scalar sink."""
-        steps: dict[int, int] = {}
-        for _, sample, _ in measured:
-            if sample not in steps:
-                steps[sample] = self.sink_step(sample)
-        for sink in self._scalar_sinks:
-            wanted = getattr(sink, "metrics", ("rms",))
-            batch = [
-                (
-                    scalar_tag(s.module, s.call_index, s.signal, s.tensor_path, metric),
-                    value,
-                    steps[sample],
-                )
-                for s, sample, values in measured
-                for metric in wanted
-                if (value := values.get(metric)) is not None
-            ]
-            try:
-                sink.write_scalars(batch)
-            except Exception as error:
-                self.record_error("sink", type(sink).__name__, error)
-
-    def sink_step(self, sample: int) -> int:
-        """The step that dashboard sinks log ``sample`` at: the caller's step when the
-        sample opened (``ObserverHandle.set_step``), else the index of its training
-        forward (0-based; the optimizer step with one forward per step), else (when
-        that was not kept) the sample index."""
-        step = self._sample_steps.get(sample)
-        if step is not None:
-            return step
-        forward = self.sample_forwards.forward(sample)
-        return sample if forward is None else forward
-
-    def _add_histogram(self, record: HistogramCounts, row: list[float]) -> None:
-        key, sample, number, _ = record
-        index, call, signal, path = key
-        histogram_key = (index, call, signal, path, number)
-        histogram = self.histograms.get(histogram_key)
-        if histogram is None:
-            histogram = Histogram(self.histogram_specs[number])
-            self.histograms[histogram_key] = histogram
-        histogram.add(sample, row)
-        if self._histogram_sinks:
-            tag = scalar_tag(self.names[index], call, signal, path, "histogram")
-            for sink in self._histogram_sinks:
-                try:
-                    sink.write_histogram(tag, histogram.spec.edges, row, self.sink_step(sample))
-                except Exception as error:
-                    self.record_error("sink", type(sink).__name__, error)
-
-    def _series_for(self, key: tuple[int, int, str, str]) -> TensorSeries | None:
-        series = self.series.get(key)
-        if series is not None:
-            return series
-        if len(self.series) >= self.track_config.max_series:
-            self.series_dropped += 1
-            return None
-        index, call, signal, path = key
-        series = TensorSeries(
-            module=self.names[index],
-            call_index=call,
-            signal=signal,
-            tensor_path=path,
-            forward_position=-1,
-            trackers={},
-        )
-        self.series[key] = series
-        return series
+            for (index, call, _, path), forward, next_sample, _ in hits:
+                self._sentinel_hit(forward, index, call, path, next_sample)
 
     # ------------------------------------------------------------------ report
     def build_report(self, *, block: bool = True) -> dict[str, Any]:
@@ -1454,19 +1278,19 @@ class Observer:
             repeated_backward_gradients=self.repeated_backward_gradients,
             backward_gradients_summed=self.backward_gradients_summed,
             backward_gradients_not_summed=self.backward_gradients_not_summed,
-            loss_scaled_samples=self.loss_scale.count,
+            loss_scaled_samples=self.store.loss_scale.count,
             sentinel_checks=self.sentinel_checks,
             sentinel_nonfinite_forwards=self.sentinel_nonfinite_forwards,
-            series_dropped=self.series_dropped,
+            series_dropped=self.store.series_dropped,
             series_summary_omitted=self.series_summary_omitted,
             paths_dropped=self.paths_dropped,
             errors_total=errors.total,
         )
         return RunSnapshot(
             names=tuple(self.names),
-            series=dict(self.series),
-            histograms=dict(self.histograms),
-            loss_scale=self.loss_scale,
+            series=dict(self.store.series),
+            histograms=dict(self.store.histograms),
+            loss_scale=self.store.loss_scale,
             sample_forwards=self.sample_forwards,
             counters=counters,
             sentinel_events=tuple(dict(event) for event in self.sentinel_events),
@@ -1534,8 +1358,7 @@ class Observer:
         self.forwards_at_fork = self.forwards_seen
         self.writer = own(self.writer)
         self.sinks = [s for s in map(own, self.sinks) if s is not None]
-        self._scalar_sinks = []
-        self._histogram_sinks = []
+        self.store.set_sinks(())
 
     def write_on_signal(self) -> None:
         """Write the report from a signal handler, which runs on the main thread between
