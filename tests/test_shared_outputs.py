@@ -108,7 +108,7 @@ def test_no_module_output_is_kept_after_its_forward(tmp_path: Path) -> None:
     observer = handle._observer
     assert observer is not None
     model(torch.randn(2, 4)).sum().backward()
-    assert observer._sample_outputs == {}
+    assert observer.context.sample_outputs == {}
     remove_observer(model)
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 __all__ = [
+    "ROOT_INDEX",
     "HistogramCounts",
     "LossScale",
     "Record",
@@ -35,6 +36,8 @@ __all__ = [
 
 #: (module index, call index, signal, tensor path) of one observed tensor.
 SeriesKey = tuple[int, int, str, str]
+#: Module index of the root (``select_modules`` puts it first).
+ROOT_INDEX = 0
 #: A row on its way to the host: a device vector, or host floats.
 Row = Tensor | list[float]
 

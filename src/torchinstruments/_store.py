@@ -13,7 +13,15 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._records import HistogramCounts, LossScale, Record, SentinelSum, SeriesKey, Statistics
+from ._records import (
+    ROOT_INDEX,
+    HistogramCounts,
+    LossScale,
+    Record,
+    SentinelSum,
+    SeriesKey,
+    Statistics,
+)
 from .histogram import Histogram, HistogramSpec
 from .reduce import finish_statistics
 from .series import GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
@@ -27,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SeriesStore"]
 
-#: Index of the root among the observed modules (``select_modules`` puts it first).
-ROOT_INDEX = 0
 #: Measured rows awaiting processing that other keys share (oldest dropped beyond).
 MAX_ALIASED_ROWS = 4_096
 #: Most samples whose caller step (``ObserverHandle.set_step``) is kept for the sinks.

@@ -1,13 +1,14 @@
-"""The Observer: owns the hooks and the sample context, and wires the stages.
+"""The Observer: owns the hooks of one model and wires the stages of the data flow.
 
-    capture (hooks) -> reduce (device vectors) -> track (host, in batches) -> find -> report
+    hooks -> ForwardContext (_context.py) -> CallCapture (_calls.py)
+          -> StatisticsBuffer (_staging.py) --flush--> SeriesStore (_store.py)
+          -> RunSnapshot (_snapshot.py) -> report.py -> writer and sinks
 
-Hooks call :meth:`Observer.enter_root`, :meth:`Observer.leave_root`,
-:meth:`Observer.on_forward` and :meth:`Observer.on_grad`; each catches its own errors,
-counts them and returns ``None``. Statistics stay on the tensor's device until a flush
-moves a whole batch to the host; small CPU tensors are copied and reduced in batches at
-the flush. Submodule hooks are parked (taken out of their modules) while no forward
-needs them; see :meth:`Observer._park_hooks`.
+The Observer registers the hooks and keeps their handles, builds the stages, flushes
+the statistics buffer into the series store when the forward context says a flush is
+due, writes the report from a snapshot, and keeps the error table. Hook parking is in
+``_parking.py``, the sentinel in ``_sentinel.py``. ``docs/architecture.md`` draws the
+data flow and says which file owns what.
 """
 
 from __future__ import annotations
@@ -15,78 +16,32 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import inspect
-import math
 import os
-import sys
 import time
 import weakref
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from . import _amp
+from ._calls import CallCapture
+from ._context import ForwardContext
 from ._error_log import ErrorLog
 from ._lifecycle import AtExit, on_termination, warn
-from ._records import HistogramCounts, LossScale, SentinelSum, SeriesKey
+from ._parking import HookParking
+from ._records import ROOT_INDEX
+from ._sentinel import Sentinel
 from ._snapshot import Counters, RunSnapshot
-from ._staging import MAX_PENDING_RECORDS, StatisticsBuffer
+from ._staging import StatisticsBuffer
 from ._store import SeriesStore
-from .capture import (
-    MAX_TENSORS_PER_OUTPUT,
-    ForwardHook,
-    ForwardWrapper,
-    GradHook,
-    NodeGradHook,
-    RootPostHook,
-    RootPreHook,
-    _graph_task_id,
-    compiled_frames,
-    in_backward,
-    iter_output_tensors,
-    passive,
-)
+from .capture import ForwardHook, ForwardWrapper, RootPostHook, RootPreHook, passive
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
-from .histogram import HistogramSpec, histogram_counts
-from .reduce import (
-    STAT_WIDTH,
-    skip_reason,
-)
+from .histogram import HistogramSpec
 from .sampling import SampleForwards, SamplingPolicy
-from .series import ACTIVATION, GRAD_OUTPUT
 
 __all__ = ["Observer", "RankInfo"]
-
-#: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
-#: forwards than this before one backward loses loss-scale and repeat tracking).
-MAX_SAMPLES_AWAITING_BACKWARD = 256
-#: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
-#: are read at a flush, so a non-finite hit forces samples at most this much later.
-DEVICE_FLUSH_INTERVAL_FORWARDS = 32
-#: Index of the root among the observed modules (``select_modules`` puts it first).
-ROOT_INDEX = 0
-#: torch.jit.is_tracing without its Python wrapper (called once per root forward).
-_is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
-#: Grad-mode and inference-mode checks, bound once (called once per root forward).
-_grad_enabled = torch.is_grad_enabled
-_monotonic = time.monotonic
-_inference_mode_enabled = torch.is_inference_mode_enabled
-#: Code of nn.Module._call_impl, whose frames show which module calls are running.
-_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
-#: Code of nn.Module._wrapped_call_impl (torch >= 2.2), which calls _call_impl.
-_WRAPPED_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", None)
-_getframe = sys._getframe
-#: The innermost torch.func transform being run (None outside any): a root forward run
-#: inside one (per-sample gradients through ``vmap(grad(...))``) has only wrapped
-#: tensors, which cannot be measured, so it is skipped like an eval forward.
-_transform_level: Callable[[], object] = getattr(
-    getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
-)
-#: (module index, call index, signal, tensor path) of one observed tensor.
-_Key = SeriesKey
 
 
 class Observer:
@@ -94,37 +49,6 @@ class Observer:
 
     Not meant to be constructed directly. Use the handle returned by ``inject_observer``.
     """
-
-    SKIP = 0  # inside a root forward that is not sampled (or eval / no-grad)
-    SAMPLED = 1  # inside a sampled training root forward
-    IDLE = 2  # no root forward open: direct submodule calls or recomputation
-    RECOMPUTE = 3  # inside a root forward re-run during backward (checkpointing)
-    SENTINEL = 4  # unsampled training forward with the full sentinel: non-finite checks only
-
-    #: Forwards sampled after a sentinel saw a non-finite value, to localise a recurrence.
-    FORCED_SAMPLES_AFTER_NONFINITE = 8
-    #: Without the full sentinel, the root output of one training forward in each run of
-    #: this many is checked when that forward is not sampled: in run ``b`` (forwards
-    #: ``8b`` to ``8b + 7``) the one at offset ``(b + 7) % 8`` (forwards 7, 8, 17, 26, ...,
-    #: 63, then 71, 72, ...). The offset moves so that a fault recurring with any period
-    #: and phase still meets a check (within 64 forwards; a fixed offset never saw one
-    #: on every 4th forward between samples on even forwards); checks are at most 9
-    #: forwards apart, so a persistent fault is caught within 9 forwards of its onset.
-    #: One reduction of a fresh tensor costs 10 to 14 us inside a training step on the
-    #: CPU (dispatch and allocation, in caches that the step's own kernels have just
-    #: evicted; measured with ``benchmarks/overhead.py``): on every forward that was 1.6%
-    #: of a 0.75 ms MLP step, over half of a 1.03x budget.
-    ROOT_SENTINEL_INTERVAL = 8
-    #: Pending statistics are flushed (reduced in batches, moved to the host, tracked)
-    #: at training forwards whose count is a multiple of this (of
-    #: ``DEVICE_FLUSH_INTERVAL_FORWARDS`` while CUDA work is pending). Fewer, larger
-    #: flushes cost less: flushing every 128 forwards rather than every 32 took the
-    #: whole of a 1,000-step run from 1.117x to 1.092x on the CPU MLP and from 1.125x to
-    #: 1.105x on the example's model (``benchmarks/overhead.py`` workloads, 3 runs each,
-    #: interleaved). The staged copies waiting meanwhile are bounded (16 MiB).
-    FLUSH_INTERVAL_FORWARDS = 128
-    #: Most sentinel events kept for the report (all are counted).
-    MAX_SENTINEL_EVENTS = 16
 
     def __init__(
         self,
@@ -155,138 +79,72 @@ class Observer:
         self.track_config = track_config
         self.capture_direct_forwards = capture_direct_forwards
         self.full_sentinel = full_sentinel
-        self.histogram_specs = tuple(histograms)
-        # Per module and signal: indices of the specs that apply (resolved once).
-        self._hist_plan = {
-            (index, signal): tuple(
-                n for n, spec in enumerate(self.histogram_specs) if spec.applies_to(name, signal)
-            )
-            for index, (name, _) in enumerate(modules)
-            for signal in (ACTIVATION, GRAD_OUTPUT)
-        }
         self.rank_info = rank_info
         self.writer = writer
         self.sinks = list(sinks)
-        #: The caller's step (ObserverHandle.set_step) that samples opened from now take.
-        self.caller_step: int | None = None
         self.options = options
-        self.attached = False
-
-        # Sample context (shared across threads on purpose: worker threads inside a
-        # root forward belong to that forward).
-        self.state = self.IDLE
-        self._state_stack: list[int] = []
-        self._sample = -1
-        self._calls: dict[int, int] = {}
-        self._position = 0
-        # Tensors observed in the open sample, by id: (weak reference to the tensor,
-        # version, activation key, output-gradient key or None). A module that returns
-        # what a submodule returned (a container, the root) is measured once (see
-        # _observe_call). Weak, so that an output autograd does not keep (checkpointing,
-        # a branch summed away) is freed as it would be without the observer.
-        self._sample_outputs: dict[int, tuple[weakref.ref[Tensor], int, _Key, _Key | None]] = {}
-        self._implicit_opener: int | None = None
-        self._implicit_backward_seen = False
-        self._no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = {}
-        self._recompute_anchor = -1
-        self._sample_in_backward = False
-        self._unsampled_training = False
-        self._no_grad_training_forwards = 0
-        self._sample_open = False
-        self._forced_samples = 0
-        self._sentinel_calls: dict[int, int] = {}
-        self.sentinel_checks = 0
-        self.sentinel_nonfinite_forwards = 0
-        self.sentinel_events: list[dict[str, object]] = []
-        self._last_sentinel_forward = -1
-        # Hook parking (see _park_hooks): (hooks dict, handle id, hook) per submodule.
-        self._parkable: list[tuple[dict[int, Any], int, ForwardHook]] = []
-        self._parked: list[tuple[dict[int, Any], int, ForwardHook]] = []
-        self._frames_at_park = 0
-        self.hook_parking = "off: capture_direct_forwards" if capture_direct_forwards else "on"
-        # The root's post-hook, parked across unsampled forwards that need no close (see
-        # _close_open_ended): (hooks dict, always-called dict, handle id, hook), or None.
-        self._root_post: tuple[dict[int, Any], dict[int, bool], int, RootPostHook] | None = None
-        # To tell a root that calls itself: the code of its forward, and how many frames
-        # up from enter_root the caller of the root is (0 until known; see _park_root_post).
-        self._root_forward_code: object = None
-        self._caller_depth = 0
-        self._root_post_parked = False
-        # True while an unsampled root forward is open with no post-hook to close it:
-        # the next root forward (or detach) closes it.
-        self._open_ended = False
-        # Why forwards are never left open-ended, or "" while they may be.
-        self._open_ended_off = ""
-        # Training forwards below this index continue the open-ended steady state with
-        # nothing to do but count (see enter_root); 0 when none is known. The forward
-        # at that index, if it only needs the root sentinel, is _quiet_sentinel (else -1).
-        self._quiet_until = 0
-        self._quiet_sentinel = -1
-
-        # Pipeline state.
-        self.error_log = ErrorLog(report_config.max_error_entries)
-        #: Staging, reduction and transfer to the host (see _staging.py).
-        self.buffer = StatisticsBuffer(self.names, self.error_log)
-        self._grad_keys_seen: dict[int, set[tuple[int, int, str]]] = {}
-        self._backward_counted: dict[int, None] = {}
-        self._leaf_hooks: list[Any] = []
-        self._awaiting_backward: dict[int, None] = {}
-
-        # Counters.
-        self.forwards_seen = 0
-        self.samples_observed = 0
-        self.backward_samples_observed = 0
-        self._last_grad_samples: list[int] = []
-        self.eval_forwards_skipped = 0
-        self.recompute_calls_ignored = 0
-        self.direct_call_samples = 0
-        #: True once a training forward went through the root (not only direct calls).
-        self.root_forward_seen = False
-        self.calls_outside_root_skipped = 0
-        #: The training forward of each sample (runs of arithmetic progressions).
-        self.sample_forwards = SampleForwards()
-        self.repeated_backward_gradients = 0
-        self.paths_dropped = 0
-        self.skipped_tensors: Counter[str] = Counter()
-        self.reports_written = 0
-        self.telemetry_seconds = 0.0
-        self.series_summary_omitted = 0
-        self._next_sampled = _lookahead(policy)
-        listener = getattr(policy, "note_cost", None)
-        self._cost_listener = listener if callable(listener) else None
         self.started_at = time.time()
-        self._last_write = time.monotonic()
-        self._rewrite_interval_s = report_config.rewrite_interval_s
+        self.reports_written = 0
+        self.series_summary_omitted = 0
         self._warned_write = False
-        #: True while a report is being built and written (see _TerminationWriter).
+        #: True while a report is being built and written (see _lifecycle.py).
         self.writing = False
         #: In a process forked after injection: the parent's pid, and the training
         #: forwards seen before the fork (see :meth:`forked`); None in the original.
         self.forked_from_pid: int | None = None
         self.forwards_at_fork = 0
-        self.backward_gradients_summed = 0
-        self.backward_gradients_not_summed = 0
-        #: Indices of the observed modules that ran in a sampled forward.
-        self.modules_called: set[int] = set()
         #: Module name -> the name of the parent observed in its place, because the
-        #: module never ran in the first sampled forward (see _adopt_parents).
+        #: module never ran in the first sampled forward (see adopt_parents).
         self.parents_adopted: dict[str, str] = {}
-        self._adoption_done = False
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._atexit = AtExit(self)
-        #: The trackers, histograms and dashboard values (see _store.py).
+
+        # The stages, in data-flow order (see the module docstring).
+        self.error_log = ErrorLog(report_config.max_error_entries)
+        sample_forwards = SampleForwards()
+        self.buffer = StatisticsBuffer(self.names, self.error_log)
         self.store = SeriesStore(
             names=self.names,
             track_config=track_config,
-            histogram_specs=self.histogram_specs,
-            sample_forwards=self.sample_forwards,
+            histogram_specs=histograms,
+            sample_forwards=sample_forwards,
             errors=self.error_log,
             sinks=self.sinks,
         )
-        # Sinks whose loggers accept no step below their latest (wandb): every sample is
-        # handed over by the start of the next training forward (see _maybe_flush).
-        self._prompt_sinks = self.store.prompt
+        listener = getattr(policy, "note_cost", None)
+        self.capture = CallCapture(
+            names=self.names,
+            histogram_specs=histograms,
+            buffer=self.buffer,
+            store=self.store,
+            errors=self.error_log,
+            cost_listener=listener if callable(listener) else None,
+        )
+        self.parking = HookParking(
+            self._root,
+            self.error_log,
+            "off: capture_direct_forwards" if capture_direct_forwards else "on",
+        )
+        self.sentinel = Sentinel(self.names, self.buffer)
+        #: The state machine the hooks call (see _context.py).
+        self.context = ForwardContext(
+            owner=self,
+            modules=self._modules,
+            policy=policy,
+            warmup_samples=track_config.warmup_samples,
+            rewrite_interval_s=report_config.rewrite_interval_s,
+            full_sentinel=full_sentinel,
+            capture_direct_forwards=capture_direct_forwards,
+            prompt_sinks=self.store.prompt,
+            sample_forwards=sample_forwards,
+            buffer=self.buffer,
+            store=self.store,
+            errors=self.error_log,
+            parking=self.parking,
+            sentinel=self.sentinel,
+            capture=self.capture,
+        )
 
     @property
     def target(self) -> nn.Module | None:
@@ -299,10 +157,27 @@ class Observer:
         once it was collected."""
         return self._root()
 
+    @property
+    def attached(self) -> bool:
+        """True between :meth:`attach` and :meth:`detach`."""
+        return self.context.attached
+
+    @property
+    def caller_step(self) -> int | None:
+        """The caller's step (``ObserverHandle.set_step``) that samples opened from now
+        take, or None."""
+        return self.context.caller_step
+
+    @caller_step.setter
+    def caller_step(self, step: int | None) -> None:
+        self.context.caller_step = step
+
     # ------------------------------------------------------------------ attach
     def attach(self) -> None:
         """Register hooks (or forward wrappers) on every selected module."""
         root = self.root
+        context = self.context
+        parking = self.parking
         for index, ref in enumerate(self._modules):
             module = ref()
             assert module is not None
@@ -311,47 +186,43 @@ class Observer:
                 had = "forward" in module.__dict__
                 previous = module.__dict__.get("forward")
                 original = module.forward
-                module.forward = ForwardWrapper(self, module, original, index, is_root)  # type: ignore[method-assign]
+                wrapper = ForwardWrapper(context, module, original, index, is_root)
+                module.forward = wrapper  # type: ignore[method-assign]
                 self._wrapped.append((ref, had, previous))
                 continue
             if is_root:
-                self._handles.append(module.register_forward_pre_hook(RootPreHook(self)))
-                post = RootPostHook(self, index)
+                self._handles.append(module.register_forward_pre_hook(RootPreHook(context)))
+                post = RootPostHook(context, index)
                 try:
                     handle = module.register_forward_hook(post, always_call=True)
                 except TypeError:  # torch < 2.1 has no always_call
                     handle = module.register_forward_hook(post)
                     # A forward that raises would skip the post-hook: never park.
-                    self.hook_parking = "off: torch without always_call forward hooks"
+                    parking.status = "off: torch without always_call forward hooks"
                 else:
                     always = getattr(module, "_forward_hooks_always_called", None)
                     if isinstance(always, dict):
-                        self._root_post = (module._forward_hooks, always, handle.id, post)
+                        parking.root_post = (module._forward_hooks, always, handle.id, post)
                     forward = inspect.unwrap(type(module).forward)
-                    self._root_forward_code = getattr(forward, "__code__", None)
+                    parking.root_forward_code = getattr(forward, "__code__", None)
                 self._handles.append(handle)
             else:
-                hook = ForwardHook(self, index)
+                hook = ForwardHook(context, index)
                 handle = module.register_forward_hook(hook)
                 self._handles.append(handle)
-                self._parkable.append((module._forward_hooks, handle.id, hook))
-        self.attached = self.buffer.attached = True
+                parking.parkable.append((module._forward_hooks, handle.id, hook))
+        context.attached = self.buffer.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
         on_termination.add(self)
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
-        self._quiet_until = 0
-        self._quiet_sentinel = -1
-        self._open_ended = False
-        self._restore_root_post()
-        self._restore_hooks(reset=False)
-        self._parkable.clear()
-        for handle in self._handles + self._leaf_hooks:
+        self.context.detach()
+        for handle in self._handles + self.capture.leaf_hooks:
             handle.remove()
         self._handles.clear()
-        self._leaf_hooks.clear()
+        self.capture.leaf_hooks.clear()
         for ref, had, previous in self._wrapped:
             module = ref()
             current = module.__dict__.get("forward") if module is not None else None
@@ -362,797 +233,20 @@ class Observer:
             else:
                 del module.__dict__["forward"]
         self._wrapped.clear()
-        self.attached = self.buffer.attached = False
+        self.buffer.attached = False
         _amp.uninstall(self)
-        # Hooks that compiled code or stale references still call return at once.
-        self.state = self.SKIP
-        self._state_stack.clear()
-        self._no_grad_calls.clear()
         atexit.unregister(self._atexit)
         on_termination.discard(self)
 
-    # ------------------------------------------------------------------ context
-    def enter_root(self, module: nn.Module) -> None:
-        """Open a root forward: decide once whether it is sampled."""
-        index = self.forwards_seen
-        try:
-            quiet = (
-                (index < self._quiet_until or index == self._quiet_sentinel)
-                and _training_context(module)
-                and compiled_frames() == self._frames_at_park
-                and (  # not called by the root's own forward (see _nested_root_call)
-                    (caller := _getframe(self._caller_depth)).f_code is not self._root_forward_code
-                    or caller.f_locals.get("self") is not module
-                )
-            )
-        except ValueError:  # fewer frames than that: the root's caller is not Python code
-            quiet = False
-        if quiet:
-            # A quiet forward: the previous training forward was left open-ended (see
-            # _close_open_ended) and this one is known, since then, to be unsampled and
-            # to have no flush due. Closing the previous forward and opening this one
-            # would leave every field as it is but the count.
-            self.forwards_seen = index + 1
-            if index == self._quiet_sentinel:
-                # It has the root sentinel: the post-hook comes back to read the output,
-                # and the forward is open on the stack as any other.
-                self._quiet_until = 0
-                self._quiet_sentinel = -1
-                self._open_ended = False
-                self._restore_root_post()
-                self._state_stack.append(self.IDLE)
-                if _monotonic() - self._last_write >= self._rewrite_interval_s:
-                    self.write_report(block=False)
-            return
-        self._quiet_until = 0
-        self._quiet_sentinel = -1
-        if self._open_ended:
-            if self._nested_root_call(module):
-                # The root's forward calls the root: part of the open-ended forward, as
-                # in any other forward. Forwards are no longer left open-ended.
-                self._open_ended_off = "root module calls itself"
-                return
-            self._close_open_ended()
-        stack = self._state_stack
-        stack.append(self.state)
-        decision: bool | None = None
-        if (
-            self._parked
-            and len(stack) == 1
-            and not self._forced_samples
-            and not self.full_sentinel
-            and _training_context(module)
-            and compiled_frames() == self._frames_at_park
-        ):
-            # The steady state: a top-level training forward while the submodule hooks
-            # are parked. Unsampled, it only counts the forward (no further calls): the
-            # state _open_training_forward leaves, set here with fewer calls (this runs
-            # on nearly every forward, inside a step whose kernels have evicted this code
-            # from the caches, where every call costs).
-            try:
-                index = self.forwards_seen
-                decision = bool(self.policy.should_sample(index))
-                if not decision:
-                    self.forwards_seen = index + 1
-                    self._no_grad_training_forwards = 0
-                    self._reset_forward_state()
-                    self._sample_open = False
-                    self._unsampled_training = True
-                    self.state = 0  # SKIP
-                    if _root_sentinel_due(index, self.ROOT_SENTINEL_INTERVAL):
-                        self._restore_root_post()  # the sentinel reads the root output
-                    elif self._root_post_parked or self._park_root_post():
-                        stack.pop()
-                        self._open_ended = True
-                        self._plan_quiet_forwards()
-                    buffer = self.buffer
-                    if buffer.pending or buffer.staged or buffer.slab_records:
-                        self._maybe_flush()
-                    elif _monotonic() - self._last_write >= self._rewrite_interval_s:
-                        self.write_report(block=False)
-                    return
-            except Exception as error:  # never break training (as _open_sample would)
-                self.forwards_seen = index + 1  # once, whether or not it was counted
-                self._no_grad_training_forwards = 0
-                self._reset_forward_state()
-                self.state = self.SKIP
-                self.record_error("enter_root", "", error)
-                return
-        if self._root_post_parked:
-            self._restore_root_post()
-        if not self.attached:
-            self.state = self.SKIP
-            return
-        if len(stack) > 1 and not self.capture_direct_forwards:
-            self._drop_unclosed_forwards(module)
-        try:
-            parkable = self._open_root(module, decision)
-            if parkable is None:
-                return  # the root calling itself: the same forward
-            if self._parked:
-                # Hooks stay parked across unsampled forwards; back for a forward that
-                # needs them, or once torch.compile appears (between forwards, or
-                # compiling this very call up to this hook).
-                if not parkable or compiled_frames() != self._frames_at_park:
-                    self._restore_hooks(reset=False)
-            elif parkable and self.hook_parking == "on":
-                self._park_hooks()
-        except Exception as error:  # never break training
-            self.state = self.SKIP
-            self.record_error("enter_root", "", error)
-
-    def _nested_root_call(self, module: nn.Module) -> bool:
-        """From enter_root, with a forward left open-ended: True if this call of the root
-        comes from inside the root's own forward. Its direct caller is checked (the
-        root's ``forward`` on this instance); for a call that is not a training forward
-        (a no_grad teacher pass, say) the whole stack is walked, which catches calls
-        through helper methods too. A training forward that calls the root through a
-        helper is only seen at a forward with the post-hook in place (see
-        :meth:`_close_open_ended`)."""
-        try:
-            caller = _getframe(self._caller_depth + 1)
-        except ValueError:
-            return False
-        if caller.f_code is self._root_forward_code and caller.f_locals.get("self") is module:
-            return True
-        if _training_context(module):
-            return False
-        return _root_calls_on_stack(module, _getframe(1)) > 1
-
-    def _plan_quiet_forwards(self) -> None:
-        """Find the quiet forwards that follow the open-ended one just opened (see
-        enter_root): up to the first that is sampled, checked by the root sentinel, or
-        at which :meth:`_maybe_flush` would flush pending statistics. That one is quiet
-        too if it needs only the root sentinel. Nothing is quiet unless the policy can
-        tell its next sampled forward (``next_sampled``)."""
-        if self._next_sampled is None or self._forced_samples:
-            return
-        start = self.forwards_seen
-        sentinel = _next_root_sentinel(start, self.ROOT_SENTINEL_INTERVAL)
-        every = (
-            DEVICE_FLUSH_INTERVAL_FORWARDS
-            if self.buffer.producer_streams
-            else self.FLUSH_INTERVAL_FORWARDS
-        )
-        flush = (start + every) // every * every - 1  # forwards_seen a multiple of every
-        try:
-            sampled = int(self._next_sampled(start))
-        except Exception as error:  # a user policy's: ask it about every forward instead
-            self._next_sampled = None
-            self.record_error("next_sampled", "", error)
-            return
-        until = min(sampled, sentinel, flush)
-        self._quiet_until = until
-        self._quiet_sentinel = until if until == sentinel < min(sampled, flush) else -1
-
-    def _park_root_post(self) -> bool:
-        """Take the root's post-hook out for an unsampled forward that needs no close
-        (see :meth:`_close_open_ended`), from enter_root or leave_root; False if it must
-        stay: it is not the root's only forward hook, a submodule hook of ours is not
-        parked (it would see the state between forwards), the root has been seen calling
-        itself, or where its caller sits on the stack is unknown."""
-        slot = self._root_post
-        if slot is None or self._open_ended_off or len(self._parked) != len(self._parkable):
-            return False
-        hooks, always, key, _ = slot
-        if len(hooks) != 1 or key not in hooks:
-            return False
-        if not self._caller_depth:
-            root = self.root
-            if root is None:
-                return False
-            self._caller_depth = _find_caller_depth(root, _getframe(1))
-            if not self._caller_depth or self._root_forward_code is None:
-                self._open_ended_off = "caller of the root not found"
-                return False
-        del hooks[key]
-        always.pop(key, None)  # so that a copy taken meanwhile carries no stale entry
-        self._root_post_parked = True
-        return True
-
-    def _restore_root_post(self) -> None:
-        """Put the root's post-hook back (in front of any hook registered meanwhile)."""
-        slot = self._root_post
-        if not self._root_post_parked or slot is None:
-            return
-        self._root_post_parked = False
-        hooks, always, key, hook = slot
-        always[key] = True
-        if not hooks:
-            hooks[key] = hook
-            return
-        others = list(hooks.items())
-        hooks.clear()
-        hooks[key] = hook
-        hooks.update(others)
-
-    def _close_open_ended(self) -> None:
-        """Close the unsampled root forward that was left open with its post-hook parked.
-
-        In the steady state most root forwards are unsampled and need nothing at their
-        end (no root sentinel, no records); the root's post-hook is then parked too, so
-        that the forward costs one hook call rather than two, and the forward is closed
-        here, when the next root forward opens (or at removal). The state in between is
-        SKIP rather than IDLE; no forward is left open-ended while a hook of ours that
-        could see that state is in place. A root that calls itself (seen by
-        :meth:`_nested_root_call`, by :meth:`_open_root` or by a post-hook that finds no
-        open forward) turns this off for good, since its inner call would close the outer.
-        """
-        self._open_ended = False
-        self.state = self.IDLE
-        self._unsampled_training = False
-        if self._parked and compiled_frames() != self._frames_at_park:
-            self._restore_hooks(reset=True)  # something was compiled during that forward
-
-    def _drop_unclosed_forwards(self, module: nn.Module) -> None:
-        """Forget root forwards that never closed (a KeyboardInterrupt skips even the
-        always-called post-hook): keep only as many open forwards as calls of the root
-        on this thread's stack. The root calling itself is the one legitimate nesting."""
-        open_calls = _root_calls_on_stack(module, sys._getframe(1))
-        stack = self._state_stack
-        if open_calls == 0 or open_calls >= len(stack):
-            return  # cannot tell (compiled frames), or nothing was left open
-        del stack[: len(stack) - open_calls]
-        stack[0] = self.IDLE
-        self._unsampled_training = False
-
-    def _open_root(self, module: nn.Module, decision: bool | None) -> bool | None:
-        """Set the state for a root forward: True if its submodule hooks may be parked,
-        False if it needs them, None if it continues the open forward (recursion).
-        ``decision`` is the sampling policy's answer if it was already asked for this
-        forward (it is asked once per training forward)."""
-        if in_backward():
-            if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
-                # A reentrant checkpoint of the root: its first pass ran without
-                # grad; this recomputation is the forward that gradients flow through.
-                self._no_grad_training_forwards -= 1
-                self.eval_forwards_skipped -= 1
-                self._open_training_forward()
-                self._sample_in_backward = True
-                return False
-            self.state = self.RECOMPUTE
-            self.recompute_calls_ignored += 1
-            return False
-        if len(self._state_stack) > 1 and self._state_stack[-1] in (
-            self.SAMPLED,
-            self.SKIP,
-            self.SENTINEL,
-        ):
-            self._open_ended_off = "root module calls itself"
-            return None  # the root calling itself: same forward
-        if _is_tracing():
-            self.state = self.SKIP
-            self.eval_forwards_skipped += 1
-            return False  # a trace must record the module calls as they are
-        if (
-            torch.is_inference_mode_enabled()
-            or not module.training
-            or _transform_level() is not None
-        ):
-            self.state = self.SKIP
-            self.eval_forwards_skipped += 1
-            return True
-        if not torch.is_grad_enabled():
-            # Evaluation in train mode, or the first pass of a reentrant checkpoint.
-            self.state = self.SKIP
-            self.eval_forwards_skipped += 1
-            self._no_grad_training_forwards = min(self._no_grad_training_forwards + 1, 64)
-            return True
-        self._no_grad_training_forwards = 0
-        self._open_training_forward(decision)
-        return self.state == self.SKIP
-
-    def _reset_forward_state(self) -> None:
-        """Note a training root forward and reset what a root forward starts from."""
-        self.root_forward_seen = True
-        self._implicit_opener = None
-        self._sample_in_backward = False
-        self._recompute_anchor = -1
-
-    def _open_training_forward(self, decision: bool | None = None) -> None:
-        self._reset_forward_state()
-        self._open_sample(decision)
-        if self._sample_open:
-            self.state = self.SAMPLED
-        else:
-            self._unsampled_training = True
-            self._sentinel_calls = {}
-            self.state = self.SENTINEL if self.full_sentinel else self.SKIP
-        self._maybe_flush()
-
-    def exit_root(self) -> None:
-        """Close the innermost root forward."""
-        if not self.attached:
-            self._state_stack.clear()
-            self.state = self.SKIP
-            return
-        stack = self._state_stack
-        if stack:
-            self.state = stack.pop()
-        else:
-            # A post-hook with no forward open: the root called itself inside a forward
-            # left open-ended (whose inner call closed it). Never leave one open again.
-            self._open_ended_off = "root module calls itself"
-            self.state = self.IDLE
-        if self._parked and not stack and compiled_frames() != self._frames_at_park:
-            self._restore_hooks(reset=True)  # something was compiled during this forward
-        if self.state == self.IDLE:
-            self._unsampled_training = False
-
-    def leave_root(self, index: int, args: tuple[object, ...], output: object) -> None:
-        """The root returned (or raised, with ``output`` None): observe it, then close."""
-        state = self.state
-        stack = self._state_stack
-        if state == 0 and self._unsampled_training and len(stack) == 1 and self.attached:
-            # The steady state, an unsampled top-level training forward (SKIP): what the
-            # branch below and exit_root do for it, in place.
-            if not self.full_sentinel and _root_sentinel_due(
-                self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL
-            ):
-                self._root_sentinel(output)
-            if self._parked and compiled_frames() != self._frames_at_park:
-                self._restore_hooks(reset=True)  # something was compiled during this forward
-            if self._parked and stack[0] == 2 and self._park_root_post():
-                # Hooks stay parked: leave the forward open-ended, so that the next ones
-                # can be quiet (this hook is called from a copy of the hook dict).
-                stack.pop()
-                self._open_ended = True
-                self._plan_quiet_forwards()
-                return
-            self.state = state = stack.pop()
-            if state == 2:  # IDLE
-                self._unsampled_training = False
-            return
-        if state == self.SAMPLED or state == self.SENTINEL:
-            self.on_forward(index, args, output)
-            if self._sample_outputs and len(self._state_stack) == 1:
-                self._sample_outputs = {}  # the forward is over: its outputs are not shared
-            if not self._adoption_done and state == self.SAMPLED and len(stack) == 1:
-                self._adoption_done = True
-                try:
-                    self._adopt_parents()
-                except Exception as error:  # never break training
-                    self.record_error("adopt_parents", "", error)
-        elif (
-            self._unsampled_training
-            and len(self._state_stack) == 1  # the outer call, not the root calling itself
-            and _root_sentinel_due(self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL)
-            and not self.full_sentinel
-            and self.attached
-        ):
-            self._root_sentinel(output)
-        self.exit_root()
-
-    def _root_sentinel(self, output: object) -> None:
-        """Check the root output of an unsampled training forward for non-finite values
-        (one training forward in :attr:`ROOT_SENTINEL_INTERVAL`, see there).
-
-        One reduction per output tensor. On the CPU the answer is read at once; on CUDA
-        the count stays on the device and is read at the next flush (no host sync).
-        A hit counts, is recorded, and makes the next forwards sampled.
-        """
-        try:
-            with passive():
-                if type(output) is Tensor and output.is_floating_point():
-                    # The common case, kept short: one forward in 8 between samples.
-                    self._sentinel_check(ROOT_INDEX, 0, "output", output)
-                else:
-                    self._sentinel_output(ROOT_INDEX, 0, output)
-        except Exception as error:  # never break training
-            self.record_error("sentinel", "", error)
-
-    def _park_hooks(self) -> None:
-        """Take the submodule hooks out of their modules while no forward needs them.
-
-        In a forward that is not sampled every submodule hook would return at once, but
-        PyTorch's dispatch to it alone costs 1 to 2 us per module call; a module without
-        hooks takes ``nn.Module``'s hook-free fast path instead. Parking removes our hook
-        from each module's ``_forward_hooks`` (only where it is that module's only forward
-        hook, so hook order is unchanged). The hooks stay out across unsampled, eval and
-        no-grad root forwards, and :meth:`_restore_hooks` puts them back when a root
-        forward that needs them opens (sampled, full sentinel, recomputation in backward)
-        and at removal, so parking costs one pass over the modules per sample, not per
-        forward. While parked, calls of submodules outside any root forward are not seen
-        (they are only ever counted, under ``calls_outside_root_skipped``), and nothing
-        is parked while a sampled forward's reentrant checkpoints await their backward.
-
-        Compiled code does not see hook changes (Dynamo does not guard on hooks), so
-        parking stops for good once ``torch.compile`` has compiled anything in the
-        process; if something was compiled during a parked forward, Dynamo's caches are
-        reset so that the code is traced again with the hooks in place.
-        """
-        frames = compiled_frames()
-        if frames != 0:
-            self.hook_parking = "off: torch.compile in use"
-            return
-        if any(self._no_grad_calls.values()):
-            return  # a sampled forward's reentrant checkpoints will run again in backward
-        self._frames_at_park = frames
-        # Only where ours is the module's only forward hook (order stays as it was).
-        parked = [entry for entry in self._parkable if len(entry[0]) == 1 and entry[1] in entry[0]]
-        for hooks, key, _ in parked:
-            del hooks[key]
-        self._parked = parked
-
-    def _restore_hooks(self, *, reset: bool) -> None:
-        """Put parked hooks back (see :meth:`_park_hooks`); with ``reset``, also reset
-        Dynamo if something was compiled since they were parked."""
-        parked = self._parked
-        if not parked:
-            return
-        self._parked = []
-        for hooks, key, hook in parked:
-            if hooks:
-                # A hook registered while ours was parked: ours goes back in front.
-                others = list(hooks.items())
-                hooks.clear()
-                hooks[key] = hook
-                hooks.update(others)
-            else:
-                hooks[key] = hook
-        if compiled_frames() != self._frames_at_park:
-            self.hook_parking = "off: torch.compile in use"
-            if reset:
-                # Code compiled while the hooks were parked would never call them.
-                try:
-                    torch._dynamo.reset()
-                except Exception as error:
-                    self.record_error("compile_reset", "", error)
-
-    def _sentinel_output(self, index: int, call: int, output: object) -> None:
-        for path, leaf in iter_output_tensors(output):
-            if isinstance(leaf, Tensor) and skip_reason(leaf) is None:
-                self._sentinel_check(index, call, path, leaf)
-
-    def _sentinel_check(self, index: int, call: int, path: str, tensor: Tensor) -> None:
-        self.sentinel_checks += 1
-        forward = self.forwards_seen - 1
-        value = tensor.detach()
-        if value.is_complex():
-            # Real and imaginary parts side by side: |z| could overflow where they do not.
-            value = torch.view_as_real(value.resolve_conj())
-        if value.is_cpu and "cpu" not in self.buffer.device_path_types:
-            # A non-finite element makes the sum non-finite; one plain reduction is
-            # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
-            # with a dtype argument). Confirm before counting: a sum can overflow.
-            if not math.isfinite(value.sum().item()):
-                self._confirm_cpu_sentinel(index, call, path, value)
-            return
-        # One launch: a non-finite element makes the float64 sum non-finite, and float64
-        # cannot overflow on a sum of finite float32 values. Float64 values can, so
-        # their zero products are summed instead (NaN exactly where one is non-finite).
-        if value.dtype == torch.float64:
-            value = value * 0.0
-        bad = value.sum(dtype=torch.float64).reshape(1)
-        key = (index, call, ACTIVATION, path)
-        self.buffer.append(SentinelSum(key, forward, self.samples_observed, bad))
-
-    def _confirm_cpu_sentinel(self, index: int, call: int, path: str, tensor: Tensor) -> None:
-        """A CPU sentinel's sum was not finite: count a hit unless the sum only
-        overflowed (every element finite)."""
-        if not bool(torch.isfinite(tensor.detach()).all()):
-            self._sentinel_hit(self.forwards_seen - 1, index, call, path, self.samples_observed)
-
-    def _sentinel_hit(
-        self, forward: int, index: int, call: int, path: str, next_sample: int
-    ) -> None:
-        """Count a non-finite value seen by a sentinel in unsampled training forward
-        ``forward``; ``next_sample`` is the index the next sample takes."""
-        self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
-        self._quiet_until = 0  # the next forwards are sampled
-        self._quiet_sentinel = -1
-        if forward == self._last_sentinel_forward:
-            return  # only the first (earliest in forward order) per forward
-        self._last_sentinel_forward = forward
-        self.sentinel_nonfinite_forwards += 1
-        if len(self.sentinel_events) < self.MAX_SENTINEL_EVENTS:
-            self.sentinel_events.append(
-                {
-                    "forward_index": forward,
-                    "module": self.names[index],
-                    "call_index": call,
-                    "tensor_path": path,
-                    "next_sample": next_sample,
-                }
-            )
-
-    def _open_sample(self, decision: bool | None = None) -> None:
-        index = self.forwards_seen
-        self.forwards_seen += 1
-        if decision is None:  # user policies may return ints
-            decision = bool(self.policy.should_sample(index))
-        sampled = decision
-        if self._forced_samples > 0:
-            self._forced_samples -= 1
-            sampled = True
-        self._sample_open = sampled
-        if sampled:
-            self._sample = self.error_log.sample = self.samples_observed
-            self.samples_observed += 1
-            if self.samples_observed == self.track_config.warmup_samples:
-                # The first rewrite falls due at the end of warm-up (at the next
-                # _maybe_flush), not only rewrite_interval_s after injection.
-                self._last_write = -math.inf
-            self.sample_forwards.append(index)
-            if self.caller_step is not None:
-                self.store.note_step(self._sample, self.caller_step)
-            awaiting = self._awaiting_backward
-            awaiting[self._sample] = None
-            if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
-                del awaiting[next(iter(awaiting))]
-            self._calls = {}
-            self._position = 0
-            self._no_grad_calls = {}
-            self._sample_outputs = {}
-
-    # ------------------------------------------------------------------ capture
-    def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
-        """A selected module returned ``output`` (only called when not in SKIP state)."""
-        started = time.perf_counter()
-        try:
-            with passive():
-                self._on_forward(index, args, output)
-        finally:
-            self._note_cost(time.perf_counter() - started)
-
-    def _note_cost(self, seconds: float) -> None:
-        self.telemetry_seconds += seconds
-        if self._cost_listener is not None:
-            try:  # a user policy's method: whatever it raises stays here
-                self._cost_listener(seconds)
-            except Exception as error:
-                self.record_error("policy.note_cost", "", error)
-
-    def _on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
-        if not self.attached:
-            return
-        try:
-            state = self.state
-            if state == self.SENTINEL:
-                call = self._sentinel_calls.get(index, 0)
-                self._sentinel_calls[index] = call + 1
-                self._sentinel_output(index, call, output)
-                return
-            if state != self.SAMPLED:
-                if in_backward():
-                    self._on_recompute(index, args, output)
-                    return
-                if state != self.IDLE or not self._open_implicit(index):
-                    return
-            elif in_backward() and not self._sample_in_backward:
-                return
-            self._observe_call(index, args, output)
-        except Exception as error:  # never break training
-            self.record_error("forward", self.names[index], error)
-
-    def _open_implicit(self, index: int) -> bool:
-        """A module ran with no root forward open: group such calls into samples."""
-        module = self._modules[index]()
-        if (
-            module is None
-            or not torch.is_grad_enabled()
-            or torch.is_inference_mode_enabled()
-            or not module.training
-            or _transform_level() is not None
-        ):
-            return False
-        if self.root_forward_seen and not self.capture_direct_forwards:
-            # Training goes through the root: a submodule called on its own (an auxiliary
-            # loss, a probe) is a side computation, kept out of the training series
-            # (capture_direct_forwards=True asks for such calls to be observed).
-            self.calls_outside_root_skipped += 1
-            return False
-        if (
-            self._implicit_opener is not None
-            and not self._implicit_backward_seen
-            and index != self._implicit_opener
-        ):
-            return self._sample_open
-        self._implicit_opener = index
-        self._implicit_backward_seen = False
-        self.direct_call_samples += 1
-        self._open_sample()
-        self._maybe_flush()
-        return self._sample_open
-
-    def _observe_call(self, index: int, args: tuple[object, ...], output: object) -> None:
-        self.modules_called.add(index)
-        calls = self._calls
-        call = calls.get(index, 0)
-        calls[index] = call + 1
-        position = self._position
-        self._position = position + 1
-        sample = self._sample
-        grad_enabled = torch.is_grad_enabled()
-        outputs = self._sample_outputs
-        taken = 0
-        for path, leaf in iter_output_tensors(output):
-            reason = skip_reason(leaf)
-            if reason is not None:
-                self.skipped_tensors[reason] += 1
-                continue
-            taken += 1
-            if taken > MAX_TENSORS_PER_OUTPUT:
-                self.paths_dropped += 1
-                continue
-            assert isinstance(leaf, Tensor)
-            key = (index, call, ACTIVATION, path)
-            version = _version(leaf)
-            first = outputs.get(id(leaf)) if version is not None else None
-            if first is not None and (first[0]() is not leaf or first[1] != version):
-                first = None
-            if first is None:
-                self.buffer.measure(key, sample, position, leaf)
-            else:
-                # What an earlier call of this sample returned, unchanged since (a
-                # container or the root passing on a submodule's output): the same
-                # values and the same gradient, so its rows are shared, not measured.
-                # (A change through ``.data`` bumps no version and goes unseen here.)
-                self.store.add_alias(first[2], sample, key, position)
-            if self.histogram_specs:
-                self._histogram(index, call, ACTIVATION, path, sample, leaf)
-            if leaf.requires_grad and grad_enabled:
-                node = leaf.grad_fn
-                if node is not None:
-                    grad_key = (index, call, GRAD_OUTPUT, path)
-                    if (
-                        first is not None
-                        and first[3] is not None
-                        and not self._hist_plan.get((index, GRAD_OUTPUT))
-                    ):
-                        self.store.add_alias(first[3], sample, grad_key, -1)
-                        continue
-                    node.register_prehook(
-                        NodeGradHook(self, (index, call, path), sample, leaf.output_nr)
-                    )
-                    if first is None and version is not None:
-                        outputs[id(leaf)] = (weakref.ref(leaf), version, key, grad_key)
-                    continue
-                # A module that returns a parameter: a hook on a leaf outlives the
-                # graph, so it removes itself after its first gradient (and at detach).
-                hook = GradHook(self, (index, call, path), sample)
-                hook.handle = leaf.register_hook(hook)
-                self._leaf_hooks.append(hook.handle)
-                if len(self._leaf_hooks) > MAX_SAMPLES_AWAITING_BACKWARD:
-                    self._leaf_hooks.pop(0).remove()
-            if first is None and version is not None:
-                outputs[id(leaf)] = (weakref.ref(leaf), version, key, None)
-        if not grad_enabled:
-            # Under no_grad inside a training forward (reentrant checkpointing): the
-            # gradient flows through a recomputation during backward.
-            self._no_grad_calls.setdefault(index, []).append(
-                (call, sample, _first_tensor_pointer(args), position)
-            )
-
-    def _on_recompute(self, index: int, args: tuple[object, ...], output: object) -> None:
-        """A forward re-run during backward: attach gradient hooks for reentrant calls.
-
-        Recomputations that no sampled call awaits are ignored and counted."""
-        waiting = self._no_grad_calls.get(index)
-        if not waiting or not torch.is_grad_enabled():
-            self.recompute_calls_ignored += 1
-            return
-        # The first module of a recomputed region receives the region's saved inputs
-        # (same storage as in the first pass); later ones replay the first pass's call
-        # order, so continue from the last matched position.
-        pointer = _first_tensor_pointer(args)
-        chosen = next((item for item in waiting if pointer and item[2] == pointer), None)
-        if chosen is None:
-            later = [item for item in waiting if item[3] > self._recompute_anchor]
-            chosen = min(later, key=lambda item: item[3]) if later else waiting[-1]
-        waiting.remove(chosen)
-        call, sample, _, position = chosen
-        self._recompute_anchor = position
-        for path, leaf in iter_output_tensors(output):
-            if (
-                isinstance(leaf, Tensor)
-                and skip_reason(leaf) is None
-                and leaf.requires_grad
-                and not leaf.is_leaf
-            ):
-                leaf.register_hook(GradHook(self, (index, call, path), sample))
-
-    def on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
-        """An output gradient arrived for a sampled tensor."""
-        started = time.perf_counter()
-        try:
-            with passive():
-                self._on_grad(key, sample, grad)
-        finally:
-            self._note_cost(time.perf_counter() - started)
-
-    def _on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
-        if not self.attached:
-            return
-        try:
-            seen = self._grad_keys_seen.get(sample)
-            if seen is None:
-                seen = set()
-                self._grad_keys_seen[sample] = seen
-                if len(self._grad_keys_seen) > MAX_SAMPLES_AWAITING_BACKWARD:
-                    del self._grad_keys_seen[next(iter(self._grad_keys_seen))]
-                if sample not in self._backward_counted:
-                    self._backward_counted[sample] = None
-                    if len(self._backward_counted) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
-                        del self._backward_counted[next(iter(self._backward_counted))]
-                    self.backward_samples_observed += 1
-                self._awaiting_backward.pop(sample, None)
-                if self._implicit_opener is not None and sample == self._sample:
-                    self._implicit_backward_seen = True
-            elif key in seen:
-                self.repeated_backward_gradients += 1  # retain_graph: another backward pass
-                self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
-                return
-            seen.add(key)
-            reason = skip_reason(grad)
-            if reason is not None:
-                self.skipped_tensors[f"grad_{reason}"] += 1
-                return
-            index, call, path = key
-            grad_key = (index, call, GRAD_OUTPUT, path)
-            self.buffer.measure_gradient(grad_key, sample, grad)
-            if self.histogram_specs:
-                self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
-        except Exception as error:  # never break training
-            self.record_error("backward", self.names[key[0]], error)
-
-    def _sum_repeated(self, key: _Key, sample: int, grad: Tensor) -> None:
-        """Another backward pass over sample ``sample`` (``retain_graph=True``) brought
-        ``grad`` for ``key``: add it to the staged copy of the earlier passes' gradient,
-        so that what is measured is the total gradient that reached the output. Only
-        while that copy is not reduced yet (small tensors, until the next flush or the
-        slab fills: backward passes run one after the other within a step); otherwise
-        counted under ``coverage.backward_gradients_not_summed``."""
-        if self.buffer.add_repeated(key, sample, grad):
-            self.backward_gradients_summed += 1
-        else:
-            self.backward_gradients_not_summed += 1
-
     def note_loss_scale(self, scale: Tensor) -> None:
-        """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``.
-
-        It applies to every sampled forward whose backward has not started yet (several
-        forwards may share one scaled backward).
-        """
-        if not self.attached or not self._awaiting_backward:
-            return
-        try:
-            with passive():
-                value = _padded_row(scale.detach().reshape(-1)[:1].to(torch.float64))
-            for sample in self._awaiting_backward:
-                self.buffer.append(LossScale(sample, value))
-        except Exception as error:
-            self.record_error("loss_scale", "", error)
-
-    def _histogram(
-        self, index: int, call: int, signal: str, path: str, sample: int, tensor: Tensor
-    ) -> None:
-        for number in self._hist_plan.get((index, signal), ()):
-            spec = self.histogram_specs[number]
-            if sample % spec.every_n_samples:
-                continue
-            counts = histogram_counts(tensor, spec)
-            self.buffer.append(HistogramCounts((index, call, signal, path), sample, number, counts))
+        """``GradScaler.scale`` ran: the coming backward's gradients carry ``scale``."""
+        self.capture.note_loss_scale(self.context, scale)
 
     def record_error(self, stage: str, module: str, error: BaseException) -> None:
         """Count an error raised inside a hook (see :class:`~._error_log.ErrorLog`)."""
         self.error_log.record(stage, module, error)
 
     # ------------------------------------------------------------------ flush
-    def _maybe_flush(self) -> None:
-        pending = self.buffer.waiting()
-        interval = (
-            DEVICE_FLUSH_INTERVAL_FORWARDS
-            if self.buffer.producer_streams
-            else self.FLUSH_INTERVAL_FORWARDS
-        )
-        if pending and self._prompt_sinks:
-            self.flush_statistics(block=True)  # the previous samples, complete by now
-        elif pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % interval == 0):
-            self.flush_statistics(block=False)
-        if time.monotonic() - self._last_write >= self._rewrite_interval_s:
-            self.write_report(block=False)
-
     def flush_statistics(self, *, block: bool = True) -> None:
         """Move pending statistics to the host and update the trackers.
 
@@ -1162,19 +256,16 @@ class Observer:
         device; ``block=True`` waits for all of them.
         """
         with passive():
-            self._flush_statistics(block)
-
-    def _flush_statistics(self, block: bool) -> None:
-        buffer = self.buffer
-        buffer.launch()
-        for records, rows in buffer.arrived(block=block):
-            try:
-                hits = self.store.process(records, rows)
-            except Exception as error:
-                self.record_error("flush", "", error)
-                continue
-            for (index, call, _, path), forward, next_sample, _ in hits:
-                self._sentinel_hit(forward, index, call, path, next_sample)
+            buffer = self.buffer
+            buffer.launch()
+            for records, rows in buffer.arrived(block=block):
+                try:
+                    hits = self.store.process(records, rows)
+                except Exception as error:
+                    self.record_error("flush", "", error)
+                    continue
+                for (index, call, _, path), forward, next_sample, _ in hits:
+                    self.context.on_nonfinite(forward, index, call, path, next_sample)
 
     # ------------------------------------------------------------------ report
     def build_report(self, *, block: bool = True) -> dict[str, Any]:
@@ -1197,7 +288,8 @@ class Observer:
         ``files_only=True`` writes the files of ``output_dir`` and nothing to the sinks
         (the first report, written at injection).
         """
-        if self.forked_from_pid is not None and self.forwards_seen == self.forwards_at_fork:
+        forwards = self.context.forwards_seen
+        if self.forked_from_pid is not None and forwards == self.forwards_at_fork:
             return  # a forked child that never trained: nothing of its own to write
         started = time.perf_counter()
         self.writing = True
@@ -1208,10 +300,10 @@ class Observer:
             self.record_error("report", "", error)
         finally:
             self.writing = False
-            self._note_cost(time.perf_counter() - started)
+            self.capture.note_cost(time.perf_counter() - started)
         on_termination.deliver_deferred()
 
-    def _adopt_parents(self) -> None:
+    def adopt_parents(self) -> None:
         """After the first sampled training forward: observe the parent of every
         selected module that did not run in it, if the parent is not observed yet.
 
@@ -1226,7 +318,7 @@ class Observer:
             return
         observed = {id(ref()) for ref in self._modules}
         for index, name in enumerate(list(self.names)):
-            if index == ROOT_INDEX or index in self.modules_called:
+            if index == ROOT_INDEX or index in self.capture.modules_called:
                 continue
             parent_name = name.rpartition(".")[0]
             if not parent_name or parent_name in self.parents_adopted.values():
@@ -1242,16 +334,11 @@ class Observer:
             new_index = len(self.names)
             self.names.append(parent_name)
             self._modules.append(weakref.ref(parent))
-            for kind in (ACTIVATION, GRAD_OUTPUT):
-                self._hist_plan[(new_index, kind)] = tuple(
-                    n
-                    for n, spec in enumerate(self.histogram_specs)
-                    if spec.applies_to(parent_name, kind)
-                )
-            hook = ForwardHook(self, new_index)
+            self.capture.plan_histograms(new_index, parent_name)
+            hook = ForwardHook(self.context, new_index)
             handle = parent.register_forward_hook(hook)
             self._handles.append(handle)
-            self._parkable.append((parent._forward_hooks, handle.id, hook))
+            self.parking.parkable.append((parent._forward_hooks, handle.id, hook))
             observed.add(id(parent))
             self.parents_adopted[name] = parent_name
 
@@ -1266,50 +353,51 @@ class Observer:
         except Exception as error:  # a user policy's method
             self.record_error("policy.describe", "", error)
             sampling = {"policy": type(self.policy).__name__, "describe": "raised"}
+        ctx, capture, sentinel, store = self.context, self.capture, self.sentinel, self.store
         errors = self.error_log
         counters = Counters(
-            forwards_seen=self.forwards_seen,
-            samples_observed=self.samples_observed,
-            backward_samples_observed=self.backward_samples_observed,
-            eval_forwards_skipped=self.eval_forwards_skipped,
-            recompute_calls_ignored=self.recompute_calls_ignored,
-            direct_call_samples=self.direct_call_samples,
-            calls_outside_root_skipped=self.calls_outside_root_skipped,
-            repeated_backward_gradients=self.repeated_backward_gradients,
-            backward_gradients_summed=self.backward_gradients_summed,
-            backward_gradients_not_summed=self.backward_gradients_not_summed,
-            loss_scaled_samples=self.store.loss_scale.count,
-            sentinel_checks=self.sentinel_checks,
-            sentinel_nonfinite_forwards=self.sentinel_nonfinite_forwards,
-            series_dropped=self.store.series_dropped,
+            forwards_seen=ctx.forwards_seen,
+            samples_observed=ctx.samples_observed,
+            backward_samples_observed=capture.backward_samples_observed,
+            eval_forwards_skipped=ctx.eval_forwards_skipped,
+            recompute_calls_ignored=ctx.recompute_calls_ignored,
+            direct_call_samples=ctx.direct_call_samples,
+            calls_outside_root_skipped=ctx.calls_outside_root_skipped,
+            repeated_backward_gradients=capture.repeated_backward_gradients,
+            backward_gradients_summed=capture.backward_gradients_summed,
+            backward_gradients_not_summed=capture.backward_gradients_not_summed,
+            loss_scaled_samples=store.loss_scale.count,
+            sentinel_checks=sentinel.sentinel_checks,
+            sentinel_nonfinite_forwards=sentinel.sentinel_nonfinite_forwards,
+            series_dropped=store.series_dropped,
             series_summary_omitted=self.series_summary_omitted,
-            paths_dropped=self.paths_dropped,
+            paths_dropped=capture.paths_dropped,
             errors_total=errors.total,
         )
         return RunSnapshot(
             names=tuple(self.names),
-            series=dict(self.store.series),
-            histograms=dict(self.store.histograms),
-            loss_scale=self.store.loss_scale,
-            sample_forwards=self.sample_forwards,
+            series=dict(store.series),
+            histograms=dict(store.histograms),
+            loss_scale=store.loss_scale,
+            sample_forwards=ctx.sample_forwards,
             counters=counters,
-            sentinel_events=tuple(dict(event) for event in self.sentinel_events),
+            sentinel_events=tuple(dict(event) for event in sentinel.sentinel_events),
             errors=tuple(dataclasses.replace(entry) for entry in errors.entries.values()),
-            skipped_tensors=dict(self.skipped_tensors),
-            modules_called=frozenset(self.modules_called),
+            skipped_tensors=dict(capture.skipped_tensors),
+            modules_called=frozenset(capture.modules_called),
             parents_adopted=dict(self.parents_adopted),
             modules_replaced=tuple(self.modules_replaced()),
-            root_forward_seen=self.root_forward_seen,
+            root_forward_seen=ctx.root_forward_seen,
             report_config=self.report_config,
             track_config=self.track_config,
             sampling=sampling,
             capture_direct_forwards=self.capture_direct_forwards,
             full_sentinel=self.full_sentinel,
-            hook_parking=self.hook_parking,
+            hook_parking=self.parking.status,
             rank_info=self.rank_info,
             options=dict(self.options),
             started_at=self.started_at,
-            telemetry_seconds=self.telemetry_seconds,
+            telemetry_seconds=capture.telemetry_seconds,
             forked_from_pid=self.forked_from_pid,
             forwards_at_fork=self.forwards_at_fork,
         )
@@ -1355,7 +443,7 @@ class Observer:
             )
 
         self.forked_from_pid = parent_pid
-        self.forwards_at_fork = self.forwards_seen
+        self.forwards_at_fork = self.context.forwards_seen
         self.writer = own(self.writer)
         self.sinks = [s for s in map(own, self.sinks) if s is not None]
         self.store.set_sinks(())
@@ -1374,7 +462,7 @@ class Observer:
     def _write_report(self, block: bool, flush: bool = True, files_only: bool = False) -> None:
         from .report import build_report, build_series_summary
 
-        self._last_write = time.monotonic()
+        self.context.last_write = time.monotonic()
         sinks = () if files_only else self.sinks
         summarising = [
             target
@@ -1437,108 +525,3 @@ class Observer:
                     target.write_details(details)
                 except Exception as error:
                     self.record_error("details", type(target).__name__, error)
-
-
-def _training_context(module: nn.Module) -> bool:
-    """True if a call of the root ``module`` made now is a training forward by its
-    context: train mode, gradients enabled, outside inference mode, outside backward
-    (a recomputation), outside ``torch.jit`` tracing and ``torch.func`` transforms."""
-    return (
-        module.training
-        and _grad_enabled()
-        and not _inference_mode_enabled()
-        and (_graph_task_id is None or _graph_task_id() == -1)
-        and not _is_tracing()
-        and _transform_level() is None
-    )
-
-
-def _root_calls_on_stack(root: nn.Module, frame: Any) -> int:
-    """How many calls of ``root`` run on the stack from ``frame`` up (its ``_call_impl``
-    frames)."""
-    calls = 0
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
-            calls += 1
-        frame = frame.f_back
-    return calls
-
-
-def _find_caller_depth(root: nn.Module, frame: Any) -> int:
-    """How many frames up from ``frame`` (enter_root's or leave_root's, called by a root
-    hook) the code that called ``root`` runs, past ``nn.Module``'s call machinery; 0 if
-    the root's ``_call_impl`` frame is not found."""
-    depth = 0
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
-            frame = frame.f_back
-            depth += 1
-            if frame is not None and frame.f_code is _WRAPPED_CALL_IMPL_CODE:
-                depth += 1
-            return depth
-        frame = frame.f_back
-        depth += 1
-    return 0
-
-
-def _lookahead(policy: SamplingPolicy) -> Callable[[int], int] | None:
-    """The policy's ``next_sampled`` if it has one that it defines together with its
-    ``should_sample``, in the same class or both on the instance (a subclass, or an
-    instance, that overrides only ``should_sample`` gets None)."""
-    method = getattr(policy, "next_sampled", None)
-    if not callable(method):
-        return None
-    owners = [getattr(policy, "__dict__", {}), *(vars(cls) for cls in type(policy).__mro__)]
-    owner_next = next((i for i, names in enumerate(owners) if "next_sampled" in names), None)
-    owner_should = next((i for i, names in enumerate(owners) if "should_sample" in names), None)
-    return method if owner_next is not None and owner_next == owner_should else None
-
-
-def _root_sentinel_due(forward: int, interval: int) -> bool:
-    """True if the root sentinel checks training forward ``forward`` (0-based): one per
-    run of ``interval`` forwards, at an offset that moves by one each run (see
-    :attr:`Observer.ROOT_SENTINEL_INTERVAL`)."""
-    return (forward - forward // interval) % interval == interval - 1
-
-
-def _next_root_sentinel(start: int, interval: int) -> int:
-    """The first forward from ``start`` on that :func:`_root_sentinel_due` picks: in run
-    ``b`` (forwards ``b * interval`` on) the one at offset ``(b + interval - 1) % interval``,
-    in the run of ``start`` or in the next one."""
-    run = start // interval
-    forward = run * interval + (run + interval - 1) % interval
-    if forward < start:
-        run += 1
-        forward = run * interval + (run + interval - 1) % interval
-    return forward
-
-
-def _version(tensor: Tensor) -> int | None:
-    """The tensor's version counter (bumped by every in-place change), or None for
-    tensors without one (made in inference mode)."""
-    try:
-        return tensor._version
-    except Exception:
-        return None
-
-
-def _padded_row(values: Tensor) -> Tensor:
-    """A float64 row of ``STAT_WIDTH`` on the values' device: the values, then zeros."""
-    return torch.nn.functional.pad(values, (0, STAT_WIDTH - values.numel()))
-
-
-def _first_tensor_pointer(args: tuple[object, ...]) -> object:
-    """Identify the first tensor argument: its storage address, shape and, on the CPU,
-    its first and last values (a recomputed tensor can reuse a freed tensor's memory)."""
-    for arg in args:
-        if isinstance(arg, Tensor) and arg.layout == torch.strided and arg.device.type != "meta":
-            try:
-                identity: tuple[object, ...] = (arg.data_ptr(), tuple(arg.shape))
-                if arg.device.type == "cpu" and arg.numel():
-                    value = arg.detach()
-                    first, last = (0,) * value.dim(), (-1,) * value.dim()
-                    identity += (float(value[first]), float(value[last]))
-                return identity
-            except Exception:
-                return 0
-    return 0
