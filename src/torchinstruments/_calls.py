@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._context import MAX_SAMPLES_AWAITING_BACKWARD
-from ._phase import IDLE, SAMPLED, SENTINEL
+from ._context import MAX_SAMPLES_AWAITING_BACKWARD, transform_level
 from ._records import HistogramCounts, LossScale, SeriesKey
+from ._state import IDLE, SAMPLED, SENTINEL
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
     GradHook,
@@ -136,13 +136,43 @@ class CallCapture:
                 if in_backward():
                     self._on_recompute(ctx, index, args, output)
                     return
-                if state is not IDLE or not ctx.open_implicit(index):
+                if state is not IDLE or not self._open_implicit(ctx, index):
                     return
             elif in_backward() and not ctx.sample_in_backward:
                 return
             self._observe_call(ctx, index, args, output)
         except Exception as error:  # never break training
             self._errors.record("forward", self._names[index], error)
+
+    def _open_implicit(self, ctx: ForwardContext, index: int) -> bool:
+        """A module ran with no root forward open: group such calls into samples."""
+        module = ctx.modules[index]()
+        if (
+            module is None
+            or not torch.is_grad_enabled()
+            or torch.is_inference_mode_enabled()
+            or not module.training
+            or transform_level() is not None
+        ):
+            return False
+        if ctx.root_forward_seen and not ctx.capture_direct_forwards:
+            # Training goes through the root: a submodule called on its own (an auxiliary
+            # loss, a probe) is a side computation, kept out of the training series
+            # (capture_direct_forwards=True asks for such calls to be observed).
+            ctx.calls_outside_root_skipped += 1
+            return False
+        if (
+            ctx.implicit_opener is not None
+            and not ctx.implicit_backward_seen
+            and index != ctx.implicit_opener
+        ):
+            return ctx.sample_open
+        ctx.implicit_opener = index
+        ctx.implicit_backward_seen = False
+        ctx.direct_call_samples += 1
+        ctx.open_sample()
+        ctx.maybe_flush()
+        return ctx.sample_open
 
     def _observe_call(
         self, ctx: ForwardContext, index: int, args: tuple[object, ...], output: object

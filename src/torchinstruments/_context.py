@@ -6,8 +6,9 @@
     GradHook     -> ForwardContext.on_grad      -> CallCapture
     RootPostHook -> ForwardContext.leave_root   observe the root output, close
 
-Its whole state is declared in :meth:`ForwardContext.__init__`: the :class:`~._phase.Phase`
-in ``state`` and the fields that decide what the next forward does. It also decides
+Its whole state is declared in :class:`~._state.ForwardState` (``_state.py``): the
+:class:`~._state.Phase` in ``state`` and the fields that decide what the next forward
+does; the context adds only its settings and collaborators. It also decides
 when a flush or a report write falls due (one check per forward) and asks the observer
 to do it. See ``docs/architecture.md``.
 """
@@ -19,15 +20,15 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from ._parking import root_calls_on_stack
-from ._phase import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP, Phase
 from ._records import ROOT_INDEX
 from ._staging import MAX_PENDING_RECORDS
+from ._state import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP, ForwardState
 from .capture import _graph_task_id, compiled_frames, in_backward, passive
 
 if TYPE_CHECKING:
@@ -58,12 +59,12 @@ _getframe = sys._getframe
 #: The innermost torch.func transform being run (None outside any): a root forward run
 #: inside one (per-sample gradients through ``vmap(grad(...))``) has only wrapped
 #: tensors, which cannot be measured, so it is skipped like an eval forward.
-_transform_level: Callable[[], object] = getattr(
+transform_level: Callable[[], object] = getattr(
     getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
 )
 
 
-class ForwardContext:
+class ForwardContext(ForwardState):
     """Where one observer stands in the training loop; the object its hooks call.
 
     Shared across threads on purpose: worker threads inside a root forward belong to
@@ -112,7 +113,8 @@ class ForwardContext:
         capture: CallCapture,
     ) -> None:
         self._owner = weakref.ref(owner)
-        self._modules = modules
+        #: Weak references to the observed modules, by index (the observer's list).
+        self.modules = modules
         self.policy = policy
         self._next_sampled = _lookahead(policy)
         self._warmup_samples = warmup_samples
@@ -126,67 +128,11 @@ class ForwardContext:
         self.parking = parking
         self.sentinel = sentinel
         self.capture = capture
-        self.attached = False
-
-        # The phase, and the open root forwards below the innermost (one per nesting).
-        self.state: Phase = IDLE
-        self._state_stack: list[Phase] = []
-        # The sample open now (-1 before the first), and per module index its calls so
-        # far in that sample; the forward position of the next call.
-        self.sample = -1
-        self.call_counts: dict[int, int] = {}
-        self.position = 0
-        #: Tensors observed in the open sample, by id: (weak reference to the tensor,
-        #: version, activation key, output-gradient key or None). A module that returns
-        #: what a submodule returned (a container, the root) is measured once (see
-        #: CallCapture). Weak, so that an output autograd does not keep (checkpointing,
-        #: a branch summed away) is freed as it would be without the observer.
-        self.sample_outputs: dict[int, tuple[weakref.ref[Tensor], int, Any, Any]] = {}
-        # Direct-call samples: the module that opened the open one, and whether its
-        # backward has started (a call of it again then opens the next sample).
-        self._implicit_opener: int | None = None
-        self._implicit_backward_seen = False
-        # Calls under no_grad in the open sample, per module index: (call, sample,
-        # first-argument identity, position), matched by their recomputation.
-        self.no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = {}
-        self.recompute_anchor = -1
-        # The open sample is a root recomputed in backward (reentrant checkpoint).
-        self.sample_in_backward = False
-        # An unsampled training forward is open (closes to IDLE).
-        self._unsampled_training = False
-        # Training forwards in a row run without grad (first passes of checkpoints).
-        self._no_grad_training_forwards = 0
-        self._sample_open = False
-        # Forwards still to be sampled after a sentinel hit.
-        self._forced_samples = 0
-        #: Samples whose backward has not started (their loss scale is still to come).
-        self.awaiting_backward: dict[int, None] = {}
-        # True while an unsampled root forward is open with no post-hook to close it:
-        # the next root forward (or detach) closes it.
-        self._open_ended = False
-        # Training forwards below this index continue the open-ended steady state with
-        # nothing to do but count (see enter_root); 0 when none is known. The forward
-        # at that index, if it only needs the root sentinel, is _quiet_sentinel (else -1).
-        self._quiet_until = 0
-        self._quiet_sentinel = -1
-        #: The caller's step (ObserverHandle.set_step) that samples opened from now take.
-        self.caller_step: int | None = None
-        #: When the last report was written (``time.monotonic``), and how often to.
-        self.last_write = _monotonic()
+        #: How often the report is rewritten, in seconds.
         self.rewrite_interval_s = rewrite_interval_s
-        self._adoption_done = False
-
-        # Counters (named as the report's coverage keys).
-        self.forwards_seen = 0
-        self.samples_observed = 0
-        self.eval_forwards_skipped = 0
-        self.recompute_calls_ignored = 0
-        self.direct_call_samples = 0
-        self.calls_outside_root_skipped = 0
-        #: True once a training forward went through the root (not only direct calls).
-        self.root_forward_seen = False
         #: The training forward of each sample (runs of arithmetic progressions).
         self.sample_forwards = sample_forwards
+        super().__init__()
 
     # ------------------------------------------------------------------ entry points
     def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
@@ -263,7 +209,7 @@ class ForwardContext:
                     self.forwards_seen = index + 1
                     self._no_grad_training_forwards = 0
                     self._reset_forward_state()
-                    self._sample_open = False
+                    self.sample_open = False
                     self._unsampled_training = True
                     self.state = SKIP
                     if root_sentinel_due(index, self.ROOT_SENTINEL_INTERVAL):
@@ -278,7 +224,7 @@ class ForwardContext:
                     elif _monotonic() - self.last_write >= self.rewrite_interval_s:
                         self._write()
                     return
-            except Exception as error:  # never break training (as _open_sample would)
+            except Exception as error:  # never break training (as open_sample would)
                 self.forwards_seen = index + 1  # once, whether or not it was counted
                 self._no_grad_training_forwards = 0
                 self._reset_forward_state()
@@ -411,7 +357,7 @@ class ForwardContext:
         if (
             torch.is_inference_mode_enabled()
             or not module.training
-            or _transform_level() is not None
+            or transform_level() is not None
         ):
             self.state = SKIP
             self.eval_forwards_skipped += 1
@@ -429,14 +375,14 @@ class ForwardContext:
     def _reset_forward_state(self) -> None:
         """Note a training root forward and reset what a root forward starts from."""
         self.root_forward_seen = True
-        self._implicit_opener = None
+        self.implicit_opener = None
         self.sample_in_backward = False
         self.recompute_anchor = -1
 
     def _open_training_forward(self, decision: bool | None = None) -> None:
         self._reset_forward_state()
-        self._open_sample(decision)
-        if self._sample_open:
+        self.open_sample(decision)
+        if self.sample_open:
             self.state = SAMPLED
         else:
             self._unsampled_training = True
@@ -547,7 +493,9 @@ class ForwardContext:
         self._quiet_sentinel = -1
         self.sentinel.note_hit(forward, index, call, path, next_sample)
 
-    def _open_sample(self, decision: bool | None = None) -> None:
+    def open_sample(self, decision: bool | None = None) -> None:
+        """Count a training forward (or a direct call that opens a sample) and open a
+        sample if the policy (or a sentinel hit before) asks for one."""
         index = self.forwards_seen
         self.forwards_seen += 1
         if decision is None:  # user policies may return ints
@@ -556,7 +504,7 @@ class ForwardContext:
         if self._forced_samples > 0:
             self._forced_samples -= 1
             sampled = True
-        self._sample_open = sampled
+        self.sample_open = sampled
         if sampled:
             self.sample = self.errors.sample = self.samples_observed
             self.samples_observed += 1
@@ -576,41 +524,11 @@ class ForwardContext:
             self.no_grad_calls = {}
             self.sample_outputs = {}
 
-    def open_implicit(self, index: int) -> bool:
-        """A module ran with no root forward open: group such calls into samples."""
-        module = self._modules[index]()
-        if (
-            module is None
-            or not torch.is_grad_enabled()
-            or torch.is_inference_mode_enabled()
-            or not module.training
-            or _transform_level() is not None
-        ):
-            return False
-        if self.root_forward_seen and not self.capture_direct_forwards:
-            # Training goes through the root: a submodule called on its own (an auxiliary
-            # loss, a probe) is a side computation, kept out of the training series
-            # (capture_direct_forwards=True asks for such calls to be observed).
-            self.calls_outside_root_skipped += 1
-            return False
-        if (
-            self._implicit_opener is not None
-            and not self._implicit_backward_seen
-            and index != self._implicit_opener
-        ):
-            return self._sample_open
-        self._implicit_opener = index
-        self._implicit_backward_seen = False
-        self.direct_call_samples += 1
-        self._open_sample()
-        self.maybe_flush()
-        return self._sample_open
-
     def backward_started(self, sample: int) -> None:
         """The first output gradient of ``sample`` arrived."""
         self.awaiting_backward.pop(sample, None)
-        if self._implicit_opener is not None and sample == self.sample:
-            self._implicit_backward_seen = True
+        if self.implicit_opener is not None and sample == self.sample:
+            self.implicit_backward_seen = True
 
     # ------------------------------------------------------------------ cadence
     def maybe_flush(self) -> None:
@@ -664,7 +582,7 @@ def _training_context(module: nn.Module) -> bool:
         and not _inference_mode_enabled()
         and (_graph_task_id is None or _graph_task_id() == -1)
         and not _is_tracing()
-        and _transform_level() is None
+        and transform_level() is None
     )
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .observer import Observer
 
-__all__ = ["AtExit", "on_termination", "warn"]
+__all__ = ["AtExit", "on_termination", "sink_for_child", "warn"]
 
 
 def warn(message: str) -> None:
@@ -146,3 +146,19 @@ class AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_report()
+
+
+def sink_for_child(sink: object) -> object:
+    """What a process forked from an observed one writes to instead of ``sink``: a
+    directory sink of the same settings under ``fork-<pid>/`` of its directory, or
+    None (the parent's loggers are the parent's)."""
+    from .sinks import DirectorySink
+
+    if not isinstance(sink, DirectorySink):
+        return None
+    return DirectorySink(
+        sink.path / f"fork-{os.getpid()}",
+        write_full_details=sink.write_full_details,
+        plots=sink.plots,
+        write_series_summary=sink.write_series_summary,
+    )

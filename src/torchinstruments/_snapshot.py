@@ -1,27 +1,31 @@
 """What the report is built from: a frozen snapshot of one observer.
 
 The :class:`~torchinstruments.observer.Observer` builds a :class:`RunSnapshot` after a
-flush (:meth:`~torchinstruments.observer.Observer.snapshot`) and hands it to
+flush (:func:`take_snapshot`, which reads its stages) and hands it to
 ``report.build_report``, ``report.build_series_summary`` and ``report.build_details``,
 which read nothing else of the observer. See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from ._records import ROOT_INDEX
 
 if TYPE_CHECKING:
     from ._error_log import ErrorEntry
     from .config import ReportConfig, TrackConfig
     from .distributed import RankInfo
     from .histogram import Histogram
+    from .observer import Observer
     from .sampling import SampleForwards
     from .series import TensorSeries
     from .track import SeriesTracker
 
-__all__ = ["Counters", "RunSnapshot", "SeriesKey"]
+__all__ = ["Counters", "RunSnapshot", "SeriesKey", "modules_replaced", "take_snapshot"]
 
 #: (module index, call index, signal, tensor path) of one observed tensor.
 SeriesKey = tuple[int, int, str, str]
@@ -125,3 +129,85 @@ class RunSnapshot:
     forked_from_pid: int | None
     #: Training forwards seen before the fork (0 in the original process).
     forwards_at_fork: int
+
+
+def take_snapshot(observer: Observer) -> RunSnapshot:
+    """A frozen view of ``observer`` for the report, read from its stages.
+
+    Call after a flush; the policy's ``describe()`` is asked here (an error it raises
+    is counted, and the report shows the policy's class name instead).
+    """
+    try:
+        sampling: object = observer.policy.describe()
+    except Exception as error:  # a user policy's method
+        observer.record_error("policy.describe", "", error)
+        sampling = {"policy": type(observer.policy).__name__, "describe": "raised"}
+    ctx, capture = observer.context, observer.capture
+    sentinel, store = observer.sentinel, observer.store
+    errors = observer.error_log
+    counters = Counters(
+        forwards_seen=ctx.forwards_seen,
+        samples_observed=ctx.samples_observed,
+        backward_samples_observed=capture.backward_samples_observed,
+        eval_forwards_skipped=ctx.eval_forwards_skipped,
+        recompute_calls_ignored=ctx.recompute_calls_ignored,
+        direct_call_samples=ctx.direct_call_samples,
+        calls_outside_root_skipped=ctx.calls_outside_root_skipped,
+        repeated_backward_gradients=capture.repeated_backward_gradients,
+        backward_gradients_summed=capture.backward_gradients_summed,
+        backward_gradients_not_summed=capture.backward_gradients_not_summed,
+        loss_scaled_samples=store.loss_scale.count,
+        sentinel_checks=sentinel.sentinel_checks,
+        sentinel_nonfinite_forwards=sentinel.sentinel_nonfinite_forwards,
+        series_dropped=store.series_dropped,
+        series_summary_omitted=observer.series_summary_omitted,
+        paths_dropped=capture.paths_dropped,
+        errors_total=errors.total,
+    )
+    return RunSnapshot(
+        names=tuple(observer.names),
+        series=dict(store.series),
+        histograms=dict(store.histograms),
+        loss_scale=store.loss_scale,
+        sample_forwards=ctx.sample_forwards,
+        counters=counters,
+        sentinel_events=tuple(dict(event) for event in sentinel.sentinel_events),
+        errors=tuple(dataclasses.replace(entry) for entry in errors.entries.values()),
+        skipped_tensors=dict(capture.skipped_tensors),
+        modules_called=frozenset(capture.modules_called),
+        parents_adopted=dict(observer.parents_adopted),
+        modules_replaced=tuple(modules_replaced(observer)),
+        root_forward_seen=ctx.root_forward_seen,
+        report_config=observer.report_config,
+        track_config=observer.track_config,
+        sampling=sampling,
+        capture_direct_forwards=observer.capture_direct_forwards,
+        full_sentinel=observer.full_sentinel,
+        hook_parking=observer.parking.status,
+        rank_info=observer.rank_info,
+        options=dict(observer.options),
+        started_at=observer.started_at,
+        telemetry_seconds=capture.telemetry_seconds,
+        forked_from_pid=observer.forked_from_pid,
+        forwards_at_fork=observer.forwards_at_fork,
+    )
+
+
+def modules_replaced(observer: Observer) -> list[str]:
+    """Names of the observed modules that are no longer in their place in the model
+    (``model.h[1].ln_1 = nn.Identity()`` after injection): the module now there
+    carries no hook of ours, so that place is no longer observed."""
+    root = observer.root
+    if root is None:
+        return []
+    replaced = []
+    for index, name in enumerate(observer.names):
+        if index == ROOT_INDEX:
+            continue
+        try:
+            current: object = root.get_submodule(name)
+        except AttributeError:
+            current = None
+        if current is not observer.module(index):
+            replaced.append(name)
+    return replaced

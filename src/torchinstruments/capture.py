@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ._phase import SKIP
+from ._state import SKIP
 
 if TYPE_CHECKING:
     from ._context import ForwardContext

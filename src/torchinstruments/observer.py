@@ -14,9 +14,7 @@ data flow and says which file owns what.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import inspect
-import os
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -28,11 +26,11 @@ from . import _amp
 from ._calls import CallCapture
 from ._context import ForwardContext
 from ._error_log import ErrorLog
-from ._lifecycle import AtExit, on_termination, warn
+from ._lifecycle import AtExit, on_termination, sink_for_child, warn
 from ._parking import HookParking
 from ._records import ROOT_INDEX
 from ._sentinel import Sentinel
-from ._snapshot import Counters, RunSnapshot
+from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
 from ._store import SeriesStore
 from .capture import ForwardHook, ForwardWrapper, RootPostHook, RootPreHook, passive
@@ -156,6 +154,10 @@ class Observer:
         """The observed root module (the model inside DDP or compile wrappers), or None
         once it was collected."""
         return self._root()
+
+    def module(self, index: int) -> nn.Module | None:
+        """The observed module of index ``index`` (None once it was collected)."""
+        return self._modules[index]()
 
     @property
     def attached(self) -> bool:
@@ -343,83 +345,8 @@ class Observer:
             self.parents_adopted[name] = parent_name
 
     def snapshot(self) -> RunSnapshot:
-        """A frozen view of this observer for the report (see :class:`RunSnapshot`).
-
-        Call after a flush; the policy's ``describe()`` is asked here (an error it
-        raises is counted, and the report shows the policy's class name instead).
-        """
-        try:
-            sampling: object = self.policy.describe()
-        except Exception as error:  # a user policy's method
-            self.record_error("policy.describe", "", error)
-            sampling = {"policy": type(self.policy).__name__, "describe": "raised"}
-        ctx, capture, sentinel, store = self.context, self.capture, self.sentinel, self.store
-        errors = self.error_log
-        counters = Counters(
-            forwards_seen=ctx.forwards_seen,
-            samples_observed=ctx.samples_observed,
-            backward_samples_observed=capture.backward_samples_observed,
-            eval_forwards_skipped=ctx.eval_forwards_skipped,
-            recompute_calls_ignored=ctx.recompute_calls_ignored,
-            direct_call_samples=ctx.direct_call_samples,
-            calls_outside_root_skipped=ctx.calls_outside_root_skipped,
-            repeated_backward_gradients=capture.repeated_backward_gradients,
-            backward_gradients_summed=capture.backward_gradients_summed,
-            backward_gradients_not_summed=capture.backward_gradients_not_summed,
-            loss_scaled_samples=store.loss_scale.count,
-            sentinel_checks=sentinel.sentinel_checks,
-            sentinel_nonfinite_forwards=sentinel.sentinel_nonfinite_forwards,
-            series_dropped=store.series_dropped,
-            series_summary_omitted=self.series_summary_omitted,
-            paths_dropped=capture.paths_dropped,
-            errors_total=errors.total,
-        )
-        return RunSnapshot(
-            names=tuple(self.names),
-            series=dict(store.series),
-            histograms=dict(store.histograms),
-            loss_scale=store.loss_scale,
-            sample_forwards=ctx.sample_forwards,
-            counters=counters,
-            sentinel_events=tuple(dict(event) for event in sentinel.sentinel_events),
-            errors=tuple(dataclasses.replace(entry) for entry in errors.entries.values()),
-            skipped_tensors=dict(capture.skipped_tensors),
-            modules_called=frozenset(capture.modules_called),
-            parents_adopted=dict(self.parents_adopted),
-            modules_replaced=tuple(self.modules_replaced()),
-            root_forward_seen=ctx.root_forward_seen,
-            report_config=self.report_config,
-            track_config=self.track_config,
-            sampling=sampling,
-            capture_direct_forwards=self.capture_direct_forwards,
-            full_sentinel=self.full_sentinel,
-            hook_parking=self.parking.status,
-            rank_info=self.rank_info,
-            options=dict(self.options),
-            started_at=self.started_at,
-            telemetry_seconds=capture.telemetry_seconds,
-            forked_from_pid=self.forked_from_pid,
-            forwards_at_fork=self.forwards_at_fork,
-        )
-
-    def modules_replaced(self) -> list[str]:
-        """Names of observed modules that are no longer in their place in the model
-        (``model.h[1].ln_1 = nn.Identity()`` after injection): the module now there
-        carries no hook of ours, so that place is no longer observed."""
-        root = self.root
-        if root is None:
-            return []
-        replaced = []
-        for index, name in enumerate(self.names):
-            if index == ROOT_INDEX:
-                continue
-            try:
-                current: object = root.get_submodule(name)
-            except AttributeError:
-                current = None
-            if current is not self._modules[index]():
-                replaced.append(name)
-        return replaced
+        """A frozen view of this observer for the report (see :func:`take_snapshot`)."""
+        return take_snapshot(self)
 
     def forked(self, parent_pid: int) -> None:
         """Called in a child process forked while this observer was attached.
@@ -430,22 +357,10 @@ class Observer:
         runs a training forward of its own (a DataLoader worker never does; Hogwild
         training with ``torch.multiprocessing`` does, and then says so in ``run``).
         """
-        from .sinks import DirectorySink
-
-        def own(sink: object) -> object:
-            if not isinstance(sink, DirectorySink):
-                return None
-            return DirectorySink(
-                sink.path / f"fork-{os.getpid()}",
-                write_full_details=sink.write_full_details,
-                plots=sink.plots,
-                write_series_summary=sink.write_series_summary,
-            )
-
         self.forked_from_pid = parent_pid
         self.forwards_at_fork = self.context.forwards_seen
-        self.writer = own(self.writer)
-        self.sinks = [s for s in map(own, self.sinks) if s is not None]
+        self.writer = sink_for_child(self.writer)
+        self.sinks = [s for s in map(sink_for_child, self.sinks) if s is not None]
         self.store.set_sinks(())
 
     def write_on_signal(self) -> None:
