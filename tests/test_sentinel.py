@@ -478,8 +478,8 @@ def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
 
 @pytest.mark.parametrize("interval", [1, 3, 8, 16])
 def test_the_next_root_sentinel_forward_is_the_first_one_checked(interval: int) -> None:
-    from torchinstruments._context import next_root_sentinel as _next_root_sentinel
-    from torchinstruments._context import root_sentinel_due as _root_sentinel_due
+    from torchinstruments._sentinel import next_root_sentinel as _next_root_sentinel
+    from torchinstruments._sentinel import root_sentinel_due as _root_sentinel_due
 
     checked = [f for f in range(600) if _root_sentinel_due(f, interval)]
     for start in range(checked[-1] + 1):

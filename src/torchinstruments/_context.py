@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ._parking import root_calls_on_stack
 from ._records import ROOT_INDEX
+from ._sentinel import ROOT_SENTINEL_INTERVAL, next_root_sentinel, root_sentinel_due
 from ._staging import MAX_PENDING_RECORDS
 from ._state import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP, ForwardState
 from .capture import _graph_task_id, compiled_frames, in_backward, passive
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from .observer import Observer
     from .sampling import SampleForwards, SamplingPolicy
 
-__all__ = ["ForwardContext", "next_root_sentinel", "root_sentinel_due"]
+__all__ = ["ForwardContext"]
 
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
@@ -74,18 +75,9 @@ class ForwardContext(ForwardState):
 
     #: Forwards sampled after a sentinel saw a non-finite value, to localise a recurrence.
     FORCED_SAMPLES_AFTER_NONFINITE = 8
-    #: Without the full sentinel, the root output of one training forward in each run of
-    #: this many is checked when that forward is not sampled: in run ``b`` (forwards
-    #: ``8b`` to ``8b + 7``) the one at offset ``(b + 7) % 8`` (forwards 7, 8, 17, 26, ...,
-    #: 63, then 71, 72, ...). The offset moves so that a fault recurring with any period
-    #: and phase still meets a check (within 64 forwards; a fixed offset never saw one
-    #: on every 4th forward between samples on even forwards); checks are at most 9
-    #: forwards apart, so a persistent fault is caught within 9 forwards of its onset.
-    #: One reduction of a fresh tensor costs 10 to 14 us inside a training step on the
-    #: CPU (dispatch and allocation, in caches that the step's own kernels have just
-    #: evicted; measured with ``benchmarks/overhead.py``): on every forward that was 1.6%
-    #: of a 0.75 ms MLP step, over half of a 1.03x budget.
-    ROOT_SENTINEL_INTERVAL = 8
+    #: One training forward in this many has its root output checked when it is not
+    #: sampled (see ``_sentinel.ROOT_SENTINEL_INTERVAL``, where the schedule is).
+    ROOT_SENTINEL_INTERVAL = ROOT_SENTINEL_INTERVAL
     #: Pending statistics are flushed (reduced in batches, moved to the host, tracked)
     #: at training forwards whose count is a multiple of this (of
     #: ``DEVICE_FLUSH_INTERVAL_FORWARDS`` while CUDA work is pending): fewer, larger
@@ -597,22 +589,3 @@ def _lookahead(policy: SamplingPolicy) -> Callable[[int], int] | None:
     owner_next = next((i for i, names in enumerate(owners) if "next_sampled" in names), None)
     owner_should = next((i for i, names in enumerate(owners) if "should_sample" in names), None)
     return method if owner_next is not None and owner_next == owner_should else None
-
-
-def root_sentinel_due(forward: int, interval: int) -> bool:
-    """True if the root sentinel checks training forward ``forward`` (0-based): one per
-    run of ``interval`` forwards, at an offset that moves by one each run (see
-    :attr:`ForwardContext.ROOT_SENTINEL_INTERVAL`)."""
-    return (forward - forward // interval) % interval == interval - 1
-
-
-def next_root_sentinel(start: int, interval: int) -> int:
-    """The first forward from ``start`` on that :func:`root_sentinel_due` picks: in run
-    ``b`` (forwards ``b * interval`` on) the one at offset ``(b + interval - 1) % interval``,
-    in the run of ``start`` or in the next one."""
-    run = start // interval
-    forward = run * interval + (run + interval - 1) % interval
-    if forward < start:
-        run += 1
-        forward = run * interval + (run + interval - 1) % interval
-    return forward

@@ -24,7 +24,20 @@ from .series import ACTIVATION
 if TYPE_CHECKING:
     from ._staging import StatisticsBuffer
 
-__all__ = ["Sentinel"]
+__all__ = ["ROOT_SENTINEL_INTERVAL", "Sentinel", "next_root_sentinel", "root_sentinel_due"]
+
+#: Without the full sentinel, the root output of one training forward in each run of
+#: this many is checked when that forward is not sampled: in run ``b`` (forwards
+#: ``8b`` to ``8b + 7``) the one at offset ``(b + 7) % 8`` (forwards 7, 8, 17, 26, ...,
+#: 63, then 71, 72, ...). The offset moves so that a fault recurring with any period
+#: and phase still meets a check (within 64 forwards; a fixed offset never saw one
+#: on every 4th forward between samples on even forwards); checks are at most 9
+#: forwards apart, so a persistent fault is caught within 9 forwards of its onset.
+#: One reduction of a fresh tensor costs 10 to 14 us inside a training step on the
+#: CPU (dispatch and allocation, in caches that the step's own kernels have just
+#: evicted; measured with ``benchmarks/overhead.py``): on every forward that was 1.6%
+#: of a 0.75 ms MLP step, over half of a 1.03x budget.
+ROOT_SENTINEL_INTERVAL = 8
 
 
 class Sentinel:
@@ -108,3 +121,22 @@ class Sentinel:
                     "next_sample": next_sample,
                 }
             )
+
+
+def root_sentinel_due(forward: int, interval: int) -> bool:
+    """True if the root sentinel checks training forward ``forward`` (0-based): one per
+    run of ``interval`` forwards, at an offset that moves by one each run (see
+    :data:`ROOT_SENTINEL_INTERVAL`)."""
+    return (forward - forward // interval) % interval == interval - 1
+
+
+def next_root_sentinel(start: int, interval: int) -> int:
+    """The first forward from ``start`` on that :func:`root_sentinel_due` picks: in run
+    ``b`` (forwards ``b * interval`` on) the one at offset ``(b + interval - 1) % interval``,
+    in the run of ``start`` or in the next one."""
+    run = start // interval
+    forward = run * interval + (run + interval - 1) % interval
+    if forward < start:
+        run += 1
+        forward = run * interval + (run + interval - 1) % interval
+    return forward

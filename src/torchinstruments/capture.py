@@ -227,7 +227,7 @@ def in_backward() -> bool:
 def iter_output_tensors(output: object, prefix: str = "output") -> Iterator[tuple[str, object]]:
     """Yield ``(tensor_path, leaf)`` for every tensor-like leaf of a module output.
 
-    Paths follow DESIGN.md: ``output``, ``output[0]``, ``output['logits']`` (dicts),
+    Paths as in docs/report.md: ``output``, ``output[0]``, ``output['logits']`` (dicts),
     ``output.last_hidden_state`` (namedtuples, dataclasses and attribute-style mappings
     such as Hugging Face ``ModelOutput``). ``None`` and non-tensor leaves are skipped;
     tensor leaves are yielded whatever their dtype, for the caller to reduce or count.
