@@ -46,3 +46,50 @@ def test_counters_are_the_coverage_keys_with_the_same_values(tmp_path: Path) -> 
     assert {name: coverage[name] for name in counters} == counters
     assert [f.name for f in dataclasses.fields(Counters)] == list(counters)
     remove_observer(model)
+
+
+def test_a_snapshot_built_without_an_observer_gives_a_report() -> None:
+    from torchinstruments.config import ReportConfig, TrackConfig
+    from torchinstruments.distributed import RankInfo
+    from torchinstruments.sampling import SampleForwards
+    from torchinstruments.track import SeriesTracker
+
+    track = TrackConfig()
+    snapshot = RunSnapshot(
+        names=("", "0"),
+        series={},
+        histograms={},
+        loss_scale=SeriesTracker(track, log_scale=True, noise_floor=0.02),
+        sample_forwards=SampleForwards(),
+        counters=Counters(forwards_seen=7, eval_forwards_skipped=2, errors_total=1),
+        sentinel_events=(),
+        errors=(),
+        skipped_tensors={"integer": 3},
+        modules_called=frozenset(),
+        parents_adopted={},
+        modules_replaced=(),
+        root_forward_seen=True,
+        report_config=ReportConfig(),
+        track_config=track,
+        sampling={"policy": "every_n", "interval_forwards": 1},
+        capture_direct_forwards=False,
+        full_sentinel=False,
+        hook_parking="on",
+        rank_info=RankInfo(),
+        options={"rank_policy": "rank0"},
+        started_at=0.0,
+        telemetry_seconds=0.5,
+        forked_from_pid=None,
+        forwards_at_fork=0,
+    )
+    report = build_report(snapshot)
+    coverage = report["coverage"]
+    assert (coverage["forwards_seen"], coverage["samples_observed"]) == (7, 0)
+    assert (coverage["eval_forwards_skipped"], coverage["errors_total"]) == (2, 1)
+    assert coverage["tensors_skipped"] == {"integer": 3}
+    assert coverage["modules_selected"] == 2
+    assert report["config"]["sampling"] == {"policy": "every_n", "interval_forwards": 1}
+    assert report["run"]["forwards_seen"] == 7
+    assert report["run"]["telemetry_seconds"] == 0.5
+    assert report["run"]["hook_parking"] == "on"
+    assert report["findings"] == []
