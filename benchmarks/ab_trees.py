@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     cells.append(f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]")
                 cells += [f"{result['relative_to_first'][n]:.3f}" for n in list(trees)[1:]]
                 rows.append(cells)
+                # Each row as soon as it is measured (a long run stopped early keeps them).
+                print("  ".join(cells), file=sys.stderr, flush=True)
     print(overhead._table(header, rows))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
