@@ -34,11 +34,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import overhead
-from torchinstruments import inject_observer, remove_observer
+from torchinstruments import _calls, _context, inject_observer, remove_observer
 from torchinstruments import observer as observer_module
-from torchinstruments.observer import DEVICE_FLUSH_INTERVAL_FORWARDS
+from torchinstruments._context import DEVICE_FLUSH_INTERVAL_FORWARDS
 
 WORKLOADS = ("mlp", "cnn", "transformer", "residual_mlp")
+#: The observer's modules that hide its operators with ``capture.passive``.
+_PASSIVE_USERS = (_calls, _context, observer_module)
 
 
 class _OperatorCount(TorchDispatchMode):
@@ -62,9 +64,9 @@ def count(workload: overhead.Workload, observe: bool, steps: int, tmp: Path) -> 
         handle = inject_observer(pair.observed, output_dir=tmp, sampling=1)
         observer = handle._observer
         assert observer is not None
-        observer.device_path_types = frozenset({"cpu", "cuda"})
+        observer.buffer.device_path_types = frozenset({"cpu", "cuda"})
         # Flush as often as with CUDA statistics pending (the CPU cadence is longer).
-        observer.FLUSH_INTERVAL_FORWARDS = DEVICE_FLUSH_INTERVAL_FORWARDS
+        observer.context.FLUSH_INTERVAL_FORWARDS = DEVICE_FLUSH_INTERVAL_FORWARDS
     # Past warm-up (24 samples), whose end writes a report (one flush more) once.
     for i in range(24):
         x, y = pair.batches[i % overhead.BATCHES]
@@ -72,7 +74,10 @@ def count(workload: overhead.Workload, observe: bool, steps: int, tmp: Path) -> 
     mode = _OperatorCount()
     # The observer hides its own operators from dispatch modes (capture.passive: they
     # must not reach a user's mode); this count is of exactly those, so it lifts that.
-    with mock.patch.object(observer_module, "passive", contextlib.nullcontext), mode:
+    with contextlib.ExitStack() as lifted:
+        for module in _PASSIVE_USERS:
+            lifted.enter_context(mock.patch.object(module, "passive", contextlib.nullcontext))
+        lifted.enter_context(mode)
         for i in range(steps):
             x, y = pair.batches[i % overhead.BATCHES]
             overhead._train_step(pair.observed, pair.opt_observed, x, y)

@@ -571,7 +571,7 @@ def bench_hook_call(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     # The "parked" copy keeps the default.
     observer = handle._observer
     assert observer is not None
-    observer.hook_parking = "off: benchmark"
+    observer.parking.status = "off: benchmark"
     inject_observer(parked, output_dir=tmp / "hook-parked", sampling=_NeverSample())
     x = torch.randn(4, 4)
     models = {"plain": plain, "noop": noop, "observed": observed, "parked": parked}

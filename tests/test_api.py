@@ -237,15 +237,15 @@ def test_unwritable_output_dir_warns_once_counts_and_never_stops_training(tmp_pa
 
 
 def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch) -> None:
-    import torchinstruments.observer as observer_module
+    import torchinstruments._staging as staging_module
 
     def broken(tensor: object, **kwargs: object) -> list[float]:
         raise RuntimeError("reduction failed on purpose")
 
     # Small CPU tensors are reduced in batches at flushes, larger ones inside hooks.
-    monkeypatch.setattr(observer_module, "cpu_statistics_matrix_", broken)
-    monkeypatch.setattr(observer_module, "cpu_statistics_subsamples", broken)
-    monkeypatch.setattr(observer_module, "cpu_statistics_unchecked", broken)
+    monkeypatch.setattr(staging_module, "cpu_statistics_matrix_", broken)
+    monkeypatch.setattr(staging_module, "cpu_statistics_subsamples", broken)
+    monkeypatch.setattr(staging_module, "cpu_statistics_unchecked", broken)
     model = ResidualNet()
     twin = ResidualNet()
     twin.load_state_dict(model.state_dict())

@@ -1159,8 +1159,8 @@ def test_forwards_without_backward_leak_nothing(tmp_path: Path, mode: str | None
     assert all(ref() is None for ref in kept), "an output (and its graph) is kept alive"
     assert live("GradHook") == 0
     observer = handle._observer
-    staging = sum(1 + len(slab.rows) for slab in observer._slabs.values())
-    staging += observer._slab_scratch is not None
+    staging = sum(1 + len(slab.rows) for slab in observer.buffer.slabs.values())
+    staging += observer.buffer.slab_scratch is not None
     assert live_tensors() <= baseline + 2 + staging
     remove_observer(model)
 
@@ -1169,7 +1169,7 @@ def test_repeated_inject_and_remove_leaves_nothing_behind(tmp_path: Path) -> Non
     model, twin = pair(MLP)
     hooks, attributes = hook_counts(model), instance_attributes(model)
     scale = torch.amp.GradScaler.scale
-    exit_callbacks = live("_AtExit")
+    exit_callbacks = live("AtExit")
     data = batches(2)
     losses, twin_losses = [], []
     fit(model, data[:1])
@@ -1193,7 +1193,7 @@ def test_repeated_inject_and_remove_leaves_nothing_behind(tmp_path: Path) -> Non
     assert observer_of(model) is None
     gc.collect()
     assert all(ref() is None for ref in handles), "a removed observer is kept alive"
-    assert live("_AtExit") == exit_callbacks, "an interpreter-exit callback stays registered"
+    assert live("AtExit") == exit_callbacks, "an interpreter-exit callback stays registered"
     assert live_tensors() <= baseline + 2
 
 

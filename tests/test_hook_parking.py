@@ -161,7 +161,7 @@ def test_a_policy_that_raises_with_hooks_parked_counts_an_unsampled_forward(
     policy = RaisesOnForward(fail_on)
     handle = inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=policy)
     assert handle._observer is not None
-    handle._observer.ROOT_SENTINEL_INTERVAL = 1  # the root sentinel on every forward
+    handle._observer.context.ROOT_SENTINEL_INTERVAL = 1  # the root sentinel on every forward
     losses = train(model, 7)
     remove_observer(model)
     assert losses == train(twin, 7)
@@ -496,12 +496,12 @@ def test_a_root_that_starts_calling_itself_stops_open_ended_forwards(
     observer = handle._observer
     assert observer is not None
     losses = train(model, 12)
-    assert observer._open_ended and not observer._open_ended_off
-    assert observer._quiet_until > observer.forwards_seen  # forward 12 is quiet
+    assert observer.context._open_ended and not observer.parking.root_post_off
+    assert observer.context._quiet_until > observer.context.forwards_seen  # forward 12 is quiet
     model.recurse = True
     losses += train(model, 20, seed=1)
-    assert observer._open_ended_off == "root module calls itself"
-    assert not observer._open_ended
+    assert observer.parking.root_post_off == "root module calls itself"
+    assert not observer.context._open_ended
     remove_observer(model)
     twin_losses = train(twin, 12)
     twin.recurse = True

@@ -57,7 +57,7 @@ def inject(model: nn.Module, directory: Path, accelerator: bool, **options: Any)
     if accelerator:
         observer = handle._observer
         assert observer is not None
-        observer.device_path_types = frozenset({"cpu"})
+        observer.buffer.device_path_types = frozenset({"cpu"})
 
 
 ACCELERATOR = pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
@@ -460,13 +460,13 @@ def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
     handle = inject_observer(model, output_dir=tmp_path, sampling=100)
     observer = handle._observer
     assert observer is not None
-    observer.device_path_types = frozenset({"cpu"})
+    observer.buffer.device_path_types = frozenset({"cpu"})
     generator = torch.Generator().manual_seed(0)
     for index in range(20):
         model.gate.divisor.fill_(0.0 if index == 7 else 1.0)
         model(torch.randn(4, 4, generator=generator)).sum().backward()
         if index == 7:
-            assert observer._quiet_sentinel == 8  # planned at the end of forward 7
+            assert observer.context._quiet_sentinel == 8  # planned at the end of forward 7
             handle.flush()
     model.gate.divisor.fill_(1.0)
     remove_observer(model)
@@ -478,7 +478,8 @@ def test_a_hit_read_at_a_flush_between_quiet_forwards_forces_the_next_samples(
 
 @pytest.mark.parametrize("interval", [1, 3, 8, 16])
 def test_the_next_root_sentinel_forward_is_the_first_one_checked(interval: int) -> None:
-    from torchinstruments.observer import _next_root_sentinel, _root_sentinel_due
+    from torchinstruments._sentinel import next_root_sentinel as _next_root_sentinel
+    from torchinstruments._sentinel import root_sentinel_due as _root_sentinel_due
 
     checked = [f for f in range(600) if _root_sentinel_due(f, interval)]
     for start in range(checked[-1] + 1):

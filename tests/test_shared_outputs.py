@@ -36,13 +36,13 @@ def train(model: nn.Module, tmp_path: Path, **options: Any) -> tuple[Observer, l
     observer = handle._observer
     assert observer is not None
     measured: list[Any] = []
-    original = observer._measure
+    original = observer.buffer.measure
 
     def spy(key: Any, sample: int, position: int, tensor: Tensor) -> None:
         measured.append((key, sample))
         original(key, sample, position, tensor)
 
-    observer._measure = spy  # type: ignore[method-assign]
+    observer.buffer.measure = spy  # type: ignore[method-assign]
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randn(8, 4, generator=generator)
@@ -53,7 +53,7 @@ def train(model: nn.Module, tmp_path: Path, **options: Any) -> tuple[Observer, l
 
 def latest(observer: Observer, name: str, signal: str, metric: str = "rms") -> float:
     index = observer.names.index(name)
-    tracker = observer.series[(index, 0, signal, "output")].trackers[metric]
+    tracker = observer.store.series[(index, 0, signal, "output")].trackers[metric]
     assert tracker.latest is not None and tracker.count == 3
     return tracker.latest.value
 
@@ -74,7 +74,7 @@ def test_the_root_and_a_container_share_their_last_childs_rows(tmp_path: Path) -
             assert latest(observer, "", signal, metric) == value
     # Each keeps its own forward position (the root closes last).
     positions = {
-        name: observer.series[(observer.names.index(name), 0, ACTIVATION, "output")]
+        name: observer.store.series[(observer.names.index(name), 0, ACTIVATION, "output")]
         for name in ("0.2", "0", "")
     }
     assert (
@@ -84,7 +84,7 @@ def test_the_root_and_a_container_share_their_last_childs_rows(tmp_path: Path) -
     )
     # The root's gradient net of itself is 1 for the shared tensor too.
     index = observer.names.index("0.2")
-    ratio = observer.series[(index, 0, GRAD_OUTPUT, "output")].trackers["rms_to_root"]
+    ratio = observer.store.series[(index, 0, GRAD_OUTPUT, "output")].trackers["rms_to_root"]
     assert ratio.latest is not None and ratio.latest.value == pytest.approx(1.0)
     remove_observer(model)
 
@@ -108,7 +108,7 @@ def test_no_module_output_is_kept_after_its_forward(tmp_path: Path) -> None:
     observer = handle._observer
     assert observer is not None
     model(torch.randn(2, 4)).sum().backward()
-    assert observer._sample_outputs == {}
+    assert observer.context.sample_outputs == {}
     remove_observer(model)
 
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from torchinstruments import ReportConfig, inject_observer, remove_observer
-from torchinstruments.observer import STAGE_MAX_ELEMENTS, STAGE_MAX_NUMEL
+from torchinstruments._staging import STAGE_MAX_ELEMENTS, STAGE_MAX_NUMEL
 
 from .conftest import read_report
 
@@ -146,7 +146,7 @@ def test_accelerator_batches_give_the_cpu_values(tmp_path: Path) -> None:
         handle = inject_observer(model, output_dir=tmp_path / name, sampling=1, report_config=WIDE)
         observer = handle._observer
         assert observer is not None
-        observer.device_path_types = device_types
+        observer.buffer.device_path_types = device_types
         for x, y in data:
             nn.functional.cross_entropy(model(x), y).backward()
         remove_observer(model)
@@ -193,8 +193,8 @@ def test_more_lengths_than_staging_slabs_keep_exact_values(tmp_path: Path) -> No
         model(inputs).backward()
         observer = handle._observer
         assert observer is not None
-        assert observer._slab_elements <= STAGE_MAX_ELEMENTS
-    assert 0 < len(observer._slabs) < len(lengths)
+        assert observer.buffer.slab_elements <= STAGE_MAX_ELEMENTS
+    assert 0 < len(observer.buffer.slabs) < len(lengths)
     remove_observer(model)
     report = read_report(tmp_path)
     for module, truth in expected.items():

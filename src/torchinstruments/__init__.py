@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         TensorBoardSink,
     )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "ConfigError",

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
 from ._jsonio import one_line, read_json_object
+from ._version import __version__
 from .compare import (
     COMPARISON_INDEX_NAME,
     COMPARISON_SCHEMA,

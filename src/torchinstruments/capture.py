@@ -1,8 +1,9 @@
 """Capture: hook objects and the walk over module outputs.
 
-Hooks are small callable objects that hold only a weak reference to their observer, so a
-model never keeps a detached observer alive. Each returns ``None`` (outputs are never
-replaced) and never raises: the observer catches and counts its own errors.
+Hooks are small callable objects that hold only a weak reference to their observer's
+forward context (``_context.py``), so a model never keeps a detached observer alive.
+Each returns ``None`` (outputs are never replaced) and never raises: the observer
+catches and counts its own errors.
 
 Copying a model that carries hooks (``copy.deepcopy`` for EMA models, ``pickle``,
 ``torch.save``) copies the hook dictionaries too; our hooks then copy as inert
@@ -28,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ._state import SKIP
+
 if TYPE_CHECKING:
-    from .observer import Observer
+    from ._context import ForwardContext
 
 __all__ = ["compiled_frames", "in_backward", "iter_output_tensors", "passive"]
 
@@ -224,7 +227,7 @@ def in_backward() -> bool:
 def iter_output_tensors(output: object, prefix: str = "output") -> Iterator[tuple[str, object]]:
     """Yield ``(tensor_path, leaf)`` for every tensor-like leaf of a module output.
 
-    Paths follow DESIGN.md: ``output``, ``output[0]``, ``output['logits']`` (dicts),
+    Paths as in docs/report.md: ``output``, ``output[0]``, ``output['logits']`` (dicts),
     ``output.last_hidden_state`` (namedtuples, dataclasses and attribute-style mappings
     such as Hugging Face ``ModelOutput``). ``None`` and non-tensor leaves are skipped;
     tensor leaves are yielded whatever their dtype, for the caller to reduce or count.
@@ -341,7 +344,7 @@ class _HookBase:
 
     __slots__ = ("_observer",)
 
-    def __init__(self, observer: Observer) -> None:
+    def __init__(self, observer: ForwardContext) -> None:
         self._observer = weakref.ref(observer)
         watch_for_compiler()
 
@@ -392,7 +395,7 @@ class RootPostHook(_HookBase):
 
     __slots__ = ("_index",)
 
-    def __init__(self, observer: Observer, index: int) -> None:
+    def __init__(self, observer: ForwardContext, index: int) -> None:
         super().__init__(observer)
         self._index = index
 
@@ -429,14 +432,14 @@ class ForwardHook(_HookBase):
 
     __slots__ = ("_index",)
 
-    def __init__(self, observer: Observer, index: int) -> None:
+    def __init__(self, observer: ForwardContext, index: int) -> None:
         super().__init__(observer)
         self._index = index
 
     @_opaque_to_compiler
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         observer = self._observer()
-        if observer is None or observer.state == 0:  # 0 == Observer.SKIP: the fast path
+        if observer is None or observer.state is SKIP:  # the fast path
             return
         observer.on_forward(self._index, args, output)
 
@@ -449,7 +452,7 @@ class GradHook:
 
     __slots__ = ("_key", "_observer", "_sample", "handle")
 
-    def __init__(self, observer: Observer, key: tuple[int, int, str], sample: int) -> None:
+    def __init__(self, observer: ForwardContext, key: tuple[int, int, str], sample: int) -> None:
         self._observer = weakref.ref(observer)
         self._key = key
         self._sample = sample
@@ -479,7 +482,7 @@ class NodeGradHook:
     __slots__ = ("_key", "_observer", "_output_nr", "_sample")
 
     def __init__(
-        self, observer: Observer, key: tuple[int, int, str], sample: int, output_nr: int
+        self, observer: ForwardContext, key: tuple[int, int, str], sample: int, output_nr: int
     ) -> None:
         self._observer = weakref.ref(observer)
         self._key = key
@@ -500,22 +503,22 @@ class NodeGradHook:
 # module's forward); hooks are opaque at their own ``__call__``, and the observer's
 # methods they reach are plain (a nested opaque wrapper costs about 0.3 us a call).
 @_opaque_to_compiler
-def _wrapper_enter(observer: Observer, module: nn.Module) -> None:
+def _wrapper_enter(observer: ForwardContext, module: nn.Module) -> None:
     observer.enter_root(module)
 
 
 @_opaque_to_compiler
 def _wrapper_leave(
-    observer: Observer, index: int, args: tuple[object, ...], output: object
+    observer: ForwardContext, index: int, args: tuple[object, ...], output: object
 ) -> None:
     observer.leave_root(index, args, output)
 
 
 @_opaque_to_compiler
 def _wrapper_forward(
-    observer: Observer, index: int, args: tuple[object, ...], output: object
+    observer: ForwardContext, index: int, args: tuple[object, ...], output: object
 ) -> None:
-    if observer.state != 0:  # 0 == Observer.SKIP
+    if observer.state is not SKIP:
         observer.on_forward(index, args, output)
 
 
@@ -531,7 +534,7 @@ class ForwardWrapper:
 
     def __init__(
         self,
-        observer: Observer,
+        observer: ForwardContext,
         module: nn.Module,
         original: Callable[..., object],
         index: int,

@@ -38,7 +38,7 @@ from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, RMS_TO_ROOT, forward_positio
 from .track import SeriesPoint, bounded_exp
 
 if TYPE_CHECKING:
-    from .observer import Observer
+    from ._snapshot import RunSnapshot
 
 __all__ = [
     "DETAILS_SCHEMA",
@@ -149,7 +149,7 @@ def _point(point: SeriesPoint | None) -> dict[str, float | int]:
 CROSS_SECTION_NEIGHBOURS = 3
 
 
-def _cross_section(c: Candidate, observer: Observer) -> list[dict[str, Any]] | None:
+def _cross_section(c: Candidate, observer: RunSnapshot) -> list[dict[str, Any]] | None:
     """At the finding's change, the module and its neighbours in forward order (same
     signal, call, metric and tensor path kind): each value against its own trend
     forecast, as ``before`` (forecast), ``after`` (observed), their ``ratio`` (log-scale
@@ -196,7 +196,7 @@ def _cross_section(c: Candidate, observer: Observer) -> list[dict[str, Any]] | N
     return rows
 
 
-def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> dict[str, Any]:
+def _finding(c: Candidate, rank: int, max_echoes: int, observer: RunSnapshot) -> dict[str, Any]:
     s, t = c.series, c.tracker
     rule = RULES[c.category]
     evidence = {k: v for k, v in c.evidence.items() if v is not None}
@@ -271,7 +271,7 @@ def _finding(c: Candidate, rank: int, max_echoes: int, observer: Observer) -> di
 MODEL_WIDE_FACTOR = 4.0
 
 
-def _model_wide_findings(observer: Observer) -> list[dict[str, Any]]:
+def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
     """``<model>`` findings: what rescaled every output gradient at once.
 
     Two sources: the ``torch.amp.GradScaler`` loss scale, known exactly and divided out
@@ -389,7 +389,7 @@ def _model_wide_header() -> dict[str, Any]:
     }
 
 
-def _module_count(observer: Observer) -> int:
+def _module_count(observer: RunSnapshot) -> int:
     return len({s.module for s in observer.series.values()})
 
 
@@ -397,7 +397,7 @@ def _module_count(observer: Observer) -> int:
 MAX_MODULES_NOT_OBSERVED = 16
 
 
-def _modules_not_observed(observer: Observer) -> list[str]:
+def _modules_not_observed(observer: RunSnapshot) -> list[str]:
     """Selected modules without a series, in forward-selection order (at most
     ``MAX_MODULES_NOT_OBSERVED``): never called in a sampled training forward (for
     example a projection whose weights a parent uses through functional code, like
@@ -407,11 +407,11 @@ def _modules_not_observed(observer: Observer) -> list[str]:
     return missing[:MAX_MODULES_NOT_OBSERVED]
 
 
-def _modules_never_ran(observer: Observer) -> list[str]:
+def _modules_never_ran(observer: RunSnapshot) -> list[str]:
     """Selected modules whose forward hook never fired in a sampled forward (a child
     whose parent uses its weights functionally, a branch never taken), at most
     ``MAX_MODULES_NOT_OBSERVED``; empty before the first sample."""
-    if not observer.samples_observed:
+    if not observer.counters.samples_observed:
         return []
     called = observer.modules_called
     names = [display_module(name) for i, name in enumerate(observer.names) if i and i not in called]
@@ -419,7 +419,7 @@ def _modules_never_ran(observer: Observer) -> list[str]:
 
 
 def _limits_hit(
-    observer: Observer, omitted_bytes: int, omitted_top_k: int, replaced: Sequence[str] = ()
+    observer: RunSnapshot, omitted_bytes: int, omitted_top_k: int, replaced: Sequence[str] = ()
 ) -> list[str]:
     limits = []
     if replaced:
@@ -428,17 +428,17 @@ def _limits_hit(
         limits.append("max_bytes")
     if omitted_top_k:
         limits.append("top_k_per_category")
-    if observer.series_dropped:
+    if observer.counters.series_dropped:
         limits.append("max_series")
-    if observer.paths_dropped:
+    if observer.counters.paths_dropped:
         limits.append("max_tensors_per_output")
     if len(observer.errors) > observer.report_config.max_error_entries:
         limits.append("max_error_entries")
     return limits
 
 
-def build_report(observer: Observer) -> dict[str, Any]:
-    """Build the bounded report of an observer (call after flushing statistics).
+def build_report(observer: RunSnapshot) -> dict[str, Any]:
+    """Build the bounded report from an observer's snapshot (taken after a flush).
 
     Returns:
         A JSON-safe dict whose :func:`dumps_report` bytes are at most
@@ -447,7 +447,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
     config = observer.report_config
     ranked = run_rules(
         observer.series.values(),
-        loss_scaled=observer.loss_scale.count > 0,
+        loss_scaled=observer.counters.loss_scaled_samples > 0,
         nonfinite_between_samples=_sentinel_hits(observer),
     )
     per_category: dict[str, list[dict[str, Any]]] = {}
@@ -495,7 +495,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
         )
         order.extend(finding for _, finding in round_items)
     first_non_finite = _first_non_finite(ranked["non_finite"], observer)
-    replaced = [display_module(name) for name in observer.modules_replaced()]
+    replaced = [display_module(name) for name in observer.modules_replaced]
     never_ran = _modules_never_ran(observer)
 
     def assemble(kept: int) -> dict[str, Any]:
@@ -544,28 +544,30 @@ def build_report(observer: Observer) -> dict[str, Any]:
                     "series": sum(len(s.trackers) for s in observer.series.values()),
                     "histograms": len(observer.histograms),
                     "histogram_summary": _histogram_summary(observer),
-                    "forwards_seen": observer.forwards_seen,
-                    "samples_observed": observer.samples_observed,
-                    "backward_samples_observed": observer.backward_samples_observed,
-                    "eval_forwards_skipped": observer.eval_forwards_skipped,
-                    "recompute_calls_ignored": observer.recompute_calls,
-                    "direct_call_samples": observer.implicit_samples,
-                    "calls_outside_root_skipped": observer.calls_outside_root,
-                    "repeated_backward_gradients": observer.repeated_gradients,
-                    "backward_gradients_summed": observer.gradients_summed,
-                    "backward_gradients_not_summed": observer.gradients_not_summed,
-                    "loss_scaled_samples": observer.loss_scale.count,
-                    "sentinel_checks": observer.sentinel_checks,
-                    "sentinel_nonfinite_forwards": observer.sentinel_nonfinite_forwards,
+                    "forwards_seen": observer.counters.forwards_seen,
+                    "samples_observed": observer.counters.samples_observed,
+                    "backward_samples_observed": observer.counters.backward_samples_observed,
+                    "eval_forwards_skipped": observer.counters.eval_forwards_skipped,
+                    "recompute_calls_ignored": observer.counters.recompute_calls_ignored,
+                    "direct_call_samples": observer.counters.direct_call_samples,
+                    "calls_outside_root_skipped": observer.counters.calls_outside_root_skipped,
+                    "repeated_backward_gradients": observer.counters.repeated_backward_gradients,
+                    "backward_gradients_summed": observer.counters.backward_gradients_summed,
+                    "backward_gradients_not_summed": (
+                        observer.counters.backward_gradients_not_summed
+                    ),
+                    "loss_scaled_samples": observer.counters.loss_scaled_samples,
+                    "sentinel_checks": observer.counters.sentinel_checks,
+                    "sentinel_nonfinite_forwards": observer.counters.sentinel_nonfinite_forwards,
                     "tensors_skipped": dict(sorted(observer.skipped_tensors.items())),
-                    "series_dropped": observer.series_dropped,
-                    "series_summary_omitted": observer.series_summary_omitted,
-                    "paths_dropped": observer.paths_dropped,
+                    "series_dropped": observer.counters.series_dropped,
+                    "series_summary_omitted": observer.counters.series_summary_omitted,
+                    "paths_dropped": observer.counters.paths_dropped,
                     "candidates": candidate_counts,
                     "notable": notable_counts,
                     "findings_returned": returned,
                     "findings_omitted": omitted,
-                    "errors_total": observer.error_count,
+                    "errors_total": observer.counters.errors_total,
                     "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k, replaced),
                 },
                 "findings": findings,
@@ -614,7 +616,7 @@ def _fit_sections(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
     return report
 
 
-def _sentinel_hits(observer: Observer) -> tuple[NonFiniteBetweenSamples, ...]:
+def _sentinel_hits(observer: RunSnapshot) -> tuple[NonFiniteBetweenSamples, ...]:
     """The non-finite values the sentinels saw between samples (the kept ones), in the
     order of their training forwards."""
     source = "full_sentinel" if observer.full_sentinel else "root_sentinel"
@@ -633,7 +635,7 @@ def _sentinel_hits(observer: Observer) -> tuple[NonFiniteBetweenSamples, ...]:
 
 
 def _first_non_finite(
-    candidates: Sequence[Candidate], observer: Observer
+    candidates: Sequence[Candidate], observer: RunSnapshot
 ) -> dict[str, object] | None:
     """Where non-finite values first appeared: in a sampled forward (exact sample,
     module, tensor path) or, earlier, caught by the sentinel between samples."""
@@ -669,17 +671,17 @@ def _first_non_finite(
         "call_index": event["call_index"],
         "signal": "activation",
         "tensor_path": event["tensor_path"],
-        "nonfinite_forwards_between_samples": observer.sentinel_nonfinite_forwards,
+        "nonfinite_forwards_between_samples": observer.counters.sentinel_nonfinite_forwards,
     }
     if sampled is None:
         return sentinel
     return {**sampled, "earlier_between_samples": sentinel}
 
 
-def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observer) -> str:
+def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: RunSnapshot) -> str:
     if not observer.root_forward_seen:
         return (
-            f"No training forward was observed ({observer.eval_forwards_skipped} forwards "
+            f"No training forward was observed ({observer.counters.eval_forwards_skipped} forwards "
             "skipped as evaluation: eval mode, no_grad, inference_mode or inside a "
             "torch.func transform), so there is "
             "nothing to report. Train in model.train() mode with gradients enabled."
@@ -689,7 +691,8 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observ
             event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
             return (
                 f"Non-finite values were seen between samples "
-                f"({observer.sentinel_nonfinite_forwards} training forward(s), the first at "
+                f"({observer.counters.sentinel_nonfinite_forwards} training forward(s), "
+                f"the first at "
                 f"forward {event['forward_index']}, in `{display_module(str(event['module']))}`) "
                 "but in no sampled forward; every ranked series stays within its noise floor."
             )
@@ -710,8 +713,8 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: Observ
     )
 
 
-def _run_section(observer: Observer) -> dict[str, Any]:
-    from . import __version__
+def _run_section(observer: RunSnapshot) -> dict[str, Any]:
+    from ._version import __version__
 
     info = observer.rank_info
     return {
@@ -719,8 +722,8 @@ def _run_section(observer: Observer) -> dict[str, Any]:
         "world_size": info.world_size,
         "local_rank": info.local_rank,
         "rank_source": info.source,
-        "samples_seen": observer.samples_observed,
-        "forwards_seen": observer.forwards_seen,
+        "samples_seen": observer.counters.samples_observed,
+        "forwards_seen": observer.counters.forwards_seen,
         "started_at": datetime.fromtimestamp(observer.started_at, UTC).isoformat(
             timespec="seconds"
         ),
@@ -743,7 +746,7 @@ def _run_section(observer: Observer) -> dict[str, Any]:
     }
 
 
-def _hook_parking(observer: Observer) -> str:
+def _hook_parking(observer: RunSnapshot) -> str:
     if observer.hook_parking == "on" and compiled_frames() != 0:
         return "off: torch.compile in use"  # parking would stop at the next try
     return observer.hook_parking
@@ -785,16 +788,11 @@ def _bounded_config(value: object, depth: int = 0) -> Any:
     return bounded_text(str(value), MAX_CONFIG_TEXT)
 
 
-def _config_section(observer: Observer) -> dict[str, Any]:
+def _config_section(observer: RunSnapshot) -> dict[str, Any]:
     """The settings of the run, bounded (see :func:`_bounded_config`)."""
-    try:
-        sampling: object = observer.policy.describe()
-    except Exception as error:  # a user policy's method
-        observer.record_error("policy.describe", "", error)
-        sampling = {"policy": type(observer.policy).__name__, "describe": "raised"}
     return _bounded_config(
         {
-            "sampling": sampling,
+            "sampling": observer.sampling,
             "report": dataclasses.asdict(observer.report_config),
             "track": dataclasses.asdict(observer.track_config),
             "capture_direct_forwards": observer.capture_direct_forwards,
@@ -807,7 +805,7 @@ def _config_section(observer: Observer) -> dict[str, Any]:
 MAX_HISTOGRAMS_IN_REPORT = 16
 
 
-def _histogram_summary(observer: Observer) -> list[dict[str, Any]]:
+def _histogram_summary(observer: RunSnapshot) -> list[dict[str, Any]]:
     """A bounded summary: the histograms with the largest out-of-range fraction."""
     entries = []
     for (index, call, signal, path, number), histogram in observer.histograms.items():
@@ -841,8 +839,8 @@ def _histogram_summary(observer: Observer) -> list[dict[str, Any]]:
     return [entry[-1] for entry in entries[:MAX_HISTOGRAMS_IN_REPORT]]
 
 
-def _errors_section(observer: Observer) -> list[dict[str, Any]]:
-    entries = sorted(observer.errors.values(), key=lambda e: (-e.count, e.stage, e.module))
+def _errors_section(observer: RunSnapshot) -> list[dict[str, Any]]:
+    entries = sorted(observer.errors, key=lambda e: (-e.count, e.stage, e.module))
     return [
         {
             "stage": e.stage,
@@ -1147,7 +1145,7 @@ def _tracker_state(tracker: Any) -> dict[str, Any]:
     }
 
 
-def build_details(observer: Observer) -> dict[str, Any]:
+def build_details(observer: RunSnapshot) -> dict[str, Any]:
     """Every live series with its full tracker state, for local debugging.
 
     Unbounded: its size grows with the number of series (about 2 kB per series and
@@ -1222,7 +1220,7 @@ def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[
     }
 
 
-def build_series_summary(observer: Observer, max_bytes: int) -> dict[str, Any]:
+def build_series_summary(observer: RunSnapshot, max_bytes: int) -> dict[str, Any]:
     """A compact per-series summary that two runs can be compared on (``series.json``).
 
     For each series of :data:`SUMMARY_METRICS`: its values at the sample indices of its

@@ -1,7 +1,7 @@
 """Series bookkeeping: one :class:`TensorSeries` per (module, call, signal, tensor path).
 
 A tensor series owns one :class:`~torchinstruments.track.SeriesTracker` per metric; the
-(module, call index, signal, tensor path, metric) tuple is what DESIGN.md calls a series.
+(module, call index, signal, tensor path, metric) tuple is what docs/report.md calls a series.
 """
 
 from __future__ import annotations

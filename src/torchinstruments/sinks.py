@@ -40,7 +40,7 @@ class Sink(Protocol):
     """Receives finished reports. ``close`` must tolerate a second call."""
 
     def write(self, report: dict[str, Any]) -> None:
-        """Take one report (a JSON-safe dict, see DESIGN.md's report contract)."""
+        """Take one report (a JSON-safe dict, see docs/report.md)."""
         ...
 
     def flush(self) -> None:

@@ -1,0 +1,591 @@
+"""The forward context: the root-forward state machine that the hooks call.
+
+    RootPreHook  -> ForwardContext.enter_root   decide once: sampled, sentinel, skipped
+    ForwardHook  -> context.state is SKIP ?     return at once (the unsampled fast path)
+                 -> ForwardContext.on_forward   -> CallCapture (``_calls.py``)
+    GradHook     -> ForwardContext.on_grad      -> CallCapture
+    RootPostHook -> ForwardContext.leave_root   observe the root output, close
+
+Its whole state is declared in :class:`~._state.ForwardState` (``_state.py``): the
+:class:`~._state.Phase` in ``state`` and the fields that decide what the next forward
+does; the context adds only its settings and collaborators. It also decides
+when a flush or a report write falls due (one check per forward) and asks the observer
+to do it. See ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from ._parking import root_calls_on_stack
+from ._records import ROOT_INDEX
+from ._sentinel import ROOT_SENTINEL_INTERVAL, next_root_sentinel, root_sentinel_due
+from ._staging import MAX_PENDING_RECORDS
+from ._state import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP, ForwardState
+from .capture import _graph_task_id, compiled_frames, in_backward, passive
+
+if TYPE_CHECKING:
+    from ._calls import CallCapture
+    from ._error_log import ErrorLog
+    from ._parking import HookParking
+    from ._sentinel import Sentinel
+    from ._staging import StatisticsBuffer
+    from ._store import SeriesStore
+    from .observer import Observer
+    from .sampling import SampleForwards, SamplingPolicy
+
+__all__ = ["ForwardContext"]
+
+#: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
+#: forwards than this before one backward loses loss-scale and repeat tracking).
+MAX_SAMPLES_AWAITING_BACKWARD = 256
+#: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
+#: are read at a flush, so a non-finite hit forces samples at most this much later.
+DEVICE_FLUSH_INTERVAL_FORWARDS = 32
+#: torch.jit.is_tracing without its Python wrapper (called once per root forward).
+_is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
+#: Grad-mode and inference-mode checks, bound once (called once per root forward).
+_grad_enabled = torch.is_grad_enabled
+_monotonic = time.monotonic
+_inference_mode_enabled = torch.is_inference_mode_enabled
+_getframe = sys._getframe
+#: The innermost torch.func transform being run (None outside any): a root forward run
+#: inside one (per-sample gradients through ``vmap(grad(...))``) has only wrapped
+#: tensors, which cannot be measured, so it is skipped like an eval forward.
+transform_level: Callable[[], object] = getattr(
+    getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
+)
+
+
+class ForwardContext(ForwardState):
+    """Where one observer stands in the training loop; the object its hooks call.
+
+    Shared across threads on purpose: worker threads inside a root forward belong to
+    that forward. Built by the :class:`~torchinstruments.observer.Observer`, which it
+    refers to weakly (to flush, write and adopt parents when those fall due).
+    """
+
+    #: Forwards sampled after a sentinel saw a non-finite value, to localise a recurrence.
+    FORCED_SAMPLES_AFTER_NONFINITE = 8
+    #: One training forward in this many has its root output checked when it is not
+    #: sampled (see ``_sentinel.ROOT_SENTINEL_INTERVAL``, where the schedule is).
+    ROOT_SENTINEL_INTERVAL = ROOT_SENTINEL_INTERVAL
+    #: Pending statistics are flushed (reduced in batches, moved to the host, tracked)
+    #: at training forwards whose count is a multiple of this (of
+    #: ``DEVICE_FLUSH_INTERVAL_FORWARDS`` while CUDA work is pending): fewer, larger
+    #: flushes cost less (benchmarks/README.md has the measurements). The staged copies
+    #: waiting meanwhile are bounded (16 MiB).
+    FLUSH_INTERVAL_FORWARDS = 128
+
+    def __init__(
+        self,
+        *,
+        owner: Observer,
+        modules: list[weakref.ref[nn.Module]],
+        policy: SamplingPolicy,
+        warmup_samples: int,
+        rewrite_interval_s: float,
+        full_sentinel: bool,
+        capture_direct_forwards: bool,
+        prompt_sinks: bool,
+        sample_forwards: SampleForwards,
+        buffer: StatisticsBuffer,
+        store: SeriesStore,
+        errors: ErrorLog,
+        parking: HookParking,
+        sentinel: Sentinel,
+        capture: CallCapture,
+    ) -> None:
+        self._owner = weakref.ref(owner)
+        #: Weak references to the observed modules, by index (the observer's list).
+        self.modules = modules
+        self.policy = policy
+        self._next_sampled = _lookahead(policy)
+        self._warmup_samples = warmup_samples
+        self.full_sentinel = full_sentinel
+        self.capture_direct_forwards = capture_direct_forwards
+        #: A sink wants every sample by the start of the next training forward.
+        self.prompt_sinks = prompt_sinks
+        self.buffer = buffer
+        self.store = store
+        self.errors = errors
+        self.parking = parking
+        self.sentinel = sentinel
+        self.capture = capture
+        #: How often the report is rewritten, in seconds.
+        self.rewrite_interval_s = rewrite_interval_s
+        #: The training forward of each sample (runs of arithmetic progressions).
+        self.sample_forwards = sample_forwards
+        super().__init__()
+
+    # ------------------------------------------------------------------ entry points
+    def on_forward(self, index: int, args: tuple[object, ...], output: object) -> None:
+        """A selected module returned ``output`` (only called when not in SKIP state)."""
+        self.capture.on_forward(self, index, args, output)
+
+    def on_grad(self, key: tuple[int, int, str], sample: int, grad: Tensor) -> None:
+        """An output gradient arrived for a sampled tensor."""
+        self.capture.on_grad(self, key, sample, grad)
+
+    def enter_root(self, module: nn.Module) -> None:
+        """Open a root forward: decide once whether it is sampled."""
+        index = self.forwards_seen
+        parking = self.parking
+        try:
+            quiet = (
+                (index < self._quiet_until or index == self._quiet_sentinel)
+                and _training_context(module)
+                and compiled_frames() == parking.frames_at_park
+                and (  # not called by the root's own forward (see _nested_root_call)
+                    (caller := _getframe(parking.caller_depth)).f_code
+                    is not parking.root_forward_code
+                    or caller.f_locals.get("self") is not module
+                )
+            )
+        except ValueError:  # fewer frames than that: the root's caller is not Python code
+            quiet = False
+        if quiet:
+            # A quiet forward: the previous training forward was left open-ended (see
+            # close_open_ended) and this one is known, since then, to be unsampled and
+            # to have no flush due. Closing the previous forward and opening this one
+            # would leave every field as it is but the count.
+            self.forwards_seen = index + 1
+            if index == self._quiet_sentinel:
+                # It has the root sentinel: the post-hook comes back to read the output,
+                # and the forward is open on the stack as any other.
+                self._quiet_until = 0
+                self._quiet_sentinel = -1
+                self._open_ended = False
+                parking.restore_root_post()
+                self._state_stack.append(IDLE)
+                if _monotonic() - self.last_write >= self.rewrite_interval_s:
+                    self._write()
+            return
+        self._quiet_until = 0
+        self._quiet_sentinel = -1
+        if self._open_ended:
+            if self._nested_root_call(module):
+                # The root's forward calls the root: part of the open-ended forward, as
+                # in any other forward. Forwards are no longer left open-ended.
+                parking.root_post_off = "root module calls itself"
+                return
+            self.close_open_ended()
+        stack = self._state_stack
+        stack.append(self.state)
+        decision: bool | None = None
+        if (
+            parking.parked
+            and len(stack) == 1
+            and not self._forced_samples
+            and not self.full_sentinel
+            and _training_context(module)
+            and compiled_frames() == parking.frames_at_park
+        ):
+            # The steady state: a top-level training forward while the submodule hooks
+            # are parked. Unsampled, it only counts the forward (no further calls): the
+            # state _open_training_forward leaves, set here with fewer calls (this runs
+            # on nearly every forward, inside a step whose kernels have evicted this code
+            # from the caches, where every call costs).
+            try:
+                index = self.forwards_seen
+                decision = bool(self.policy.should_sample(index))
+                if not decision:
+                    self.forwards_seen = index + 1
+                    self._no_grad_training_forwards = 0
+                    self._reset_forward_state()
+                    self.sample_open = False
+                    self._unsampled_training = True
+                    self.state = SKIP
+                    if root_sentinel_due(index, self.ROOT_SENTINEL_INTERVAL):
+                        parking.restore_root_post()  # the sentinel reads the root output
+                    elif parking.root_post_parked or parking.park_root_post():
+                        stack.pop()
+                        self._open_ended = True
+                        self._plan_quiet_forwards()
+                    buffer = self.buffer
+                    if buffer.pending or buffer.staged or buffer.slab_records:
+                        self.maybe_flush()
+                    elif _monotonic() - self.last_write >= self.rewrite_interval_s:
+                        self._write()
+                    return
+            except Exception as error:  # never break training (as open_sample would)
+                self.forwards_seen = index + 1  # once, whether or not it was counted
+                self._no_grad_training_forwards = 0
+                self._reset_forward_state()
+                self.state = SKIP
+                self.errors.record("enter_root", "", error)
+                return
+        if parking.root_post_parked:
+            parking.restore_root_post()
+        if not self.attached:
+            self.state = SKIP
+            return
+        if len(stack) > 1 and not self.capture_direct_forwards:
+            self._drop_unclosed_forwards(module)
+        try:
+            parkable = self._open_root(module, decision)
+            if parkable is None:
+                return  # the root calling itself: the same forward
+            if parking.parked:
+                # Hooks stay parked across unsampled forwards; back for a forward that
+                # needs them, or once torch.compile appears (between forwards, or
+                # compiling this very call up to this hook).
+                if not parkable or compiled_frames() != parking.frames_at_park:
+                    parking.restore(reset=False)
+            elif parkable and parking.status == "on":
+                parking.park(reentrant_pending=any(self.no_grad_calls.values()))
+        except Exception as error:  # never break training
+            self.state = SKIP
+            self.errors.record("enter_root", "", error)
+
+    def _nested_root_call(self, module: nn.Module) -> bool:
+        """From enter_root, with a forward left open-ended: True if this call of the root
+        comes from inside the root's own forward. Its direct caller is checked (the
+        root's ``forward`` on this instance); for a call that is not a training forward
+        (a no_grad teacher pass, say) the whole stack is walked, which catches calls
+        through helper methods too. A training forward that calls the root through a
+        helper is only seen at a forward with the post-hook in place (see
+        :meth:`close_open_ended`)."""
+        parking = self.parking
+        try:
+            caller = _getframe(parking.caller_depth + 1)
+        except ValueError:
+            return False
+        if caller.f_code is parking.root_forward_code and caller.f_locals.get("self") is module:
+            return True
+        if _training_context(module):
+            return False
+        return root_calls_on_stack(module, _getframe(1)) > 1
+
+    def _plan_quiet_forwards(self) -> None:
+        """Find the quiet forwards that follow the open-ended one just opened (see
+        enter_root): up to the first that is sampled, checked by the root sentinel, or
+        at which :meth:`maybe_flush` would flush pending statistics. That one is quiet
+        too if it needs only the root sentinel. Nothing is quiet unless the policy can
+        tell its next sampled forward (``next_sampled``)."""
+        if self._next_sampled is None or self._forced_samples:
+            return
+        start = self.forwards_seen
+        sentinel = next_root_sentinel(start, self.ROOT_SENTINEL_INTERVAL)
+        every = (
+            DEVICE_FLUSH_INTERVAL_FORWARDS
+            if self.buffer.producer_streams
+            else self.FLUSH_INTERVAL_FORWARDS
+        )
+        flush = (start + every) // every * every - 1  # forwards_seen a multiple of every
+        try:
+            sampled = int(self._next_sampled(start))
+        except Exception as error:  # a user policy's: ask it about every forward instead
+            self._next_sampled = None
+            self.errors.record("next_sampled", "", error)
+            return
+        until = min(sampled, sentinel, flush)
+        self._quiet_until = until
+        self._quiet_sentinel = until if until == sentinel < min(sampled, flush) else -1
+
+    def close_open_ended(self) -> None:
+        """Close the unsampled root forward that was left open with its post-hook parked.
+
+        In the steady state most root forwards are unsampled and need nothing at their
+        end (no root sentinel, no records); the root's post-hook is then parked too, so
+        that the forward costs one hook call rather than two, and the forward is closed
+        here, when the next root forward opens (or at removal). The state in between is
+        SKIP rather than IDLE; no forward is left open-ended while a hook of ours that
+        could see that state is in place. A root that calls itself (seen by
+        :meth:`_nested_root_call`, by :meth:`_open_root` or by a post-hook that finds no
+        open forward) turns this off for good, since its inner call would close the outer.
+        """
+        self._open_ended = False
+        self.state = IDLE
+        self._unsampled_training = False
+        parking = self.parking
+        if parking.parked and compiled_frames() != parking.frames_at_park:
+            parking.restore(reset=True)  # something was compiled during that forward
+
+    def _drop_unclosed_forwards(self, module: nn.Module) -> None:
+        """Forget root forwards that never closed (a KeyboardInterrupt skips even the
+        always-called post-hook): keep only as many open forwards as calls of the root
+        on this thread's stack. The root calling itself is the one legitimate nesting."""
+        open_calls = root_calls_on_stack(module, sys._getframe(1))
+        stack = self._state_stack
+        if open_calls == 0 or open_calls >= len(stack):
+            return  # cannot tell (compiled frames), or nothing was left open
+        del stack[: len(stack) - open_calls]
+        stack[0] = IDLE
+        self._unsampled_training = False
+
+    def _open_root(self, module: nn.Module, decision: bool | None) -> bool | None:
+        """Set the state for a root forward: True if its submodule hooks may be parked,
+        False if it needs them, None if it continues the open forward (recursion).
+        ``decision`` is the sampling policy's answer if it was already asked for this
+        forward (it is asked once per training forward)."""
+        if in_backward():
+            if self._no_grad_training_forwards and module.training and torch.is_grad_enabled():
+                # A reentrant checkpoint of the root: its first pass ran without
+                # grad; this recomputation is the forward that gradients flow through.
+                self._no_grad_training_forwards -= 1
+                self.eval_forwards_skipped -= 1
+                self._open_training_forward()
+                self.sample_in_backward = True
+                return False
+            self.state = RECOMPUTE
+            self.recompute_calls_ignored += 1
+            return False
+        if len(self._state_stack) > 1 and self._state_stack[-1] in (SAMPLED, SKIP, SENTINEL):
+            self.parking.root_post_off = "root module calls itself"
+            return None  # the root calling itself: same forward
+        if _is_tracing():
+            self.state = SKIP
+            self.eval_forwards_skipped += 1
+            return False  # a trace must record the module calls as they are
+        if (
+            torch.is_inference_mode_enabled()
+            or not module.training
+            or transform_level() is not None
+        ):
+            self.state = SKIP
+            self.eval_forwards_skipped += 1
+            return True
+        if not torch.is_grad_enabled():
+            # Evaluation in train mode, or the first pass of a reentrant checkpoint.
+            self.state = SKIP
+            self.eval_forwards_skipped += 1
+            self._no_grad_training_forwards = min(self._no_grad_training_forwards + 1, 64)
+            return True
+        self._no_grad_training_forwards = 0
+        self._open_training_forward(decision)
+        return self.state is SKIP
+
+    def _reset_forward_state(self) -> None:
+        """Note a training root forward and reset what a root forward starts from."""
+        self.root_forward_seen = True
+        self.implicit_opener = None
+        self.sample_in_backward = False
+        self.recompute_anchor = -1
+
+    def _open_training_forward(self, decision: bool | None = None) -> None:
+        self._reset_forward_state()
+        self.open_sample(decision)
+        if self.sample_open:
+            self.state = SAMPLED
+        else:
+            self._unsampled_training = True
+            self.sentinel.calls = {}
+            self.state = SENTINEL if self.full_sentinel else SKIP
+        self.maybe_flush()
+
+    def exit_root(self) -> None:
+        """Close the innermost root forward."""
+        if not self.attached:
+            self._state_stack.clear()
+            self.state = SKIP
+            return
+        stack = self._state_stack
+        if stack:
+            self.state = stack.pop()
+        else:
+            # A post-hook with no forward open: the root called itself inside a forward
+            # left open-ended (whose inner call closed it). Never leave one open again.
+            self.parking.root_post_off = "root module calls itself"
+            self.state = IDLE
+        parking = self.parking
+        if parking.parked and not stack and compiled_frames() != parking.frames_at_park:
+            parking.restore(reset=True)  # something was compiled during this forward
+        if self.state is IDLE:
+            self._unsampled_training = False
+
+    def leave_root(self, index: int, args: tuple[object, ...], output: object) -> None:
+        """The root returned (or raised, with ``output`` None): observe it, then close."""
+        state = self.state
+        stack = self._state_stack
+        if state is SKIP and self._unsampled_training and len(stack) == 1 and self.attached:
+            # The steady state, an unsampled top-level training forward (SKIP): what the
+            # branch below and exit_root do for it, in place.
+            if not self.full_sentinel and root_sentinel_due(
+                self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL
+            ):
+                self._root_sentinel(output)
+            parking = self.parking
+            if parking.parked and compiled_frames() != parking.frames_at_park:
+                parking.restore(reset=True)  # something was compiled during this forward
+            if parking.parked and stack[0] is IDLE and parking.park_root_post():
+                # Hooks stay parked: leave the forward open-ended, so that the next ones
+                # can be quiet (this hook is called from a copy of the hook dict).
+                stack.pop()
+                self._open_ended = True
+                self._plan_quiet_forwards()
+                return
+            self.state = state = stack.pop()
+            if state is IDLE:
+                self._unsampled_training = False
+            return
+        if state is SAMPLED or state is SENTINEL:
+            self.on_forward(index, args, output)
+            if self.sample_outputs and len(self._state_stack) == 1:
+                self.sample_outputs = {}  # the forward is over: its outputs are not shared
+            if not self._adoption_done and state is SAMPLED and len(stack) == 1:
+                self._adoption_done = True
+                owner = self._owner()
+                try:
+                    if owner is not None:
+                        owner.adopt_parents()
+                except Exception as error:  # never break training
+                    self.errors.record("adopt_parents", "", error)
+        elif (
+            self._unsampled_training
+            and len(self._state_stack) == 1  # the outer call, not the root calling itself
+            and root_sentinel_due(self.forwards_seen - 1, self.ROOT_SENTINEL_INTERVAL)
+            and not self.full_sentinel
+            and self.attached
+        ):
+            self._root_sentinel(output)
+        self.exit_root()
+
+    def _root_sentinel(self, output: object) -> None:
+        """Check the root output of an unsampled training forward for non-finite values
+        (one training forward in :attr:`ROOT_SENTINEL_INTERVAL`, see there)."""
+        try:
+            with passive():
+                if type(output) is Tensor and output.is_floating_point():
+                    # The common case, kept short: one forward in 8 between samples.
+                    forward = self.forwards_seen - 1
+                    if self.sentinel.check(
+                        ROOT_INDEX, 0, "output", output, forward, self.samples_observed
+                    ):
+                        self.on_nonfinite(forward, ROOT_INDEX, 0, "output", self.samples_observed)
+                else:
+                    self.sentinel_output(ROOT_INDEX, 0, output)
+        except Exception as error:  # never break training
+            self.errors.record("sentinel", "", error)
+
+    def sentinel_output(self, index: int, call: int, output: object) -> None:
+        """Check every tensor of ``output`` (call ``call`` of module ``index``) in the
+        open unsampled training forward."""
+        forward = self.forwards_seen - 1
+        next_sample = self.samples_observed
+        for path in self.sentinel.check_output(index, call, output, forward, next_sample):
+            self.on_nonfinite(forward, index, call, path, next_sample)
+
+    def on_nonfinite(
+        self, forward: int, index: int, call: int, path: str, next_sample: int
+    ) -> None:
+        """A sentinel saw a non-finite value in unsampled training forward ``forward``
+        (``next_sample`` is the index the next sample takes): count it and sample the
+        next :attr:`FORCED_SAMPLES_AFTER_NONFINITE` forwards."""
+        self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
+        self._quiet_until = 0  # the next forwards are sampled
+        self._quiet_sentinel = -1
+        self.sentinel.note_hit(forward, index, call, path, next_sample)
+
+    def open_sample(self, decision: bool | None = None) -> None:
+        """Count a training forward (or a direct call that opens a sample) and open a
+        sample if the policy (or a sentinel hit before) asks for one."""
+        index = self.forwards_seen
+        self.forwards_seen += 1
+        if decision is None:  # user policies may return ints
+            decision = bool(self.policy.should_sample(index))
+        sampled = decision
+        if self._forced_samples > 0:
+            self._forced_samples -= 1
+            sampled = True
+        self.sample_open = sampled
+        if sampled:
+            self.sample = self.errors.sample = self.samples_observed
+            self.samples_observed += 1
+            if self.samples_observed == self._warmup_samples:
+                # The first rewrite falls due at the end of warm-up (at the next
+                # maybe_flush), not only rewrite_interval_s after injection.
+                self.last_write = -math.inf
+            self.sample_forwards.append(index)
+            if self.caller_step is not None:
+                self.store.note_step(self.sample, self.caller_step)
+            awaiting = self.awaiting_backward
+            awaiting[self.sample] = None
+            if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
+                del awaiting[next(iter(awaiting))]
+            self.call_counts = {}
+            self.position = 0
+            self.no_grad_calls = {}
+            self.sample_outputs = {}
+
+    def backward_started(self, sample: int) -> None:
+        """The first output gradient of ``sample`` arrived."""
+        self.awaiting_backward.pop(sample, None)
+        if self.implicit_opener is not None and sample == self.sample:
+            self.implicit_backward_seen = True
+
+    # ------------------------------------------------------------------ cadence
+    def maybe_flush(self) -> None:
+        """Ask the observer for a flush if one is due (pending records and a forward
+        count that is a multiple of the interval, or too many records, or a sink that
+        wants every sample at once), and for a report write if one is due."""
+        buffer = self.buffer
+        pending = buffer.waiting()
+        interval = (
+            DEVICE_FLUSH_INTERVAL_FORWARDS
+            if buffer.producer_streams
+            else self.FLUSH_INTERVAL_FORWARDS
+        )
+        owner = self._owner()
+        if owner is None:
+            return
+        if pending and self.prompt_sinks:
+            owner.flush_statistics(block=True)  # the previous samples, complete by now
+        elif pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % interval == 0):
+            owner.flush_statistics(block=False)
+        if time.monotonic() - self.last_write >= self.rewrite_interval_s:
+            owner.write_report(block=False)
+
+    def _write(self) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.write_report(block=False)
+
+    def detach(self) -> None:
+        """Close what is open; hooks that compiled code or stale references still call
+        return at once from now on."""
+        self._quiet_until = 0
+        self._quiet_sentinel = -1
+        self._open_ended = False
+        self.parking.restore_root_post()
+        self.parking.restore(reset=False)
+        self.parking.parkable.clear()
+        self.attached = False
+        self.state = SKIP
+        self._state_stack.clear()
+        self.no_grad_calls.clear()
+
+
+def _training_context(module: nn.Module) -> bool:
+    """True if a call of the root ``module`` made now is a training forward by its
+    context: train mode, gradients enabled, outside inference mode, outside backward
+    (a recomputation), outside ``torch.jit`` tracing and ``torch.func`` transforms."""
+    return (
+        module.training
+        and _grad_enabled()
+        and not _inference_mode_enabled()
+        and (_graph_task_id is None or _graph_task_id() == -1)
+        and not _is_tracing()
+        and transform_level() is None
+    )
+
+
+def _lookahead(policy: SamplingPolicy) -> Callable[[int], int] | None:
+    """The policy's ``next_sampled`` if it has one that it defines together with its
+    ``should_sample``, in the same class or both on the instance (a subclass, or an
+    instance, that overrides only ``should_sample`` gets None)."""
+    method = getattr(policy, "next_sampled", None)
+    if not callable(method):
+        return None
+    owners = [getattr(policy, "__dict__", {}), *(vars(cls) for cls in type(policy).__mro__)]
+    owner_next = next((i for i, names in enumerate(owners) if "next_sampled" in names), None)
+    owner_should = next((i for i, names in enumerate(owners) if "should_sample" in names), None)
+    return method if owner_next is not None and owner_next == owner_should else None

@@ -1,0 +1,88 @@
+"""Typed records: what capture hands to the statistics buffer, one class per kind.
+
+Each record carries one row for the host: a device vector (moved to the host in
+batches, see ``_staging.py``) or host floats. Hooks add a record with a single
+``list.append``, which is atomic, so worker threads of one forward never interleave
+half records. After the transfer the series store tells the kinds apart by class
+(``type(record) is Statistics``), never by a string.
+
+- :class:`Statistics`: the ``STAT_WIDTH`` partial statistics of one tensor
+  (``reduce.py``), read by the trackers of its series;
+- :class:`HistogramCounts`: the counts per bin of one histogram spec, added to the
+  histogram of its series;
+- :class:`SentinelSum`: one sum, non-finite where the checked tensor held a non-finite
+  value, read by the sentinel;
+- :class:`LossScale`: the GradScaler loss scale, then zeros, which divides the
+  gradients of its sample.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+__all__ = [
+    "ROOT_INDEX",
+    "HistogramCounts",
+    "LossScale",
+    "Record",
+    "Row",
+    "SentinelSum",
+    "SeriesKey",
+    "Statistics",
+    "sample_order",
+]
+
+#: (module index, call index, signal, tensor path) of one observed tensor.
+SeriesKey = tuple[int, int, str, str]
+#: Module index of the root (``select_modules`` puts it first).
+ROOT_INDEX = 0
+#: A row on its way to the host: a device vector, or host floats.
+Row = Tensor | list[float]
+
+
+class Statistics(NamedTuple):
+    """The statistics row of one tensor: series ``key`` in ``sample``, measured at
+    forward ``position`` (the module call's place in the forward; -1 for gradients)."""
+
+    key: SeriesKey
+    sample: int
+    position: int
+    row: Row
+
+
+class HistogramCounts(NamedTuple):
+    """The bin counts of histogram spec number ``spec`` for series ``key`` in ``sample``."""
+
+    key: SeriesKey
+    sample: int
+    spec: int
+    row: Row
+
+
+class SentinelSum(NamedTuple):
+    """A sentinel's check of the output at ``key`` in unsampled training forward
+    ``forward`` (0-based); ``next_sample`` is the index the next sample takes."""
+
+    key: SeriesKey
+    forward: int
+    next_sample: int
+    row: Row
+
+
+class LossScale(NamedTuple):
+    """The GradScaler loss scale that the gradients of ``sample`` carry (``row[0]``)."""
+
+    sample: int
+    row: Row
+
+
+Record = Statistics | HistogramCounts | SentinelSum | LossScale
+
+
+def sample_order(record: Record) -> int:
+    """Sort key that puts each series' rows in sample order: the sample of statistics
+    and histogram counts, -1 (first) for sentinel sums and loss scales, which belong
+    to no series. Sorting is stable, so sentinel sums keep their forward order."""
+    return record[1] if type(record) is Statistics or type(record) is HistogramCounts else -1
