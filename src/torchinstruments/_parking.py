@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from .capture import compiled_frames
@@ -41,7 +40,7 @@ class HookParking:
 
     Args:
         root: returns the observed root module, or None once it was collected.
-        errors: where an error of ``torch._dynamo.reset()`` is counted.
+        errors: where an error invalidating compiled code is counted.
         status: ``"on"``, or ``"off: <reason>"`` when parking is never to be tried.
     """
 
@@ -77,10 +76,12 @@ class HookParking:
         calls of submodules outside any root forward are not seen (they are only ever
         counted, under ``calls_outside_root_skipped``).
 
-        Compiled code does not see hook changes (Dynamo does not guard on hooks), so
-        parking stops for good once ``torch.compile`` has compiled anything in the
-        process; if something was compiled during a parked forward, Dynamo's caches are
-        reset so that the code is traced again with the hooks in place (:meth:`restore`).
+        Under ``torch.compile`` each park and restore would be a hook change that fails
+        the compiled code's hook guards (a recompilation), so parking stops for good once
+        ``torch.compile`` has compiled anything in the process; if something was compiled
+        during a parked forward, that code of this model is invalidated
+        (:func:`~torchinstruments.compiled.forget_compiled_code`, in :meth:`restore`) so
+        that it is traced again with the hooks in place.
         """
         frames = compiled_frames()
         if frames != 0:
@@ -96,8 +97,8 @@ class HookParking:
         self.parked = parked
 
     def restore(self, *, reset: bool) -> None:
-        """Put parked hooks back; with ``reset``, also reset Dynamo if something was
-        compiled since they were parked."""
+        """Put parked hooks back; with ``reset``, also invalidate this model's compiled
+        code if something was compiled since they were parked."""
         parked = self.parked
         if not parked:
             return
@@ -113,10 +114,13 @@ class HookParking:
                 hooks[key] = hook
         if compiled_frames() != self.frames_at_park:
             self.status = "off: torch.compile in use"
-            if reset:
+            root = self._root()
+            if reset and root is not None:
                 # Code compiled while the hooks were parked would never call them.
                 try:
-                    torch._dynamo.reset()
+                    from .compiled import forget_compiled_code
+
+                    forget_compiled_code(root.modules())
                 except Exception as error:
                     self._errors.record("compile_reset", "", error)
 

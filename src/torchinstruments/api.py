@@ -482,7 +482,7 @@ def inject_observer(
         # A first report at once: a run stopped before its first rewrite (at the end
         # of warm-up, then every rewrite_interval_s) still leaves one.
         observer.write_report(files_only=True)
-        _forget_compiled_code()
+        _forget_compiled_code(model)
         _REGISTRY[model] = handle
         if root is not model:
             _REGISTRY[root] = handle
@@ -527,14 +527,16 @@ def _typed(name: str, value: object, kind: type) -> Any:
     return value
 
 
-def _forget_compiled_code() -> None:
-    """Drop code that ``torch.compile`` already compiled, so hooks just added or removed
-    take effect: Dynamo does not guard on module hooks and would keep running code
-    compiled without them (or with them). Recompilation follows on the next call."""
-    dynamo = sys.modules.get("torch._dynamo")
-    reset = getattr(dynamo, "reset", None)
-    if callable(reset):
-        reset()
+def _forget_compiled_code(model: nn.Module) -> None:
+    """Invalidate code that ``torch.compile`` compiled for ``model`` without guarding on
+    its hooks, so that hooks just added or removed take effect; other models keep their
+    compiled code (see :mod:`torchinstruments.compiled`). Nothing happens unless Dynamo
+    is loaded; recompilation of ``model`` follows on its next call."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    from .compiled import forget_compiled_code
+
+    forget_compiled_code(model.modules())
 
 
 def remove_observer(model: nn.Module) -> None:
@@ -560,7 +562,7 @@ def remove_observer(model: nn.Module) -> None:
             del _REGISTRY[key]
     handle._finish()
     if handle.active:
-        _forget_compiled_code()
+        _forget_compiled_code(model)
 
 
 def observer_of(model: nn.Module) -> ObserverHandle | None:

@@ -70,6 +70,9 @@ def _make_hooks_opaque() -> None:
         if _opaque_applied:
             return
         _opaque_applied = True
+        from .compiled import guard_on_hooks
+
+        guard_on_hooks()  # before anything compiles: compiled code then sees our hooks
         disable = getattr(getattr(torch, "compiler", None), "disable", None)
         if disable is None:
             return
