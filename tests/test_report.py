@@ -136,7 +136,11 @@ def test_non_finite_values_never_reach_the_json(tmp_path: Path) -> None:
     assert non_finite[0]["module"] == "fc"
     event = next(e for e in report["events"] if e["id"] == non_finite[0]["event"])
     assert (event["module"], event["shape"]) == ("fc", "non_finite")
-    assert {e["module"] for e in event["echoes"]} == {"act", "head"}  # <root> is head's tensor
+    activation = {e["module"] for e in event["echoes"] if e["signal"] == "activation"}
+    assert activation == {"act", "head"}  # <root> is head's tensor
+    # The output gradients that went non-finite at the same sample are this event too.
+    assert {f["category"] for f in event["findings"]} == {"non_finite"}
+    assert len(event["findings"]) == 2
 
 
 def test_quiet_run_says_no_finding_stands_out(tmp_path: Path) -> None:

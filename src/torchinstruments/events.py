@@ -12,7 +12,9 @@ module turns the notable ones into events and the others into compact rows:
 - **Facets.** A notable candidate of a category is a facet of the event at its module
   and onset: the first facet (in the report's round-robin order) opens the event; a
   later one joins it when its onset is within ``ONSET_TOLERANCE_SAMPLES`` and it is at
-  the event's module or one of its echoes, or when it has no onset (volatility,
+  the event's module or one of its echoes (of its signal), or the event's module is
+  among the facet's own module and echoes (of any signal: an activation step moves the
+  output gradients at the same samples), or when it has no onset (volatility,
   oscillation) and is at one of those modules. Model-wide facets (``<model>``) join the
   model-wide event at their onset.
 - **Shape.** What the event's first facet looks like decides its texts: ``step`` (a
@@ -249,7 +251,10 @@ def _joins(event: Event, c: Candidate) -> bool:
         return where in event.members
     if lead.onset is None or abs(c.onset - lead.onset) > ONSET_TOLERANCE_SAMPLES:
         return False
-    if where == (lead.series.module, lead.series.call_index):
+    lead_where = (lead.series.module, lead.series.call_index)
+    if where == lead_where or lead_where in _members(c):
+        # The event's module is this facet's, or one of its echoes: of any signal (an
+        # activation step moves the output gradients at the same samples).
         return True
     same_signal = c.series.signal == lead.series.signal
     return same_signal and (where in event.members or bool(_members(c) & event.members))
@@ -422,6 +427,9 @@ def module_kind(kind: str | None) -> str:
     return "block"
 
 
+_SIGNAL_WORDS = {"activation": "activations", "grad_output": "output gradients"}
+
+
 def _keep_fixed(text: str) -> str:
     return f"{text} Keep seed, data order and precision fixed so the runs compare."
 
@@ -522,11 +530,22 @@ def _step_texts(
                 f"({', '.join(r['module'] for r in quiet_before[-2:])} within 3 spreads): "
                 "the change begins here."
             )
-    echoes = len(
-        {(e.series.module, e.series.call_index) for f in event.facets for e in f.candidate.echoes}
-    )
+    echoes = {
+        (e.series.module, e.series.call_index)
+        for f in event.facets
+        if f.candidate.series.signal == s.signal
+        for e in f.candidate.echoes
+    }
     if echoes:
-        text += f" {echoes} module(s) after it in propagation order moved at the same samples."
+        text += f" {len(echoes)} module(s) after it in propagation order moved at the same samples."
+    other = sorted({f.candidate.series.signal for f in event.facets} - {s.signal})
+    if other:
+        facets = [f.category for f in event.facets if f.candidate.series.signal != s.signal]
+        text += (
+            f" The {' and '.join(_SIGNAL_WORDS.get(x, x) for x in other)} moved at the same "
+            "samples too "
+            f"({', '.join(facets)})."
+        )
     when = _when(change.start_sample, forward)
     family = module_kind(kinds.get(s.module))
     gone = _stopped_near(stopped, module, change.start_sample)
@@ -774,6 +793,7 @@ def event_body(
                 "module": display_module(e.series.module),
                 "call_index": e.series.call_index,
                 "tensor_path": e.series.tensor_path,
+                "signal": e.series.signal,
                 "metric": e.metric,
                 "onset_sample": e.onset,
                 "in_residual_spreads": step_size(e) if e.change is not None else None,
