@@ -89,15 +89,14 @@ def test_a_pass_through_is_one_series_named_by_all(stepped: tuple[dict[str, Any]
     report, _ = stepped
     event = event_of(report, next(f for f in report["findings"] if f["event"] == "E1"))
     assert event["also_named"] == ["2"]  # the Identity returns module 1's tensor
-    activation = {f["module"] for f in report["findings"] if f["signal"] == "activation"}
-    assert "2" not in activation and "<root>" not in activation  # <root> returns 4's
-    for category, signal in {(f["category"], f["signal"]) for f in report["findings"]}:
-        listed = {
-            f["module"]
-            for f in report["findings"]
-            if (f["category"], f["signal"]) == (category, signal)
-        }
-        assert not {"1", "2"} <= listed, (category, signal)  # one tensor, listed once
+    notable = [f for f in report["findings"] if f["notable"]]
+    assert "2" not in {f["module"] for f in notable}  # one tensor, named once
+    rows = [f for f in report["findings"] if not f["notable"]]
+    for row in rows:  # compact rows name each series, and the others of its tensor
+        if row["module"] == "2":
+            assert row["also_named"] == ["1"]
+        if row["module"] == "<root>":
+            assert row["also_named"] == ["4"]
     echoes = {e["module"] for e in event["echoes"]}
     assert "2" not in echoes and "<root>" not in echoes
     assert [r["module"] for r in event["cross_section"]["rows"]] == ["0", "1", "3", "4"]

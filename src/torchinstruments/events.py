@@ -6,9 +6,11 @@ module turns the notable ones into events and the others into compact rows:
 
 - **Same tensor, one series.** Modules that pass one tensor through (an identity, a
   dropout that keeps every element, a parent whose output is its last child's, the root's
-  output) record the same values at every sample. Their series are one series: only the
-  first of them in its category's ranking is listed (for activations the first in
-  forward order, the producer), the others under ``also_named``.
+  output) record the same values at every sample. Their notable series are one series:
+  only the first of them in its category's ranking is listed (for activations the first
+  in forward order, the producer; never the root when another module returns the same
+  tensor), the others under ``also_named``. Compact rows name each series as observed,
+  with ``also_named`` where other modules output the same tensor.
 - **Facets.** A notable candidate of a category is a facet of the event at its module
   and onset: the first facet (in the report's round-robin order) opens the event; a
   later one joins it when its onset is within ``ONSET_TOLERANCE_SAMPLES`` and it is at
@@ -157,6 +159,12 @@ def dedupe(candidates: Sequence[Candidate], same: SameTensor) -> list[Candidate]
     """``candidates`` (ranked) without those whose tensor, metric and signal an earlier
     one already stands for; echoes of the same tensor as their origin, or as an earlier
     echo, are dropped too."""
+    # The root returns another module's tensor: that module names it.
+    named: dict[tuple[int, str], Candidate] = {}
+    for c in candidates:
+        key = (id(same.primary(c.series)), c.metric)
+        if key not in named or (named[key].series.module == "" and c.series.module != ""):
+            named[key] = c
     kept: list[Candidate] = []
     seen: set[tuple[int, str]] = set()
     for c in candidates:
@@ -164,6 +172,7 @@ def dedupe(candidates: Sequence[Candidate], same: SameTensor) -> list[Candidate]
         if key in seen:
             continue
         seen.add(key)
+        c = named[key]
         if c.echoes:
             # One echo per tensor, named by its producer when that one is an echo too.
             own = id(same.primary(c.series))
@@ -646,7 +655,8 @@ def ranking(c: Candidate) -> dict[str, Any]:
 
 
 def quiet_row(c: Candidate, rank: int, same: SameTensor) -> dict[str, Any]:
-    """A finding that is not notable, as a compact row."""
+    """A finding that is not notable, as a compact row: category, rank, series,
+    ranking, first and latest values."""
     s = c.series
     row: dict[str, Any] = {
         "category": c.category,
@@ -659,9 +669,13 @@ def quiet_row(c: Candidate, rank: int, same: SameTensor) -> dict[str, Any]:
         "metric": c.metric,
         "ranking": ranking(c),
     }
-    latest = c.tracker.latest
-    if latest is not None:
+    first, latest = c.tracker.first, c.tracker.latest
+    if first is not None and latest is not None:
+        row["first"] = first.as_dict()
         row["latest"] = latest.as_dict()
+    also = same.also_named(s)
+    if also:
+        row["also_named"] = also
     part = c.evidence.get("part_of_model_wide_event")
     if part is not None:
         row["part_of_model_wide_event"] = part

@@ -392,6 +392,33 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return row, body
 
 
+#: Observed (module, call, signal) up to which each is named by at least one compact
+#: row (a model of up to 16 modules).
+SMALL_MODEL_SERIES = 32
+
+
+def _quiet_choice(
+    quiet: Sequence[Candidate], room: int, listed: set[tuple[str, int, str]]
+) -> list[int]:
+    """Indices (in rank order) of the compact rows of one category: its rank 1, then the
+    best ranked whose (module, call, signal) no earlier category listed, so that the few
+    rows of all categories name as many series as they can; then the next best."""
+    if room <= 0 or not quiet:
+        return []
+    chosen = [0]
+    fresh = [
+        i
+        for i, c in enumerate(quiet)
+        if i
+        and (c.series.module, c.series.call_index, c.series.signal) not in listed
+        and (c.series.module, c.series.call_index, c.series.signal)
+        != (quiet[0].series.module, quiet[0].series.call_index, quiet[0].series.signal)
+    ]
+    chosen += fresh[: room - 1]
+    chosen += [i for i in range(1, len(quiet)) if i not in chosen][: room - len(chosen)]
+    return sorted(chosen)
+
+
 def _round_key(notable: bool, change_sample: int | None, early: bool, signal: str, size: float):
     # Within a round: notable first, then the earliest detected change, so the list reads
     # in the order things happened; at the same sample the category whose change is
@@ -411,9 +438,10 @@ def build_report(observer: Observer) -> dict[str, Any]:
 
     Per category, the notable findings (at most ``top_k_per_category``) and then up to
     :data:`~torchinstruments.events.QUIET_ROWS_PER_CATEGORY` compact rows of findings that
-    are not notable are taken, round-robin across categories; each notable finding refers
-    to its event (``events``), written once in full. The longest prefix of that order
-    whose bytes fit is kept, with the events it refers to.
+    are not notable (for a model of at most ``SMALL_MODEL_SERIES`` observed module calls
+    and signals, as many as name each once) are taken, round-robin across categories;
+    each notable finding refers to its event (``events``), written once in full. The
+    longest prefix of that order whose bytes fit is kept, with the events it refers to.
 
     Returns:
         A JSON-safe dict whose :func:`dumps_report` bytes are at most
@@ -434,8 +462,21 @@ def build_report(observer: Observer) -> dict[str, Any]:
     notable_counts: dict[str, int] = {}
     candidate_counts: dict[str, int] = {}
     notable_dropped: dict[str, int] = {}
+    listed: set[tuple[str, int, str]] = set()  # (module, call, signal) of quiet rows
+    # A small model's compact rows name each of its series once (every category's rank 1
+    # and the series no earlier category listed); a larger model's, a few per category.
+    small_model = (
+        len({(s.module, s.call_index, s.signal) for s in observer.series.values()})
+        <= SMALL_MODEL_SERIES
+    )
+    quiet_ranks: dict[int, int] = {}
     for number, category in enumerate(CATEGORIES):
-        candidates = dedupe(ranked[category], same)
+        # Notable candidates of one tensor are one (named once, the others under
+        # also_named); compact rows name every series as it was observed.
+        candidates = [
+            *dedupe([c for c in ranked[category] if c.notable], same),
+            *(c for c in ranked[category] if not c.notable),
+        ]
         items: list[tuple[object, tuple[Any, ...]]] = []
         specials = _model_wide_findings(observer) if category == "gradient_scale_change" else []
         for rank, special in enumerate(specials, 1):
@@ -455,8 +496,14 @@ def build_report(observer: Observer) -> dict[str, Any]:
             size = max([step_size(c), *(step_size(e) for e in c.echoes)]) if c.change else 0.0
             key = _round_key(True, c.onset, is_early(c), c.series.signal, size)
             items.append((Facet(category, len(items) + 1, c), (*key, number)))
-        room = min(QUIET_ROWS_PER_CATEGORY, config.top_k_per_category - len(items))
-        for c in quiet[: max(room, 0)]:
+        room = config.top_k_per_category - len(items)
+        if not small_model:
+            room = min(QUIET_ROWS_PER_CATEGORY, room)
+        offset = len(specials) + len(notable)
+        for index in _quiet_choice(quiet, max(room, 0), listed):
+            c = quiet[index]
+            listed.add((c.series.module, c.series.call_index, c.series.signal))
+            quiet_ranks[id(c)] = offset + index + 1
             items.append((c, (*_round_key(False, None, False, c.series.signal, 0.0), number)))
         per_category[category] = items
         candidate_counts[category] = len(candidates) + len(specials)
@@ -491,8 +538,7 @@ def build_report(observer: Observer) -> dict[str, Any]:
                 )
             rows.append((facet_row(entry, observer, same), numbers[id(event)]))
         elif isinstance(entry, Candidate):
-            rank = next(i for i, (e, _) in enumerate(per_category[entry.category], 1) if e is entry)
-            rows.append((quiet_row(entry, rank, same), None))
+            rows.append((quiet_row(entry, quiet_ranks[id(entry)], same), None))
         else:
             assert isinstance(entry, dict)
             row, body = _special_parts(entry)
