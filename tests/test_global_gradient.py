@@ -36,7 +36,7 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     assert not [f for f in scale if f["notable"] and f["module"] != "<model>"]
     # The documented finding keys, as for module findings.
     module_finding = next(f for f in report["findings"] if f["module"] != "<model>")
-    assert set(module_finding) <= set(finding) | {"call_index", "tensor_path"}
+    assert set(module_finding) <= set(finding) | {"call_index", "tensor_path", "also_named"}
     assert finding["change_sample"] == event["change"]["start_sample"]
     assert finding["change_forward"] == finding["change_sample"]  # sampling=1
     assert event["onset"] == {

@@ -340,6 +340,7 @@ _SPECIAL_ROW_KEYS = (
     "tensor_path",
     "metric",
     "ranking",
+    "first",
     "latest",
 )
 
@@ -350,7 +351,7 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     row = {key: item[key] for key in _SPECIAL_ROW_KEYS}
     if not item["notable"]:
         # The loss scale: its range is the point (first, min, max with their samples).
-        return {**row, **{k: item[k] for k in ("first", "min", "max")}}, None
+        return {**row, **{k: item[k] for k in ("min", "max")}}, None
     row.update(
         {
             "change_sample": item["change_sample"],
