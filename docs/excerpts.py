@@ -102,12 +102,8 @@ def excerpts(runs: Mapping[str, Path], workdir: Path) -> dict[str, str]:
     ]
     low, high = min(seed_departures), max(seed_departures)
     candidate = _read(runs["drop_norm"] / "report.json")
-    step = next(
-        f
-        for f in candidate["findings"]
-        if f["module"] == "blocks.2.fc1" and f["category"] == "activation_scale_drift"
-    )
-    evidence = step["evidence"]
+    event = next(e for e in candidate["events"] if e["module"] == "blocks.2.fc1")
+    change = event["change"]
     at_once = "there" if fc1["sample"] == first["sample"] else f"at sample {fc1['sample']}"
     reading = (
         f"Sample {first['sample']} (training forward {first['forward']}) is the first "
@@ -121,8 +117,8 @@ def excerpts(runs: Mapping[str, Path], workdir: Path) -> dict[str, str]:
     )
     measurement = (
         '- **Measurement before mechanism.** "`blocks.2.fc1` activation RMS stepped up '
-        f"{evidence['step_level_after'] / evidence['step_trend_forecast']:.1f}x at sample "
-        f"{step['change_sample']} ({evidence['step_in_residual_spreads']:.0f} residual "
+        f"{change['ratio']:.1f}x at sample "
+        f"{event['onset']['sample']} ({change['in_residual_spreads']:.0f} residual "
         'spreads)" is a measurement. "Because the LayerNorm was removed" is a hypothesis: '
         "it is only as good as the experiment that tests it."
     )
@@ -132,7 +128,43 @@ def excerpts(runs: Mapping[str, Path], workdir: Path) -> dict[str, str]:
         "drop-norm-reading": _wrap(reading),
         "drop-norm-measurement": _wrap(measurement, indent="  "),
         "default-schedule": _schedule_sentence(),
+        "report-event": _event_excerpt(event),
+        "show-drop-norm": _show_excerpt(candidate),
+        "report-event-markdown": _event_markdown(runs["drop_norm"] / "index.md", event["id"]),
+        "report-headline": _wrap(f"> {candidate['summary']['headline']}", indent="> "),
     }
+
+
+def _show_excerpt(report: dict[str, Any]) -> str:
+    """``show`` of the drop-norm run, as if its directory were ``stats``."""
+    from torchinstruments.show import render_report_text
+
+    shown = {**report, "generated_at": "<time of the run>"}
+    text = render_report_text(shown, "stats/report.json")
+    return "```text\n$ python -m torchinstruments show stats\n" + text + "```\n"
+
+
+def _event_excerpt(event: dict[str, Any]) -> str:
+    """The drop-norm run's event as written to report.json, with its history cut to the
+    observed samples within three of the onset (the rest replaced by a count)."""
+    shown = json.loads(json.dumps(event))
+    points = shown["history"]["points"]
+    onset = shown["onset"]["sample"]
+    near = [p for p in points if abs(p[0] - onset) <= 3]
+    shown["history"]["points"] = near
+    shown["history"]["points_not_shown_here"] = len(points) - len(near)
+    shown["interpretation"] = textwrap.shorten(shown["interpretation"], 160, placeholder=" ...")
+    shown["next_experiment"] = textwrap.shorten(shown["next_experiment"], 160, placeholder=" ...")
+    return "```json\n" + json.dumps(shown, indent=1) + "\n```\n"
+
+
+def _event_markdown(path: Path, event_id: str) -> str:
+    """The event's section of index.md, as the run wrote it."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"### {event_id}:"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+    body = "\n".join(lines[start:end]).strip()
+    return "````markdown\n" + body + "\n````\n"
 
 
 def apply(text: str, values: Mapping[str, str], where: str = "doc") -> str:

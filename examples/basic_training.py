@@ -132,12 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(report_path.read_text(encoding="utf-8"))
     print(f"\nreport: {report_path}  (people: {Path(args.output_dir) / 'index.md'})")
     print(report["summary"]["headline"])
-    seen: set[str] = set()
-    for finding in report["findings"]:
-        if finding["category"] in seen or not finding["notable"]:
-            continue
-        seen.add(finding["category"])
-        print(f"  {finding['category']} #1: {finding['interpretation']}")
+    for event in report["events"]:
+        categories = ", ".join(f["category"] for f in event["findings"])
+        print(f"  {event['id']} ({event['shape']}; {categories}): {event['interpretation']}")
     return 0
 
 

@@ -75,3 +75,28 @@ def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
     monkeypatch.setitem(torch._dynamo.utils.counters["frames"], "total", 0)
     monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
+
+
+def read_series(directory: Path) -> list[dict[str, Any]]:
+    """The rows of ``series.json`` (every series, unlike the report's few compact rows),
+    each with ``observations``, ``history`` (its points) and ``first`` / ``latest``
+    (its first and last points) added, for tests that read per-series values."""
+    data = json.loads((directory / "series.json").read_text(encoding="utf-8"))
+    rows = []
+    for row in data["series"]:
+        points = row["points"]
+        rows.append(
+            {
+                **row,
+                "observations": row["count"],
+                "history": points,
+                "first": {"sample": points[0][0], "value": points[0][1]},
+                "latest": {"sample": points[-1][0], "value": points[-1][1]},
+            }
+        )
+    return rows
+
+
+def event_of(report: dict[str, Any], finding: dict[str, Any]) -> dict[str, Any]:
+    """The event a notable finding of ``report`` refers to."""
+    return next(e for e in report["events"] if e["id"] == finding["event"])

@@ -74,7 +74,7 @@ def test_inject_train_remove_writes_both_files(tmp_path: Path) -> None:
     train(model, make_batches(5))
     remove_observer(model)
     report = read_report(tmp_path)
-    assert report["schema"] == "torchinstruments.report/1"
+    assert report["schema"] == "torchinstruments.report/2"
     assert report["coverage"]["samples_observed"] == 5
     assert report["coverage"]["backward_samples_observed"] == 5
     index = (tmp_path / "index.md").read_text(encoding="utf-8")

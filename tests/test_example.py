@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import read_report
+from .conftest import event_of, read_report
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 
@@ -49,7 +49,7 @@ def test_modified_block_leads_its_category(
     leader = leaders(report)[category]
     assert leader["module"] == module
     assert leader["rank"] == 1
-    assert leader["warmup_complete"] is True
+    assert event_of(report, leader)["warmup_complete"] is True
     assert report["summary"]["headline"].startswith(f"{report['summary']['notable_findings']} ")
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert f"`{module}`" in index

@@ -9,7 +9,7 @@ from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
 
-from .conftest import ResidualNet, make_batches, read_report
+from .conftest import ResidualNet, event_of, make_batches, read_report
 
 
 def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> None:
@@ -27,17 +27,22 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     scale = [f for f in report["findings"] if f["category"] == "gradient_scale_change"]
     model_wide = [f for f in scale if f["module"] == "<model>"]
     assert len(model_wide) == 1
-    event = model_wide[0]
-    assert event["notable"] and event["rank"] == 1
-    assert abs(event["evidence"]["factor"] - 16.0) / 16.0 < 0.5
-    assert 49 <= event["evidence"]["step_start_sample"] <= 51
+    finding = model_wide[0]
+    assert finding["notable"] and finding["rank"] == 1
+    event = event_of(report, finding)
+    assert (event["shape"], event["module"]) == ("model_wide", "<model>")
+    assert abs(event["change"]["ratio"] - 16.0) / 16.0 < 0.5
+    assert 49 <= event["change"]["start_sample"] <= 51
     assert not [f for f in scale if f["notable"] and f["module"] != "<model>"]
     # The documented finding keys, as for module findings.
     module_finding = next(f for f in report["findings"] if f["module"] != "<model>")
-    assert set(module_finding) <= set(event) | {"call_index", "tensor_path"}
-    assert event["change_sample"] == event["evidence"]["step_start_sample"]
-    assert event["change_forward"] == event["change_sample"]  # sampling=1
-    assert event["warmup_end_sample"] is not None and event["history"] == []
+    assert set(module_finding) <= set(finding) | {"call_index", "tensor_path", "also_named"}
+    assert finding["change_sample"] == event["change"]["start_sample"]
+    assert finding["change_forward"] == finding["change_sample"]  # sampling=1
+    assert event["onset"] == {
+        "sample": finding["change_sample"],
+        "forward": finding["change_forward"],
+    }
 
 
 def test_grad_scaler_scale_is_divided_out_and_reported_once(tmp_path: Path) -> None:
@@ -83,6 +88,7 @@ def test_a_loss_gradient_step_at_the_last_sample_waits_for_the_next(tmp_path: Pa
         return [f for f in report["findings"] if f["module"] == "<model>" and f["notable"]]
 
     assert model_wide(run(tmp_path / "last", 61)) == []
-    (confirmed,) = model_wide(run(tmp_path / "confirmed", 62))
+    report = run(tmp_path / "confirmed", 62)
+    (confirmed,) = model_wide(report)
     assert confirmed["change_sample"] == 60
-    assert abs(confirmed["evidence"]["factor"] - 1 / 16) / (1 / 16) < 0.5
+    assert abs(event_of(report, confirmed)["change"]["ratio"] - 1 / 16) / (1 / 16) < 0.5

@@ -44,6 +44,8 @@ from torchinstruments import (
 )
 from torchinstruments.reduce import cpu_statistics, finish_statistics
 
+from .conftest import read_series
+
 # Every series of a small model is listed (each activation / gradient RMS series is a
 # candidate of a scale category), so findings can be read as the series values.
 WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
@@ -77,7 +79,9 @@ def read(directory: Path) -> Report:
     def refuse(constant: str) -> None:
         raise AssertionError(f"report.json contains {constant}")
 
-    return json.loads(text, parse_constant=refuse)
+    report = json.loads(text, parse_constant=refuse)
+    report["series_rows"] = read_series(directory)
+    return report
 
 
 def finish(model: nn.Module, directory: Path) -> Report:
@@ -86,9 +90,9 @@ def finish(model: nn.Module, directory: Path) -> Report:
 
 
 def series(report: Report, metric: str = "rms") -> dict[Key, dict[str, Any]]:
-    """The findings of ``metric`` keyed by series (one entry per series)."""
+    """The ``series.json`` rows of ``metric`` keyed by series (one entry per series)."""
     found: dict[Key, dict[str, Any]] = {}
-    for finding in report["findings"]:
+    for finding in report["series_rows"]:
         if finding["metric"] == metric:
             key = (
                 finding["module"],

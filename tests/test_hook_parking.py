@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torchinstruments import EveryNSampling, ReportConfig, inject_observer, remove_observer
 
-from .conftest import read_report
+from .conftest import read_report, read_series
 
 
 class Probe(nn.Module):
@@ -85,16 +85,17 @@ def train(model: nn.Module, steps: int, seed: int = 0) -> list[float]:
 WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
 
 
-def findings(report: dict, metric: str) -> dict[tuple[str, str], dict]:
+def findings(rows: list[dict], metric: str) -> dict[tuple[str, str], dict]:
+    """``series.json`` rows of ``metric``, call 0, keyed by (module, signal)."""
     found: dict[tuple[str, str], dict] = {}
-    for finding in report["findings"]:
+    for finding in rows:
         if finding["metric"] == metric and finding["call_index"] == 0:
             found.setdefault((finding["module"], finding["signal"]), finding)
     return found
 
 
-def observations(report: dict) -> dict[tuple[str, str], int]:
-    return {key: finding["observations"] for key, finding in findings(report, "rms").items()}
+def observations(rows: list[dict]) -> dict[tuple[str, str], int]:
+    return {key: finding["observations"] for key, finding in findings(rows, "rms").items()}
 
 
 def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dynamo) -> None:
@@ -267,7 +268,7 @@ def test_a_module_with_another_hook_keeps_its_hooks_in_order(tmp_path: Path, fre
     assert model.probe.hooks_seen == [2, 2, 2, 2]  # never parked: two hooks
     assert len(seen) == 4
     # Our hook ran first, on the probe's own output, not on the doubled one.
-    probe = findings(read_report(tmp_path), "rms")[("probe", "activation")]
+    probe = findings(read_series(tmp_path), "rms")[("probe", "activation")]
     assert probe["latest"]["sample"] == 1  # forwards 0 and 3
     assert probe["latest"]["value"] == pytest.approx(seen[3], rel=1e-5)
 
@@ -287,7 +288,7 @@ def test_parking_stops_once_the_model_is_compiled(tmp_path: Path, fresh_dynamo) 
     assert losses == train(twin_compiled, 6, seed=1)
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == "off: torch.compile in use"
-    seen = observations(report)
+    seen = observations(read_series(tmp_path))
     # Sampled forwards 0, 2, 4, 6: every submodule observed in each, compiled or not.
     for name in ("fc1", "probe", "fc2"):
         assert seen[(name, "activation")] == 4, (name, seen)
@@ -317,7 +318,7 @@ def test_code_first_compiled_in_a_parked_forward_is_traced_again(
     torch._dynamo.reset()
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == "off: torch.compile in use"
-    seen = observations(report)
+    seen = observations(read_series(tmp_path))
     inner = [name for name, _ in seen if name.startswith("block.")]
     assert inner, sorted(seen)
     for name in inner:
@@ -345,7 +346,7 @@ def test_a_hook_added_during_a_parked_forward_runs_after_ours(tmp_path: Path, fr
     order = [type(hook).__name__ for hook in model.probe._forward_hooks.values()]
     remove_observer(model)
     assert order == ["ForwardHook", "function"]
-    probe = findings(read_report(tmp_path), "rms")[("probe", "activation")]
+    probe = findings(read_series(tmp_path), "rms")[("probe", "activation")]
     assert probe["latest"]["value"] == pytest.approx(seen[1], rel=1e-5)  # not 100x
 
 
@@ -529,7 +530,7 @@ def test_compiling_after_quiet_forwards_observes_the_compiled_model(
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == "off: torch.compile in use"
     assert report["coverage"]["forwards_seen"] == 33
-    seen = observations(report)
+    seen = observations(read_series(tmp_path))
     # Sampled forwards 0 and 10 (eager), 20 and 30 (compiled): every submodule each time.
     for name in ("fc1", "probe", "fc2"):
         assert seen[(name, "activation")] == 4, (name, seen)

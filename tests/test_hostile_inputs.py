@@ -415,11 +415,11 @@ def test_show_prints_headline_findings_coverage_and_limits(
     assert lines[0] == f"torchinstruments report: {real_runs['b'] / 'report.json'}"
     assert report["summary"]["headline"].split()[0] in lines[3]
     notable = [f for f in report["findings"] if f["notable"]]
-    assert f"Notable findings: {len(notable)} of {len(report['findings'])} listed" in lines
-    for number, finding in enumerate(notable[:10], start=1):
+    events = report["events"]
+    assert f"Events: {len(events)} ({len(notable)} notable findings refer to them)" in lines
+    for number, event in enumerate(events[:10], start=1):
         assert any(
-            line.startswith(f"{number:>3}. {finding['category']} #{finding['rank']}: ")
-            for line in lines
+            line.startswith(f"{number:>3}. {event['id']} {event['shape']}: ") for line in lines
         )
     coverage = report["coverage"]
     assert (

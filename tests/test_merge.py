@@ -33,7 +33,7 @@ from torchinstruments.merge import (
     render_global_markdown,
     spread_floor,
 )
-from torchinstruments.report import dumps_report
+from torchinstruments.report import SCHEMA, dumps_report
 
 from .conftest import ResidualNet, make_batches, train
 from .test_distributed import fit, rank_batches, run_ranks, seeded_net
@@ -104,7 +104,7 @@ def rank_report(
     omitted = {c: {"by_top_k": 0, "by_bytes": 0} for c in CATEGORIES}
     omitted["non_finite"]["by_top_k"] = omitted_non_finite
     return {
-        "schema": "torchinstruments.report/1",
+        "schema": SCHEMA,
         "generated_at": "2026-01-01T00:00:00+00:00",
         "run": {"rank": rank, "world_size": world, "samples_seen": 30, "forwards_seen": 30},
         "summary": {
@@ -313,7 +313,7 @@ def test_corrupt_report_is_unreadable_and_merge_goes_on(
     assert (first["rank"], first["path"]) == (1, str(corrupt))
     assert first["reason"].startswith("expected JSON, got a parse error (")
     assert (second["rank"], second["path"]) == (2, str(wrong))
-    assert second["reason"] == "expected schema 'torchinstruments.report/1', got 'something-else/1'"
+    assert second["reason"] == f"expected schema '{SCHEMA}', got 'something-else/1'"
 
 
 def test_no_readable_report_still_writes_a_global_report(tmp_path: Path) -> None:
@@ -392,20 +392,38 @@ def test_global_report_fits_max_bytes_and_counts_what_it_left_out(tmp_path: Path
 
 
 def inflated_report(base: dict[str, Any], target_bytes: int) -> dict[str, Any]:
-    """``base`` with findings repeated (as other modules) until it is near ``target_bytes``."""
+    """``base`` grown to near ``target_bytes`` as a large report grows: 160 findings (8
+    categories x the default top-k of 20; ``base``'s repeated as other modules), then
+    events with full histories until the size is reached."""
     report = copy.deepcopy(base)
     template = report["findings"]
     findings: list[dict[str, Any]] = []
     copy_index = 0
-    while True:
-        for entry in template:
-            candidate = dict(entry, module=f"blocks.{copy_index}.{entry['module']}")
-            findings.append(candidate)
-            report["findings"] = findings
-            if len(dumps_report(report)) > target_bytes:
-                findings.pop()
-                return report
+    while len(findings) < 160:
+        for entry in template[: 160 - len(findings)]:
+            findings.append(dict(entry, module=f"blocks.{copy_index}.{entry['module']}"))
         copy_index += 1
+    report["findings"] = findings
+    events: list[dict[str, Any]] = []
+    report["events"] = events
+    while True:
+        number = len(events) + 1
+        events.append(
+            {
+                "id": f"E{number}",
+                "shape": "step",
+                "module": f"blocks.{number}.fc1",
+                "history": {
+                    "metric": "rms",
+                    "columns": ["sample", "forward", "value"],
+                    "points": [[i, 16 * i, 0.5 + i / 1000] for i in range(40)],
+                },
+                "interpretation": "a step " * 40,
+            }
+        )
+        if len(dumps_report(report)) > target_bytes:
+            events.pop()
+            return report
 
 
 def test_merging_64_default_size_reports_keeps_memory_near_one_report(

@@ -42,9 +42,9 @@ def observe_wide(tmp_path: Path, config: ReportConfig, steps: int = 3) -> dict:
 def test_two_thousand_modules_fit_the_byte_limit_and_count_what_was_left_out(
     tmp_path: Path,
 ) -> None:
-    report = observe_wide(tmp_path, ReportConfig(top_k_per_category=1_000))
+    report = observe_wide(tmp_path, ReportConfig(top_k_per_category=1_000, max_bytes=4_096))
     size = (tmp_path / "report.json").stat().st_size
-    assert size <= 256_000
+    assert size <= 4_096
     assert size == len(dumps_report(report))
     coverage = report["coverage"]
     assert coverage["modules_observed"] == 2_001
@@ -56,16 +56,24 @@ def test_two_thousand_modules_fit_the_byte_limit_and_count_what_was_left_out(
     assert returned == len(report["findings"])
     for category, counts in coverage["findings_omitted"].items():
         kept = coverage["findings_returned"][category]
-        assert kept + counts["by_bytes"] + counts["by_top_k"] == coverage["candidates"][category]
+        left_out = counts["by_bytes"] + counts["by_top_k"] + counts["not_notable"]
+        assert kept + left_out == coverage["candidates"][category]
 
 
-def test_default_top_k_is_counted_as_omitted(tmp_path: Path) -> None:
+def test_a_quiet_wide_model_lists_three_rows_per_category_and_counts_the_rest(
+    tmp_path: Path,
+) -> None:
     report = observe_wide(tmp_path, ReportConfig(), steps=2)
     coverage = report["coverage"]
     drift = coverage["findings_omitted"]["activation_scale_drift"]
-    assert coverage["findings_returned"]["activation_scale_drift"] == 20
-    assert drift["by_top_k"] == 2_001 - 20
-    assert "top_k_per_category" in coverage["limits_hit"]
+    # Nothing is notable: three compact rows per category.
+    assert coverage["findings_returned"]["activation_scale_drift"] == 3
+    assert coverage["candidates"]["activation_scale_drift"] == 2_001
+    # Rows below the noise floor past the three listed are counted, not a limit hit.
+    assert (drift["by_top_k"], drift["not_notable"]) == (0, 2_001 - 3)
+    assert "top_k_per_category" not in coverage["limits_hit"]
+    assert report["events"] == []
+    assert (tmp_path / "report.json").stat().st_size <= 16_000
 
 
 def test_small_byte_limit_keeps_a_round_robin_prefix(tmp_path: Path) -> None:
@@ -125,7 +133,13 @@ def test_non_finite_values_never_reach_the_json(tmp_path: Path) -> None:
     assert (first["module"], first["sample"], first["recovered"]) == ("fc", 5, True)
     non_finite = [f for f in report["findings"] if f["category"] == "non_finite"]
     assert non_finite[0]["module"] == "fc"
-    assert {e["module"] for e in non_finite[0]["evidence"]["echoes"]} == {"act", "head", "<root>"}
+    event = next(e for e in report["events"] if e["id"] == non_finite[0]["event"])
+    assert (event["module"], event["shape"]) == ("fc", "non_finite")
+    activation = {e["module"] for e in event["echoes"] if e["signal"] == "activation"}
+    assert activation == {"act", "head"}  # <root> is head's tensor
+    # The output gradients that went non-finite at the same sample are this event too.
+    assert {f["category"] for f in event["findings"]} == {"non_finite"}
+    assert len(event["findings"]) == 2
 
 
 def test_quiet_run_says_no_finding_stands_out(tmp_path: Path) -> None:
@@ -314,10 +328,14 @@ def test_a_notable_step_carries_its_cross_section(tmp_path: Path) -> None:
     )
     assert finding["module"] == "1"
     assert finding["change_sample"] == 60 and finding["change_forward"] == 60
-    rows = finding["evidence"]["cross_section"]
-    assert [r["module"] for r in rows] == ["0", "1", "2", "3", "<root>"]  # forward order
+    event = next(e for e in report["events"] if e["id"] == finding["event"])
+    assert event["cross_section"]["sample"] == 60
+    rows = event["cross_section"]["rows"]
+    # Forward order; <root> returns module 3's tensor, one series named by both.
+    assert [r["module"] for r in rows] == ["0", "1", "2", "3"]
+    assert [r["offset"] for r in rows] == [-1, 0, 1, 2]
+    assert event["also_named"] == [] and event["module_kind"] == "Linear"
     by_module = {r["module"]: r for r in rows}
-    assert by_module["1"]["this_finding"] is True
     assert by_module["1"]["ratio"] == pytest.approx(4.0, rel=0.1)
     assert by_module["0"]["ratio"] == pytest.approx(1.0, abs=0.05)
     assert abs(by_module["0"]["in_spreads"]) < 3 < by_module["1"]["in_spreads"]

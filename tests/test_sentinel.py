@@ -14,7 +14,7 @@ from torch import nn
 
 from torchinstruments import inject_observer, remove_observer
 
-from .conftest import read_report
+from .conftest import event_of, read_report
 
 
 class Gate(nn.Module):
@@ -233,16 +233,18 @@ def check_poisoned_report(report: dict[str, Any], full_sentinel: bool, accelerat
             "tensor_path": "output",
             "this_series": True,
         }
-        assert "full sentinel saw them here first" in first["interpretation"]
-        echoes = {e["module"] for e in first["evidence"]["echoes"]}
-        assert "fc1" in echoes
+        event = event_of(report, first)
+        assert "full sentinel saw them here first" in event["interpretation"]
+        # poison multiplies fc1's output by 1 at every sample: one series, named by both.
+        assert event["also_named"] == ["fc1"]
     else:
         # Every module is non-finite at the next sample (fc1 through its NaN weights);
         # forward order cannot tell, and the report says so.
         assert (first["module"], first["signal"]) == ("fc1", "activation")
         assert earlier["source"] == "root_sentinel" and earlier["module"] == "<root>"
-        assert "need not show where they started" in first["interpretation"]
-        assert "full_sentinel=True" in first["next_experiment"]
+        event = event_of(report, first)
+        assert "need not show where they started" in event["interpretation"]
+        assert "full_sentinel=True" in event["next_experiment"]
 
 
 @ACCELERATOR
@@ -316,7 +318,7 @@ def test_an_old_one_off_is_not_the_origin_of_a_later_fault(
     earlier = first["evidence"]["earlier_between_samples"]
     assert earlier["forward_index"] == 209
     assert earlier["this_series"] is full_sentinel
-    assert "forward 7" not in first["interpretation"]
+    assert "forward 7" not in event_of(report, first)["interpretation"]
     summary = report["summary"]["first_non_finite"]
     assert summary["module"] == "inp" and summary["sample"] == 11
     assert summary["earlier_between_samples"]["forward_index"] == 7

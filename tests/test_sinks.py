@@ -17,7 +17,7 @@ from torchinstruments import (
 )
 from torchinstruments.sinks import scalar_tag
 
-from .conftest import ResidualNet, make_batches, read_report, train
+from .conftest import ResidualNet, make_batches, read_report, read_series, train
 
 
 class RecordingLogger:
@@ -41,9 +41,10 @@ def test_metric_logger_gets_one_call_per_sample_with_every_series(tmp_path: Path
     train(model, make_batches(4))
     remove_observer(model)
     assert [step for _, step in logger.calls] == [0, 1, 2, 3]
-    report = read_report(tmp_path)
     first = {
-        f["module"]: f for f in report["findings"] if f["category"] == "activation_scale_drift"
+        f["module"]: f
+        for f in read_series(tmp_path)
+        if f["signal"] == "activation" and f["metric"] == "rms"
     }
     values = logger.calls[0][0]
     tag = scalar_tag("fc", 0, "activation", "output", "rms")
@@ -174,7 +175,7 @@ def test_plots_are_written_and_linked_from_index(tmp_path: Path) -> None:
     assert pictures[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert f"(plots/{pictures[0].name})" in index
-    assert all("plot" not in finding for finding in read_report(tmp_path)["findings"])
+    assert all("plot" not in event for event in read_report(tmp_path)["events"])
 
 
 def test_plots_flag_must_be_a_bool(tmp_path: Path) -> None:

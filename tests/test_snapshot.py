@@ -68,6 +68,7 @@ def test_a_snapshot_built_without_an_observer_gives_a_report() -> None:
         modules_called=frozenset(),
         parents_adopted={},
         modules_replaced=(),
+        module_kinds={"0": "Linear"},
         root_forward_seen=True,
         report_config=ReportConfig(),
         track_config=track,

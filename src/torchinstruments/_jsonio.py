@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Schema of ``report.json``.
-SCHEMA = "torchinstruments.report/1"
+SCHEMA = "torchinstruments.report/2"
 #: Schema of ``series.json``.
 SERIES_SCHEMA = "torchinstruments.series/1"
 #: Deepest nesting of arrays and objects accepted when reading (our reports nest about

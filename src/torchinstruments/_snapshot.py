@@ -108,6 +108,8 @@ class RunSnapshot:
     parents_adopted: Mapping[str, str]
     #: Observed modules no longer in their place in the model.
     modules_replaced: tuple[str, ...]
+    #: Class name (``Linear``, ``LayerNorm``, ...) per selected module still alive.
+    module_kinds: Mapping[str, str]
     #: True once a training forward went through the root.
     root_forward_seen: bool
     report_config: ReportConfig
@@ -177,6 +179,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         modules_called=frozenset(capture.modules_called),
         parents_adopted=dict(observer.parents_adopted),
         modules_replaced=tuple(modules_replaced(observer)),
+        module_kinds=dict(observer.module_kinds()),
         root_forward_seen=ctx.root_forward_seen,
         report_config=observer.report_config,
         track_config=observer.track_config,

@@ -31,8 +31,9 @@ class ReportConfig:
             until it fits, then the sections named under ``coverage.sections_omitted``;
             what was dropped is counted under ``coverage.findings_omitted``. Default
             256,000.
-        top_k_per_category: most findings kept per category before the byte limit applies,
-            1 to 10,000. Default 20.
+        top_k_per_category: most notable findings kept per category before the byte limit
+            applies (then up to three compact rows of findings that are not notable), 1
+            to 10,000. Default 20.
         max_error_entries: most hook errors listed under ``errors`` (all are counted),
             grouped by stage, module and exception type, 0 to 10,000. Default 20.
         rewrite_interval_s: seconds between report rewrites during training; the report is
@@ -40,8 +41,8 @@ class ReportConfig:
             (``TrackConfig.warmup_samples`` samples), on ``SIGTERM``, at
             ``remove_observer`` and at interpreter exit. Above 0, at most one year.
             Default 60.
-        max_echo_modules: most echoing modules listed in one finding's evidence, 0 to
-            10,000. Default 8.
+        max_echo_modules: most echoing modules listed in one event, 0 to 10,000.
+            Default 8.
         series_summary_max_bytes: bound, in bytes, on ``series.json``, the per-series
             summary that run comparisons read; series past it are counted under
             ``coverage.series_summary_omitted``. From 4,096 to 2**30; default 2,000,000.

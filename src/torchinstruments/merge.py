@@ -392,7 +392,14 @@ class _Accumulator:
         omitted = coverage.get("findings_omitted")
         if isinstance(omitted, dict):
             for category, counts in omitted.items():
-                if isinstance(counts, dict) and not any(_int_or_none(v) for v in counts.values()):
+                # Complete: no finding left out by top-k or bytes (rows below the noise
+                # floor past the few listed, "not_notable", are not evidence).
+                left_out = (
+                    (counts.get(k) for k in ("by_top_k", "by_bytes"))
+                    if isinstance(counts, dict)
+                    else ()
+                )
+                if isinstance(counts, dict) and not any(_int_or_none(v) for v in left_out):
                     self.complete.setdefault(str(category), set()).add(rank)
         seen_series: set[SeriesKey] = set()
         seen_findings: set[FindingKey] = set()

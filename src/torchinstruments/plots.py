@@ -1,9 +1,9 @@
-"""Optional pictures of the top findings' series (needs the ``plots`` extra: matplotlib).
+"""Optional pictures of the events (needs the ``plots`` extra: matplotlib).
 
 ``DirectorySink(..., plots=True)`` (or ``inject_observer(..., plots=True)``) writes
-``plots/<n>-<category>-<module>.png`` for the notable findings (at most
-``MAX_PLOTS``), from the bounded history each finding carries, marking the end of
-warm-up and the sample where the change was detected; ``index.md`` links them. The core
+``plots/<n>-<event>-<shape>-<module>-<signal>.png``, one per event (at most
+``MAX_PLOTS``), from the history each event carries: x axis the training forward, y
+axis the signal and metric with its scale, the onset marked; ``index.md`` links them. The core
 install does not need matplotlib: asking for plots without it raises at injection.
 """
 
@@ -51,51 +51,57 @@ def _name_part(text: str, limit: int) -> str:
     return f"{safe[: limit - 9].rstrip('._')}-{digest}"
 
 
-def plot_filename(number: int, finding: dict[str, Any]) -> str:
-    """``plots/01-activation_scale_drift-blocks.2.fc1-activation.png`` style names.
+def plot_filename(number: int, event: dict[str, Any]) -> str:
+    """``plots/01-E1-step-blocks.2.fc1-activation.png`` style names.
 
     Every part is made safe and bounded (see :data:`MAX_NAME_PART`): a module name of
     any length or content gives a file name of at most about 140 ASCII characters.
 
     Example:
-        >>> plot_filename(1, {"module": "a" * 300, "category": "oscillation",
+        >>> plot_filename(1, {"id": "E1", "module": "a" * 300, "shape": "step",
         ...                   "signal": "activation"})[:40]
-        'plots/01-oscillation-aaaaaaaaaaaaaaaaaaa'
+        'plots/01-E1-step-aaaaaaaaaaaaaaaaaaaaaaa'
     """
-    module = _name_part(str(finding["module"]), MAX_NAME_PART) or "root"
-    category = _name_part(str(finding["category"]), 32)
-    signal = _name_part(str(finding["signal"]), 16)
-    return f"plots/{number:02d}-{category}-{module}-{signal}.png"
+    module = _name_part(str(event["module"]), MAX_NAME_PART) or "root"
+    ident = _name_part(str(event.get("id", "")), 16)
+    shape = _name_part(str(event.get("shape", "")), 16)
+    signal = _name_part(str(event["signal"]), 16)
+    return f"plots/{number:02d}-{ident}-{shape}-{module}-{signal}.png"
 
 
-def render_plot(finding: dict[str, Any]) -> bytes:
-    """PNG bytes of one finding's history, with warm-up end and change sample marked."""
+def render_plot(event: dict[str, Any]) -> bytes:
+    """PNG bytes of one event's history against the training forward, its onset marked.
+
+    The y axis names the signal, the metric and the scale (log for scale metrics whose
+    values are all positive)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    history = finding.get("history") or []
-    samples = [point[0] for point in history]
-    values = [point[1] for point in history]
-    figure = Figure(figsize=(6.0, 2.6), dpi=100)
+    history = event.get("history") or {}
+    points = [p for p in history.get("points") or [] if p[1] is not None]
+    forwards = [point[1] for point in points]
+    values = [point[2] for point in points]
+    metric = str(history.get("metric") or event.get("metric"))
+    figure = Figure(figsize=(6.0, 2.8), dpi=100)
     axes = figure.add_subplot()
-    axes.plot(samples, values, marker=".", linewidth=1.2)
-    if finding["metric"] in LOG_SCALE_METRICS and all(v > 0 for v in values):
+    axes.plot(forwards, values, marker=".", linewidth=1.2, label=str(event["module"]))
+    log = metric in LOG_SCALE_METRICS and all(v > 0 for v in values)
+    if log:
         axes.set_yscale("log")
-    warmup = finding.get("warmup_end_sample")
-    if warmup is not None:
-        axes.axvspan(samples[0] if samples else 0, warmup, color="0.9", label="warm-up")
-    change = finding.get("change_sample")
-    if change is not None:
-        axes.axvline(change, color="tab:red", linestyle="--", label=f"change @ {change}")
-    call = "" if finding.get("call_index") is None else f" call {finding['call_index']}"
-    axes.set_title(
-        f"{finding['category']} #{finding['rank']}: {finding['module']}{call}, "
-        f"{finding['signal']}.{finding['metric']}",
-        fontsize=9,
-    )
-    axes.set_xlabel("sample")
+    onset = event.get("onset") or {}
+    if onset.get("forward") is not None:
+        axes.axvline(
+            onset["forward"],
+            color="tab:red",
+            linestyle="--",
+            label=f"onset: forward {onset['forward']} (sample {onset.get('sample')})",
+        )
+    call = "" if event.get("call_index") is None else f" call {event['call_index']}"
+    axes.set_title(f"{event.get('id')} {event.get('shape')}: {event['module']}{call}", fontsize=9)
+    axes.set_xlabel("training forward")
+    axes.set_ylabel(f"{event['signal']}.{metric} ({'log' if log else 'linear'} scale)", fontsize=8)
     axes.legend(fontsize=7, loc="best")
     figure.tight_layout()
     buffer = io.BytesIO()
@@ -109,25 +115,26 @@ def write_plots(
     write: Any,
     failures: list[Exception] | None = None,
 ) -> list[str]:
-    """Render the notable findings' pictures; return the relative paths written.
+    """Render one picture per event; return the relative paths written.
 
     ``write(path, data)`` does the (atomic) file write, so the sink keeps ownership.
     Each picture is independent: one that cannot be rendered or written is skipped
-    (its finding gets no ``plot`` link) and its error appended to ``failures``.
+    (its event gets no ``plot`` link) and its error appended to ``failures``.
     """
     written: list[str] = []
-    for finding in report.get("findings", []):
+    for event in report.get("events", []):
         if len(written) >= MAX_PLOTS:
             break
-        if not finding.get("notable") or len(finding.get("history") or []) < 2:
+        points = (event.get("history") or {}).get("points") or []
+        if len(points) < 2:
             continue
-        name = plot_filename(len(written) + 1, finding)
+        name = plot_filename(len(written) + 1, event)
         try:
-            write(directory / name, render_plot(finding))
+            write(directory / name, render_plot(event))
         except Exception as error:
             if failures is not None:
                 failures.append(error)
             continue
-        finding["plot"] = name
+        event["plot"] = name
         written.append(name)
     return written

@@ -23,18 +23,27 @@ import torch
 
 from ._jsonio import SCHEMA, SERIES_SCHEMA, dumps_report, longest_fitting_prefix
 from .capture import compiled_frames
+from .events import (
+    QUIET_ROWS_PER_CATEGORY,
+    Facet,
+    SameTensor,
+    build_events,
+    dedupe,
+    event_body,
+    facet_row,
+    modules_stopped,
+    quiet_row,
+)
 from .find import (
     CATEGORIES,
-    RULES,
     Candidate,
     NonFiniteBetweenSamples,
     display_module,
     format_value,
-    model_wide_texts,
     run_rules,
 )
 from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early, step_size
-from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, RMS_TO_ROOT, forward_positions
+from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, forward_positions
 from .track import SeriesPoint, bounded_exp
 
 if TYPE_CHECKING:
@@ -57,34 +66,40 @@ __all__ = [
 DETAILS_SCHEMA = "torchinstruments.details/1"
 #: Metrics carried by the per-series summary (``series.json``).
 SUMMARY_METRICS = ("rms", "rms_to_root", "max_abs", "zero_fraction", "nonfinite_fraction")
-#: Points of series history carried by each finding.
-HISTORY_POINTS_PER_FINDING = 12
 
 LLM_PROMPT = """\
 You are analysing passive telemetry from one PyTorch training run (torchinstruments).
-The report lists, per category, the internal signals that moved most: module activations
-("activation") and gradients of the loss with respect to module outputs ("grad_output").
+The report lists events: each is one change at one module and onset, written once, with
+the categories it moved (its "findings"), its echoes, its cross-section and its history.
+Signals are module activations ("activation") and gradients of the loss with respect to
+module outputs ("grad_output"). "findings" ranks series within each category: notable
+ones refer to their event ("event": "E1"); the others are compact rows below their
+noise floor, context only.
 
 Rules for your answer:
-1. Cite every claim with category, module, call index, signal, tensor path, metric and
-   the values (first, latest, min, max with their sample indices) from the report.
+1. Cite every claim with the event id, module, call index, signal, tensor path, metric
+   and the values: onset sample and training forward, the change's "trend_forecast",
+   "value" and "in_residual_spreads", and first, latest, min, max with their samples.
 2. Separate measurement (what the numbers show) from mechanism (why it might happen);
    label mechanisms as hypotheses.
-3. Treat findings with "warmup_complete": false or "notable": false as weak evidence.
-   "early_in_run": true means the series' reference was still young, so the change had
-   to pass twice the usual residual spreads to be notable: weigh it by its
-   "change_in_residual_spreads", and prefer a later change of similar size.
-4. A finding's "evidence.echoes" are modules that changed at the same samples; the
-   finding is where the change begins along depth, judged in each series' own noise
-   units ("evidence.cross_section" shows the neighbours): prefer the finding itself as
-   the origin. When findings of several categories start at the same sample, the one
-   with the largest "change_in_residual_spreads" is listed first. Module "<model>" is a
+3. Treat "warmup_complete": false as weak evidence. "early_in_run": true means the
+   series' reference was still young, so the change had to pass twice the usual
+   residual spreads: weigh it by its size, and prefer a later change of similar size.
+4. An event's module is where the change begins along depth. Its "cross_section" gives,
+   at the onset, the module (offset 0) and its neighbours in forward order, each against
+   its own trend: "before" (forecast), "after", "ratio" and "in_spreads" (the departure
+   in that series' own noise units). Modules before it near 0 spreads and the module far
+   from 0 place the origin there; its "echoes" moved at the same samples because of it.
+   "also_named" are other modules that output the same tensor. Module "<model>" is a
    model-wide event: most of the model moved at once, a run-level cause.
-5. Do not infer anything about labels, optimizer updates, inputs or parameter gradients:
+5. "shape" says what happened: a "step" that held, a "spike" that returned, a
+   "non_finite" value, a "model_wide" move, an "oscillation", "volatility" or a "drift".
+   History points are [sample, training forward, value], every observed sample around
+   each change. "coverage.modules_stopped" lists modules that stopped being called.
+6. Do not infer anything about labels, optimizer updates, inputs or parameter gradients:
    they are not observed (a loss is observed only where the model's own output carries
-   it, as a tensor path of <root>). Samples are sampled forwards, not optimizer steps;
-   "change_forward" gives the training forward of a change.
-6. End with the single narrowest next experiment (one change, same seed, data order and
+   it, as a tensor path of <root>). Samples are sampled forwards, not optimizer steps.
+7. End with the single narrowest next experiment (one change, same seed, data order and
    precision) that would confirm or refute your leading hypothesis.
 """
 
@@ -143,128 +158,6 @@ def _clean(obj: object, limit: int = MAX_TEXT_CHARS) -> Any:
 def _point(point: SeriesPoint | None) -> dict[str, float | int]:
     assert point is not None
     return point.as_dict()
-
-
-#: Neighbours listed on each side of a finding's module in its cross-section.
-CROSS_SECTION_NEIGHBOURS = 3
-
-
-def _cross_section(c: Candidate, observer: RunSnapshot) -> list[dict[str, Any]] | None:
-    """At the finding's change, the module and its neighbours in forward order (same
-    signal, call, metric and tensor path kind): each value against its own trend
-    forecast, as ``before`` (forecast), ``after`` (observed), their ``ratio`` (log-scale
-    metrics; a difference otherwise) and ``in_spreads`` (the departure in that series'
-    own residual spreads). Where the change begins along depth is where the fault is.
-    Neighbours whose value at that sample is no longer among their latest points are
-    left out. None without a change point."""
-    change = c.change
-    if change is None:
-        return None
-    metric = c.metric if c.judged is c.tracker else RMS_TO_ROOT
-    sample = change.start_sample
-    signal = c.series.signal
-    peers = [s for s in observer.series.values() if s.signal == signal and metric in s.trackers]
-    positions = forward_positions(observer.series.values())
-    peers.sort(key=lambda s: (positions.get((s.module, s.call_index, s.tensor_path), 0), s.module))
-    index = next((i for i, s in enumerate(peers) if s is c.series), None)
-    if index is None:
-        return None
-    start = max(0, index - CROSS_SECTION_NEIGHBOURS)
-    rows: list[dict[str, Any]] = []
-    for s in peers[start : index + CROSS_SECTION_NEIGHBOURS + 1]:
-        tracker = s.trackers[metric]
-        departure = tracker.departure_at(sample)
-        if departure is None:
-            continue
-        before = tracker.level(departure.forecast)
-        after = tracker.level(departure.value)
-        row: dict[str, Any] = {
-            "module": display_module(s.module),
-            "call_index": s.call_index,
-            "tensor_path": s.tensor_path,
-            "before": before,
-            "after": after,
-        }
-        if tracker.log_scale:
-            row["ratio"] = after / before if before > 0 else None
-        else:
-            row["difference"] = after - before
-        row["in_spreads"] = departure.z
-        if s is c.series:
-            row["this_finding"] = True
-        rows.append(row)
-    return rows
-
-
-def _finding(c: Candidate, rank: int, max_echoes: int, observer: RunSnapshot) -> dict[str, Any]:
-    s, t = c.series, c.tracker
-    rule = RULES[c.category]
-    evidence = {k: v for k, v in c.evidence.items() if v is not None}
-    cross_section = _cross_section(c, observer) if c.notable else None
-    if cross_section:
-        evidence["cross_section"] = cross_section
-    if c.echoes:
-        evidence["echoes"] = [
-            {
-                "module": display_module(e.series.module),
-                "call_index": e.series.call_index,
-                "tensor_path": e.series.tensor_path,
-                "metric": e.metric,
-                "ranking_value": e.score,
-            }
-            for e in c.echoes[:max_echoes]
-        ]
-        if len(c.echoes) > max_echoes:
-            evidence["echoes_omitted"] = len(c.echoes) - max_echoes
-    history = t.history()
-    if len(history) > HISTORY_POINTS_PER_FINDING:
-        step = (len(history) - 1) / (HISTORY_POINTS_PER_FINDING - 1)
-        history = [history[round(i * step)] for i in range(HISTORY_POINTS_PER_FINDING)]
-    module: str = display_module(s.module)
-    call_index: int | None = s.call_index
-    tensor_path: str | None = s.tensor_path
-    interpretation = rule.interpretation(c)
-    next_experiment = rule.next_experiment(c)
-    if c.model_wide is not None:
-        evidence["model_wide"] = {
-            "share_of_modules": c.model_wide,
-            "modules": len(c.echoes) + 1,
-            "first_in_propagation_order": module,
-            "first_call_index": call_index,
-            "first_tensor_path": tensor_path,
-            "values_shown_are_of": "first_in_propagation_order",
-        }
-        forward = observer.sample_forwards.forward(c.onset)
-        interpretation, next_experiment = model_wide_texts(c, forward)
-        module, call_index, tensor_path = MODEL, None, None
-    return {
-        "category": c.category,
-        "rank": rank,
-        "notable": c.notable,
-        "module": module,
-        "call_index": call_index,
-        "signal": s.signal,
-        "tensor_path": tensor_path,
-        "metric": c.metric,
-        "observations": t.count,
-        "first": _point(t.first),
-        "latest": _point(t.latest),
-        "min": _point(t.min),
-        "max": _point(t.max),
-        "warmup_complete": t.warmup_complete,
-        "warmup_end_sample": t.warmup_end_sample,
-        "early_in_run": c.notable and is_early(c),
-        "change_sample": c.onset,
-        "change_forward": observer.sample_forwards.forward(c.onset),
-        "change_in_residual_spreads": (
-            max([step_size(c), *(step_size(e) for e in c.echoes)]) if c.change is not None else None
-        ),
-        "ranking": {"basis": c.basis, "value": c.score, "group_value": c.group_score},
-        "evidence": evidence,
-        "interpretation": interpretation,
-        "next_experiment": next_experiment,
-        "history": [[sample, value] for sample, value in history],
-    }
 
 
 #: Least factor of a step in the loss gradient reported as a model-wide event.
@@ -437,8 +330,119 @@ def _limits_hit(
     return limits
 
 
+_SPECIAL_ROW_KEYS = (
+    "category",
+    "rank",
+    "notable",
+    "module",
+    "call_index",
+    "signal",
+    "tensor_path",
+    "metric",
+    "ranking",
+    "first",
+    "latest",
+)
+
+
+def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A ``<model>`` finding of :func:`_model_wide_findings` as a row of ``findings`` and,
+    when notable, the body of its event (without its id)."""
+    row = {key: item[key] for key in _SPECIAL_ROW_KEYS}
+    if not item["notable"]:
+        # The loss scale: its range is the point (first, min, max with their samples).
+        return {**row, **{k: item[k] for k in ("min", "max")}}, None
+    row.update(
+        {
+            "change_sample": item["change_sample"],
+            "change_forward": item["change_forward"],
+            "change_in_residual_spreads": item["change_in_residual_spreads"],
+            "early_in_run": False,
+        }
+    )
+    evidence = item["evidence"]
+    body = {
+        "shape": "model_wide",
+        "module": MODEL,
+        "call_index": None,
+        "signal": item["signal"],
+        "tensor_path": None,
+        "module_kind": None,
+        "also_named": [],
+        "metric": item["metric"],
+        "direction": "up" if evidence["factor"] > 1 else "down",
+        "onset": {"sample": item["change_sample"], "forward": item["change_forward"]},
+        "warmup_complete": item["warmup_complete"],
+        "early_in_run": False,
+        "findings": [{"category": item["category"], "rank": item["rank"], "metric": "rms"}],
+        "model_wide": {"measured_on": "loss gradient (the root output's gradient RMS)"},
+        "change": {
+            "metric": "rms",
+            "start_sample": evidence["step_start_sample"],
+            "alarm_sample": evidence["step_alarm_sample"],
+            "ratio": evidence["factor"],
+            "in_residual_spreads": evidence["step_in_residual_spreads"],
+            "confirmed": True,
+            "returned_to_trend": False,
+        },
+        "values": {k: item[k] for k in ("metric", "first", "latest", "min", "max")},
+        "history": {"metric": "rms", "columns": ["sample", "forward", "value"], "points": []},
+        "interpretation": item["interpretation"],
+        "next_experiment": item["next_experiment"],
+    }
+    return row, body
+
+
+#: Observed (module, call, signal) up to which each is named by at least one compact
+#: row (a model of up to 16 modules).
+SMALL_MODEL_SERIES = 32
+
+
+def _quiet_choice(
+    quiet: Sequence[Candidate], room: int, listed: set[tuple[str, int, str]]
+) -> list[int]:
+    """Indices (in rank order) of the compact rows of one category: its rank 1, then the
+    best ranked whose (module, call, signal) no earlier category listed, so that the few
+    rows of all categories name as many series as they can; then the next best."""
+    if room <= 0 or not quiet:
+        return []
+    chosen = [0]
+    fresh = [
+        i
+        for i, c in enumerate(quiet)
+        if i
+        and (c.series.module, c.series.call_index, c.series.signal) not in listed
+        and (c.series.module, c.series.call_index, c.series.signal)
+        != (quiet[0].series.module, quiet[0].series.call_index, quiet[0].series.signal)
+    ]
+    chosen += fresh[: room - 1]
+    chosen += [i for i in range(1, len(quiet)) if i not in chosen][: room - len(chosen)]
+    return sorted(chosen)
+
+
+def _round_key(notable: bool, change_sample: int | None, early: bool, signal: str, size: float):
+    # Within a round: notable first, then the earliest detected change, so the list reads
+    # in the order things happened; at the same sample the category whose change is
+    # largest in its own noise units (residual spreads) first, as the origin of a group
+    # is chosen; ties keep the fixed category order.
+    return (
+        not notable,
+        change_sample is None,
+        early,
+        (change_sample or 0) + (ONSET_TOLERANCE_SAMPLES if signal == GRAD_OUTPUT else 0),
+        -size,
+    )
+
+
 def build_report(observer: RunSnapshot) -> dict[str, Any]:
     """Build the bounded report from an observer's snapshot (taken after a flush).
+
+    Per category, the notable findings (at most ``top_k_per_category``) and then up to
+    :data:`~torchinstruments.events.QUIET_ROWS_PER_CATEGORY` compact rows of findings that
+    are not notable (for a model of at most ``SMALL_MODEL_SERIES`` observed module calls
+    and signals, as many as name each once) are taken, round-robin across categories;
+    each notable finding refers to its event (``events``), written once in full. The
+    longest prefix of that order whose bytes fit is kept, with the events it refers to.
 
     Returns:
         A JSON-safe dict whose :func:`dumps_report` bytes are at most
@@ -450,63 +454,119 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
         loss_scaled=observer.counters.loss_scaled_samples > 0,
         nonfinite_between_samples=_sentinel_hits(observer),
     )
-    per_category: dict[str, list[dict[str, Any]]] = {}
+    same = SameTensor(observer.series.values())
+    kinds = observer.module_kinds
+    stopped = modules_stopped(observer)
+    # Entries per category: a Facet (notable), a Candidate (a quiet row) or a <model>
+    # finding dict; each with its round-robin key.
+    per_category: dict[str, list[tuple[object, tuple[Any, ...]]]] = {}
     notable_counts: dict[str, int] = {}
     candidate_counts: dict[str, int] = {}
-    for category in CATEGORIES:
-        candidates = ranked[category]
-        items: list[dict[str, Any]] = []
-        offset = 0
-        if category == "gradient_scale_change":
-            for model_wide in _model_wide_findings(observer):
-                offset += 1
-                items.append({**model_wide, "rank": offset})
-        for position, candidate in enumerate(candidates[: config.top_k_per_category - offset]):
-            items.append(
-                _finding(candidate, position + 1 + offset, config.max_echo_modules, observer)
+    notable_dropped: dict[str, int] = {}
+    listed: set[tuple[str, int, str]] = set()  # (module, call, signal) of quiet rows
+    # A small model's compact rows name each of its series once (every category's rank 1
+    # and the series no earlier category listed); a larger model's, a few per category.
+    small_model = (
+        len({(s.module, s.call_index, s.signal) for s in observer.series.values()})
+        <= SMALL_MODEL_SERIES
+    )
+    quiet_ranks: dict[int, int] = {}
+    for number, category in enumerate(CATEGORIES):
+        # Notable candidates of one tensor are one (named once, the others under
+        # also_named); compact rows name every series as it was observed.
+        candidates = [
+            *dedupe([c for c in ranked[category] if c.notable], same),
+            *(c for c in ranked[category] if not c.notable),
+        ]
+        items: list[tuple[object, tuple[Any, ...]]] = []
+        specials = _model_wide_findings(observer) if category == "gradient_scale_change" else []
+        for rank, special in enumerate(specials, 1):
+            key = _round_key(
+                special["notable"],
+                special["change_sample"],
+                False,
+                special["signal"],
+                special["change_in_residual_spreads"] or 0.0,
             )
+            items.append(({**special, "rank": rank}, (*key, number)))
+        notable = [c for c in candidates if c.notable]
+        quiet = [c for c in candidates if not c.notable]
+        room = config.top_k_per_category - len(items)
+        notable_dropped[category] = max(len(notable) - max(room, 0), 0)
+        for c in notable[: max(room, 0)]:
+            size = max([step_size(c), *(step_size(e) for e in c.echoes)]) if c.change else 0.0
+            key = _round_key(True, c.onset, is_early(c), c.series.signal, size)
+            items.append((Facet(category, len(items) + 1, c), (*key, number)))
+        room = config.top_k_per_category - len(items)
+        if not small_model:
+            room = min(QUIET_ROWS_PER_CATEGORY, room)
+        offset = len(specials) + len(notable)
+        for index in _quiet_choice(quiet, max(room, 0), listed):
+            c = quiet[index]
+            listed.add((c.series.module, c.series.call_index, c.series.signal))
+            quiet_ranks[id(c)] = offset + index + 1
+            items.append((c, (*_round_key(False, None, False, c.series.signal, 0.0), number)))
         per_category[category] = items
-        candidate_counts[category] = len(candidates) + offset
-        notable_counts[category] = sum(1 for c in candidates if c.notable) + sum(
-            1 for item in items[:offset] if item["notable"]
-        )
-    order: list[dict[str, Any]] = []
+        candidate_counts[category] = len(candidates) + len(specials)
+        notable_counts[category] = len(notable) + sum(1 for x in specials if x["notable"])
+    order: list[object] = []
     depth = max((len(v) for v in per_category.values()), default=0)
     for level in range(depth):
         round_items = [
-            (number, per_category[category][level])
-            for number, category in enumerate(CATEGORIES)
+            per_category[category][level]
+            for category in CATEGORIES
             if level < len(per_category[category])
         ]
-        # Within a round: notable first, then the earliest detected change, so the list
-        # reads in the order things happened; at the same sample the category whose
-        # change is largest in its own noise units (residual spreads) first, as the
-        # origin of a group is chosen; ties keep the fixed category order.
-        round_items.sort(
-            key=lambda item: (
-                not item[1]["notable"],
-                item[1].get("change_sample") is None,
-                item[1].get("early_in_run", False),
-                (item[1].get("change_sample") or 0)
-                + (ONSET_TOLERANCE_SAMPLES if item[1]["signal"] == GRAD_OUTPUT else 0),
-                -(item[1].get("change_in_residual_spreads") or 0.0),
-                item[0],
-            )
-        )
-        order.extend(finding for _, finding in round_items)
+        round_items.sort(key=lambda item: item[1])
+        order.extend(entry for entry, _ in round_items)
+    # Events, numbered in report order; rows of findings, each referring to its event.
+    facets = [entry for entry in order if isinstance(entry, Facet)]
+    events = build_events(facets)
+    bodies: dict[int, dict[str, Any]] = {}
+    rows: list[tuple[dict[str, Any], int | None]] = []  # (row, event number)
+    number = 0
+    numbers: dict[int, int] = {}
+    for entry in order:
+        if isinstance(entry, Facet):
+            assert entry.event is not None
+            event = entry.event
+            if id(event) not in numbers:
+                number += 1
+                numbers[id(event)] = number
+                event.number = number
+                bodies[number] = event_body(
+                    event, observer, kinds, same, config.max_echo_modules, stopped
+                )
+            rows.append((facet_row(entry, observer, same), numbers[id(event)]))
+        elif isinstance(entry, Candidate):
+            rows.append((quiet_row(entry, quiet_ranks[id(entry)], same), None))
+        else:
+            assert isinstance(entry, dict)
+            row, body = _special_parts(entry)
+            if body is None:
+                rows.append((row, None))
+                continue
+            number += 1
+            bodies[number] = {"id": f"E{number}", **body}
+            row["event"] = f"E{number}"
+            rows.append((row, number))
+    del events
     first_non_finite = _first_non_finite(ranked["non_finite"], observer)
     replaced = [display_module(name) for name in observer.modules_replaced]
     never_ran = _modules_never_ran(observer)
 
     def assemble(kept: int) -> dict[str, Any]:
-        findings = order[:kept]
+        findings = [row for row, _ in rows[:kept]]
+        referred = sorted({n for _, n in rows[:kept] if n is not None})
+        kept_events = [bodies[n] for n in referred]
         returned = {c: 0 for c in CATEGORIES}
         for finding in findings:
             returned[finding["category"]] += 1
         omitted = {
             c: {
-                "by_top_k": candidate_counts[c] - len(per_category[c]),
+                "by_top_k": notable_dropped[c],
                 "by_bytes": len(per_category[c]) - returned[c],
+                "not_notable": candidate_counts[c] - len(per_category[c]) - notable_dropped[c],
             }
             for c in CATEGORIES
         }
@@ -522,7 +582,11 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                 "summary": {
                     "notable_findings": sum(notable_counts.values()),
                     "notable_findings_returned": notable_returned,
-                    "headline": _headline(findings, sum(notable_counts.values()), observer),
+                    "events": len(bodies),
+                    "events_returned": len(kept_events),
+                    "headline": _headline(
+                        kept_events, sum(notable_counts.values()), observer, stopped
+                    ),
                     "first_non_finite": first_non_finite,
                 },
                 "coverage": {
@@ -537,6 +601,7 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                         ]
                     },
                     "modules_replaced": replaced[:MAX_MODULES_NOT_OBSERVED],
+                    "modules_stopped": stopped,
                     "tensor_paths_observed": len(
                         {(s.module, s.call_index, s.tensor_path) for s in observer.series.values()}
                     ),
@@ -570,12 +635,13 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                     "errors_total": observer.counters.errors_total,
                     "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k, replaced),
                 },
+                "events": kept_events,
                 "findings": findings,
                 "errors": _errors_section(observer),
             }
         )
 
-    report = longest_fitting_prefix(assemble, len(order), config.max_bytes)
+    report = longest_fitting_prefix(assemble, len(rows), config.max_bytes)
     return _fit_sections(report, config.max_bytes)
 
 
@@ -586,6 +652,7 @@ _SHRINKABLE: tuple[tuple[str, str, object], ...] = (
     ("coverage", "modules_not_observed", []),
     ("coverage", "modules_never_ran", []),
     ("coverage", "modules_replaced", []),
+    ("coverage", "modules_stopped", []),
     ("coverage", "parents_observed", {}),
     ("", "errors", []),
     ("", "config", {}),
@@ -678,7 +745,25 @@ def _first_non_finite(
     return {**sampled, "earlier_between_samples": sentinel}
 
 
-def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: RunSnapshot) -> str:
+def _stopped_text(stopped: Sequence[dict[str, Any]]) -> str:
+    if not stopped:
+        return ""
+    first = stopped[0]
+    more = f" and {len(stopped) - 1} more" if len(stopped) > 1 else ""
+    forward = first.get("last_forward")
+    at = f", training forward {forward}" if forward is not None else ""
+    return (
+        f" {len(stopped)} module(s) stopped being called: `{first['module']}` (call "
+        f"{first['call_index']}) last ran at sample {first['last_sample']}{at}{more}."
+    )
+
+
+def _headline(
+    events: Sequence[dict[str, Any]],
+    notable: int,
+    observer: RunSnapshot,
+    stopped: Sequence[dict[str, Any]] = (),
+) -> str:
     if not observer.root_forward_seen:
         return (
             f"No training forward was observed ({observer.counters.eval_forwards_skipped} forwards "
@@ -686,6 +771,7 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: RunSna
             "torch.func transform), so there is "
             "nothing to report. Train in model.train() mode with gradients enabled."
         )
+    tail = _stopped_text(stopped)
     if notable == 0:
         if observer.sentinel_events:
             event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))
@@ -695,21 +781,28 @@ def _headline(findings: Sequence[dict[str, Any]], notable: int, observer: RunSna
                 f"the first at "
                 f"forward {event['forward_index']}, in `{display_module(str(event['module']))}`) "
                 "but in no sampled forward; every ranked series stays within its noise floor."
-            )
-        return "No finding stands out: every ranked series stays within its noise floor."
-    top = next(f for f in findings if f["notable"]) if any(f["notable"] for f in findings) else None
-    if top is None:
-        return f"{notable} notable finding(s); none fit within the byte limit."
+            ) + tail
+        return "No finding stands out: every ranked series stays within its noise floor." + tail
+    if not events:
+        return f"{notable} notable finding(s); none fit within the byte limit." + tail
+    top = events[0]
+    count = f"{notable} notable finding(s) in {len(events)} event(s)"
+    onset = top.get("onset") or {}
+    when = f"sample {onset.get('sample')}" + (
+        f" (training forward {onset['forward']})" if onset.get("forward") is not None else ""
+    )
+    categories = ", ".join(sorted({f["category"] for f in top.get("findings", [])}))
     if top["module"] == MODEL:
-        share = (top.get("evidence") or {}).get("model_wide", {}).get("share_of_modules")
+        share = (top.get("model_wide") or {}).get("share_of_modules")
         moved = f", {format_value(share * 100)}% of the observed modules" if share else ""
         return (
-            f"{notable} notable finding(s); the earliest is a model-wide event in "
-            f"{top['category']} (`{MODEL}`{moved}, {top['signal']}.{top['metric']})."
+            f"{count}; the first ({top['id']}) is a model-wide event at {when} (`{MODEL}`"
+            f"{moved}, {top['signal']}.{top['metric']}; {categories})." + tail
         )
     return (
-        f"{notable} notable finding(s); the earliest is {top['category']} at "
-        f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']})."
+        f"{count}; the first ({top['id']}) is a {top['shape'].replace('_', '-')} at "
+        f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']}) at "
+        f"{when} ({categories})." + tail
     )
 
 
@@ -933,6 +1026,22 @@ def _not_observed_text(coverage: dict[str, Any]) -> str:
     )
 
 
+def _blank(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _stopped_markdown(coverage: dict[str, Any]) -> str:
+    stopped = coverage.get("modules_stopped") or []
+    if not stopped:
+        return ""
+    listed = ", ".join(
+        f"{md_code(m['module'])} after sample {m['last_sample']}"
+        + (f" (forward {m['last_forward']})" if m.get("last_forward") is not None else "")
+        for m in stopped
+    )
+    return f" Stopped being called: {listed}."
+
+
 def _placement_text(coverage: dict[str, Any]) -> str:
     """Sentences on modules that never ran, parents observed in their place and
     modules replaced after injection (their places are no longer observed)."""
@@ -954,46 +1063,80 @@ def _placement_text(coverage: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def _markdown_finding(f: dict[str, Any]) -> list[str]:
-    title = f["category"].replace("_", " ").capitalize()
-    call = "" if f.get("call_index") is None else f", call {f['call_index']}"
-    path = f" ({md_text(f['tensor_path'])})" if f.get("tensor_path") else ""
+def _number_text(value: object) -> str:
+    if isinstance(value, float):
+        return format_value(value)
+    if isinstance(value, dict) or value is None:
+        return "n/a"
+    return str(value)
+
+
+def _markdown_event(e: dict[str, Any]) -> list[str]:
+    call = "" if e.get("call_index") is None else f" (call {e['call_index']})"
+    onset = e.get("onset") or {}
+    when = f"sample {onset.get('sample')}"
+    if onset.get("forward") is not None:
+        when += f", training forward {onset['forward']}"
+    kind = f", a {md_text(e['module_kind'])}" if e.get("module_kind") else ""
     lines = [
-        f"### {title} #{f['rank']}: {md_code(f['module'])}{call}, "
-        f"{f['signal']}.{f['metric']}{path}",
+        f"### {e['id']}: {e['shape'].replace('_', '-')} at {md_code(e['module'])}{call}{kind}, "
+        f"{e['signal']}.{e['metric']}, {when}",
         "",
-        md_text(f["interpretation"]),
+        md_text(e["interpretation"]),
         "",
     ]
-    ranking = f.get("ranking", {})
-    warm = "complete" if f.get("warmup_complete") else "NOT complete (weak evidence)"
-    change = ""
-    if f.get("change_sample") is not None:
-        forward = f.get("change_forward")
-        at = f" (training forward {forward})" if forward is not None else ""
-        change = f" change detected at sample {f['change_sample']}{at};"
-    lines.append(
-        f"- Ranked by `{ranking.get('basis')}` = {ranking.get('value')};{change} warm-up "
-        f"{warm}; {f.get('observations')} observations."
+    facets = ", ".join(
+        f"{f['category']} #{f['rank']} ({f['metric']})" for f in e.get("findings", [])
     )
-    echoes = f.get("evidence", {}).get("echoes")
-    if echoes:
-        names = ", ".join(md_code(e["module"]) for e in echoes)
-        lines.append(f"- Echoes at the same samples (not listed separately): {names}.")
-    history = f.get("history") or []
+    lines.append(f"- Findings: {facets}.")
+    if e.get("also_named"):
+        names = ", ".join(md_code(n) for n in e["also_named"])
+        lines.append(f"- The same tensor is also the output of: {names}.")
+    if e.get("echoes"):
+        names = ", ".join(md_code(x["module"]) for x in e["echoes"])
+        more = f" and {e['echoes_omitted']} more" if e.get("echoes_omitted") else ""
+        lines.append(f"- Echoes (moved at the same samples, not listed separately): {names}{more}.")
+    history = (e.get("history") or {}).get("points") or []
     if len(history) >= 2:
-        picture = sparkline(history, log_scale=f["metric"] in LOG_SCALE_METRICS)
+        metric = e["history"]["metric"]
+        picture = sparkline([[p[0], p[2]] for p in history], log_scale=metric in LOG_SCALE_METRICS)
         lines.append(
-            f"- Series, samples {history[0][0]} to {history[-1][0]}: `{picture}` "
-            f"(min {f['min']['value']} at sample {f['min']['sample']}, "
-            f"max {f['max']['value']} at sample {f['max']['sample']})"
+            f"- {metric}, samples {history[0][0]} to {history[-1][0]} (training forwards "
+            f"{history[0][1]} to {history[-1][1]}): `{picture}`"
         )
-    plot = f.get("plot")
+        change = e.get("change") or {}
+        start = change.get("start_sample")
+        if start is not None:
+            near = [p for p in history if abs(p[0] - start) <= 3]
+            listed = "; ".join(f"{p[0]} (forward {p[1]}): {_number_text(p[2])}" for p in near)
+            lines.append(f"- Around the onset, sample (forward): value: {listed}.")
+    plot = e.get("plot")
     if plot:
         lines.append(f"- Picture: [{plot}]({plot})")
-    lines.append(f"- Next experiment: {md_text(f['next_experiment'])}")
+    lines.append(f"- Next experiment: {md_text(e['next_experiment'])}")
+    section = e.get("cross_section")
+    if section and section.get("rows"):
+        lines += [
+            "",
+            f"Cross-section at sample {section['sample']} ({section['metric']}, forward order; "
+            "offset 0 is this module):",
+            "",
+            "| offset | module | call | before | after | ratio | in spreads |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in section["rows"]:
+            ratio = r.get("ratio", r.get("difference"))
+            lines.append(
+                f"| {r['offset']} | {md_code(r['module'], in_table=True)} | {r['call_index']} "
+                f"| {_number_text(r['before'])} | {_number_text(r['after'])} "
+                f"| {_number_text(ratio)} | {_number_text(r['in_spreads'])} |"
+            )
     lines.append("")
     return lines
+
+
+#: Events written out in full in ``index.md`` (all of them are in ``report.json``).
+MARKDOWN_EVENTS = 12
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -1028,34 +1171,45 @@ def render_markdown(report: dict[str, Any]) -> str:
             + (" (the run recovered)." if first.get("recovered") else "."),
             "",
         ]
+    events = report.get("events") or []
+    if events:
+        lines += ["## Events", ""]
+        for e in events[:MARKDOWN_EVENTS]:
+            lines += _markdown_event(e)
+        if len(events) > MARKDOWN_EVENTS:
+            lines += [f"{len(events) - MARKDOWN_EVENTS} more event(s) in report.json.", ""]
     notable = [f for f in findings if f["notable"]]
     if notable:
-        lines += ["## Notable findings", ""]
-        shown: dict[str, int] = {}
+        lines += [
+            "## Notable findings by category",
+            "",
+            "| category | rank | event | module | call | signal.metric | change sample |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for f in notable:
-            if shown.get(f["category"], 0) >= 3:
-                continue
-            shown[f["category"]] = shown.get(f["category"], 0) + 1
-            lines += _markdown_finding(f)
+            lines.append(
+                f"| {f['category']} | {f['rank']} | {f.get('event', '')} "
+                f"| {md_code(f['module'], in_table=True)} | {_blank(f.get('call_index'))} "
+                f"| {f['signal']}.{f['metric']} | {_blank(f.get('change_sample'))} |"
+            )
+        lines.append("")
     others = [f for f in findings if not f["notable"]]
     if others:
         lines += [
             "## Other ranked series (below their noise floor)",
             "",
-            "| category | rank | module | call | signal.metric | path | first | latest |",
+            "| category | rank | module | call | signal.metric | path | ranking | latest |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        shown = {}
         for f in others:
-            if shown.get(f["category"], 0) >= 3:
-                continue
-            shown[f["category"]] = shown.get(f["category"], 0) + 1
+            ranking = f.get("ranking") or {}
+            latest = f.get("latest") or {}
             lines.append(
                 f"| {f['category']} | {f['rank']} | {md_code(f['module'], in_table=True)} "
-                f"| {f.get('call_index', '')} | {f['signal']}.{f['metric']} "
+                f"| {_blank(f.get('call_index'))} | {f['signal']}.{f['metric']} "
                 f"| {md_code(f.get('tensor_path') or '', in_table=True)} "
-                f"| {f['first']['value']} @{f['first']['sample']} "
-                f"| {f['latest']['value']} @{f['latest']['sample']} |"
+                f"| {ranking.get('basis')} {_number_text(ranking.get('value'))} "
+                f"| {_number_text(latest.get('value'))} @{latest.get('sample')} |"
             )
         lines.append("")
     lines += [
@@ -1063,7 +1217,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- Modules observed: {coverage['modules_observed']} of {coverage['modules_selected']} "
         f"selected; tensor paths: {coverage['tensor_paths_observed']}; series: "
-        f"{coverage['series']}.{_not_observed_text(coverage)}{_placement_text(coverage)}",
+        f"{coverage['series']}.{_not_observed_text(coverage)}{_placement_text(coverage)}"
+        f"{_stopped_markdown(coverage)}",
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
         f"- Tensors skipped: {md_text(coverage['tensors_skipped'] or 'none')}.",

@@ -7,7 +7,7 @@ A tensor series owns one :class:`~torchinstruments.track.SeriesTracker` per metr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import TrackConfig
 from .track import SeriesTracker
@@ -20,6 +20,16 @@ __all__ = [
     "TensorSeries",
     "forward_positions",
 ]
+
+#: Observed samples kept on each side of a change point's first sample, for the dense
+#: part of an event's history (``TensorSeries.change_windows``).
+CHANGE_CONTEXT_SAMPLES = 3
+#: How far before a change point's first sample its window looks for observed samples,
+#: in samples (among the tracker's latest values, ``track.RECENT_POINTS``).
+_WINDOW_LOOKBACK_SAMPLES = 12
+#: Most points held per metric in ``TensorSeries.change_windows`` (eight change points
+#: of seven points each); past it the oldest go.
+MAX_WINDOW_POINTS = 56
 
 ACTIVATION = "activation"
 GRAD_OUTPUT = "grad_output"
@@ -60,6 +70,11 @@ class TensorSeries:
         trackers: one tracker per metric, created on the metric's first defined value.
         observations: number of samples that observed this tensor.
         undefined: per metric, number of samples whose value did not exist.
+        change_windows: per metric, every observed ``(sample, forward, value)`` from
+            ``CHANGE_CONTEXT_SAMPLES`` observed samples before to as many after the first
+            sample of each change point its tracker found (metric units; at most
+            ``MAX_WINDOW_POINTS``, oldest dropped), in sample order. Empty for a
+            metric without change points.
     """
 
     module: str
@@ -70,6 +85,9 @@ class TensorSeries:
     trackers: dict[str, SeriesTracker]
     observations: int = 0
     undefined_values: int = 0
+    change_windows: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)
+    # Per metric: (change points seen, samples still to add after the latest one's start).
+    _windows_open: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def update(
         self,
@@ -99,6 +117,45 @@ class TensorSeries:
                 )
                 trackers[metric] = tracker
             tracker.update(sample, value, forward)
+            if tracker.change_count:
+                self._follow_windows(metric, tracker, sample)
+
+    def _follow_windows(self, metric: str, tracker: SeriesTracker, sample: int) -> None:
+        """Add ``sample`` to the window of the latest change point while it is open,
+        and open a window when the tracker found a new change point."""
+        seen, remaining = self._windows_open.get(metric, (0, 0))
+        points = self.change_windows.setdefault(metric, [])
+        change = tracker.latest_change
+        if tracker.change_count != seen and change is not None:
+            start = change.start_sample
+            found = []
+            for s in range(max(start - _WINDOW_LOOKBACK_SAMPLES, 0), sample + 1):
+                departure = tracker.departure_at(s)
+                if departure is not None and departure.sample == s:
+                    found.append((s, departure.forward, tracker.level(departure.value)))
+            before = [p for p in found if p[0] < start][-CHANGE_CONTEXT_SAMPLES:]
+            after = [p for p in found if p[0] >= start]
+            remaining = max(CHANGE_CONTEXT_SAMPLES + 1 - len(after), 0)
+            self._add_points(points, before + after)
+            self._windows_open[metric] = (tracker.change_count, remaining)
+            return
+        if remaining:
+            departure = tracker.departure_at(sample)
+            if departure is not None and departure.sample == sample:
+                self._add_points(
+                    points, [(sample, departure.forward, tracker.level(departure.value))]
+                )
+            self._windows_open[metric] = (seen, remaining - 1)
+
+    @staticmethod
+    def _add_points(
+        points: list[tuple[int, int, float]], new: list[tuple[int, int, float]]
+    ) -> None:
+        known = {p[0] for p in points}
+        points.extend(p for p in new if p[0] not in known)
+        points.sort()
+        if len(points) > MAX_WINDOW_POINTS:
+            del points[: len(points) - MAX_WINDOW_POINTS]
 
 
 def forward_positions(series: Iterable[TensorSeries]) -> dict[tuple[str, int, str], int]:

@@ -123,6 +123,51 @@ def _finding_lines(number: int, finding: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _event_lines(number: int, event: dict[str, Any]) -> list[str]:
+    """An event (``report.json`` schema 2) in at most seven lines."""
+    shape = _text(event.get("shape"), 40)
+    lines = [f"{number:>3}. {_text(event.get('id'), 20)} {shape}: {_series_name(event)}"]
+    facts = []
+    onset = _dict(event.get("onset"))
+    sample = _int(onset.get("sample"))
+    if sample is not None:
+        forward = _int(onset.get("forward"))
+        facts.append(
+            f"onset at sample {sample}"
+            + (f" (training forward {forward})" if forward is not None else "")
+        )
+    facets = [
+        f"{_text(f.get('category'), 60)} #{_text(f.get('rank'))}"
+        for f in _list(event.get("findings"))
+        if isinstance(f, dict)
+    ]
+    if facets:
+        facts.append("findings " + ", ".join(facets))
+    if event.get("warmup_complete") is False:
+        facts.append("warm-up not complete (weak evidence)")
+    lines += _wrapped("; ".join(facts), "     ", 2)
+    interpretation = event.get("interpretation")
+    if isinstance(interpretation, str):
+        lines += _wrapped(one_line(interpretation, 2000), "     ", 3)
+    experiment = event.get("next_experiment")
+    if isinstance(experiment, str):
+        lines += _wrapped("next: " + one_line(experiment, 2000), "     ", 1)
+    return lines
+
+
+def _events_lines(events: Sequence[object], findings: Sequence[object]) -> list[str]:
+    rows = [e for e in events if isinstance(e, dict)]
+    notable = sum(1 for f in findings if isinstance(f, dict) and f.get("notable") is True)
+    lines = [f"Events: {len(rows)} ({notable} notable findings refer to them)"]
+    for number, event in enumerate(rows[:MAX_NOTABLE_SHOWN], start=1):
+        lines += _event_lines(number, event)
+    if len(rows) > MAX_NOTABLE_SHOWN:
+        lines.append(f"  ... {len(rows) - MAX_NOTABLE_SHOWN} more in report.json")
+    if not rows:
+        lines.append("  none: no finding above its noise floor")
+    return lines
+
+
 def _notable_lines(findings: Sequence[object]) -> list[str]:
     rows = [f for f in findings if isinstance(f, dict)]
     notable = [f for f in rows if f.get("notable") is True]
@@ -149,7 +194,12 @@ def _sum_counts(value: object) -> int | None:
 
 
 def _omitted_total(value: object) -> int | None:
-    totals = [_sum_counts(v) for v in _dict(value).values()]
+    # Left out by top-k and bytes; rows below the noise floor past the few listed
+    # ("not_notable") are not counted.
+    totals = [
+        _sum_counts({k: n for k, n in _dict(v).items() if k != "not_notable"})
+        for v in _dict(value).values()
+    ]
     return sum(t for t in totals if t is not None) if totals else None
 
 
@@ -195,7 +245,8 @@ def _coverage_lines(report: dict[str, Any]) -> list[str]:
 
 
 def render_report_text(report: dict[str, Any], path: str | os.PathLike[str]) -> str:
-    """A ``report.json`` dict as terminal text: headline, notable findings, coverage.
+    """A ``report.json`` dict as terminal text: headline, events (schema 2; the notable
+    findings of schema 1), coverage.
 
     Args:
         report: the parsed report (any version of schema ``torchinstruments.report``).
@@ -227,7 +278,12 @@ def render_report_text(report: dict[str, Any], path: str | os.PathLike[str]) -> 
         )
         recovered = " (the run recovered)" if first.get("recovered") is True else ""
         lines.append(f"First non-finite value: {when}, {_series_name(first)}{recovered}")
-    lines += ["", *_notable_lines(_list(report.get("findings"))), "", *_coverage_lines(report)]
+    findings = _list(report.get("findings"))
+    if "events" in report:
+        body = _events_lines(_list(report.get("events")), findings)
+    else:  # schema 1: every notable finding in full
+        body = _notable_lines(findings)
+    lines += ["", *body, "", *_coverage_lines(report)]
     return "\n".join(lines) + "\n"
 
 

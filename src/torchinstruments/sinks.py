@@ -202,7 +202,7 @@ class DirectorySink(_SinkBase):
             it is not bounded (about 2 kB per series and metric) and not meant for an
             LLM. Default False. Pass such a sink as ``inject_observer(..., sinks=[...])``
             with the same directory as ``output_dir``; it then replaces the default one.
-        plots: also write ``plots/*.png`` of the notable findings' series, linked from
+        plots: also write ``plots/*.png``, one per event, linked from
             ``index.md`` (needs the ``plots`` extra, matplotlib). Default False.
         write_series_summary: also write ``series.json``, a compact per-series summary
             bounded by ``ReportConfig.series_summary_max_bytes``, which
@@ -293,7 +293,7 @@ class DirectorySink(_SinkBase):
             from .plots import write_plots
 
             # Pictures are linked from index.md only (report.json stays as bounded).
-            shown = {**report, "findings": [dict(f) for f in report["findings"]]}
+            shown = {**report, "events": [dict(e) for e in report.get("events", [])]}
             write_plots(self.path, shown, atomic_write, failures)
         texts: list[tuple[Path, bytes]] = []
         for path, render in (

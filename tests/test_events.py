@@ -1,0 +1,187 @@
+"""Events: one change written once, pass-throughs as one series, a dense history, the
+cross-section in index.md, advice that fits the shape and the module, stopped modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchinstruments import TrackConfig, inject_observer, remove_observer
+from torchinstruments.events import module_kind
+
+from .conftest import event_of, read_report
+
+
+class Gate(nn.Module):
+    """Runs ``inner`` until ``skip`` is set, then passes its input through."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.skip else self.inner(x)
+
+
+def stepped_run(directory: Path, *, sampling: int = 1, steps: int = 90) -> dict[str, Any]:
+    """Linear, Linear, Identity, Tanh, Linear; the second Linear's weight x4 at step 60.
+    The Identity returns the second Linear's tensor, the root the last Linear's."""
+    torch.manual_seed(0)
+    faulty = nn.Linear(16, 16)
+    model = nn.Sequential(nn.Linear(8, 16), faulty, nn.Identity(), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(
+        model,
+        output_dir=directory,
+        sampling=sampling,
+        track_config=TrackConfig(history_points=8),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if step == 60:
+            with torch.no_grad():
+                faulty.weight.mul_(4.0)
+        optimizer.zero_grad()
+        model(torch.randn(32, 8, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    return read_report(directory)
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    directory = tmp_path_factory.mktemp("stepped")
+    return stepped_run(directory, sampling=2, steps=180), directory
+
+
+def test_one_step_is_one_event_that_its_findings_refer_to(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    report, _ = stepped
+    notable = [f for f in report["findings"] if f["notable"]]
+    activation = [f for f in notable if f["signal"] == "activation"]
+    assert {f["category"] for f in activation} >= {"activation_scale_drift", "regime_change"}
+    assert {f["event"] for f in activation} == {"E1"}
+    (event,) = [e for e in report["events"] if e["id"] == "E1"]
+    assert (event["module"], event["shape"], event["module_kind"]) == ("1", "step", "Linear")
+    assert event["onset"] == {"sample": 30, "forward": 60}  # sampling=2
+    assert {f["category"] for f in event["findings"]} >= {
+        "activation_scale_drift",
+        "regime_change",
+    }
+    assert event["change"]["ratio"] == pytest.approx(4.0, rel=0.15)
+    # Written once: findings carry no texts, histories or evidence of their own.
+    for finding in report["findings"]:
+        assert not {"interpretation", "next_experiment", "history"} & set(finding)
+    ids = [e["id"] for e in report["events"]]
+    assert ids == [f"E{n}" for n in range(1, len(ids) + 1)]
+    referred = {f["event"] for f in notable}
+    assert referred == set(ids)
+
+
+def test_a_pass_through_is_one_series_named_by_all(stepped: tuple[dict[str, Any], Path]) -> None:
+    report, _ = stepped
+    event = event_of(report, next(f for f in report["findings"] if f["event"] == "E1"))
+    assert event["also_named"] == ["2"]  # the Identity returns module 1's tensor
+    notable = [f for f in report["findings"] if f["notable"]]
+    assert "2" not in {f["module"] for f in notable}  # one tensor, named once
+    rows = [f for f in report["findings"] if not f["notable"]]
+    for row in rows:  # compact rows name each series, and the others of its tensor
+        if row["module"] == "2":
+            assert row["also_named"] == ["1"]
+        if row["module"] == "<root>":
+            assert row["also_named"] == ["4"]
+    echoes = {e["module"] for e in event["echoes"]}
+    assert "2" not in echoes and "<root>" not in echoes
+    assert [r["module"] for r in event["cross_section"]["rows"]] == ["0", "1", "3", "4"]
+    assert [r["offset"] for r in event["cross_section"]["rows"]] == [-1, 0, 1, 2]
+
+
+def test_history_is_dense_around_the_change_and_carries_the_forward(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    report, _ = stepped
+    event = report["events"][0]
+    history = event["history"]
+    assert history["columns"] == ["sample", "forward", "value"]
+    samples = [p[0] for p in history["points"]]
+    # Every observed sample from three before to three after the change's first sample,
+    # though the tracker keeps only 8 history points (a stride of 16 samples by now).
+    assert set(range(27, 34)) <= set(samples)
+    assert samples == sorted(samples) and samples[0] == 0 and samples[-1] == 89
+    assert all(forward == 2 * sample for sample, forward, _ in history["points"])
+    before = next(p for p in history["points"] if p[0] == 29)[2]
+    after = next(p for p in history["points"] if p[0] == 30)[2]
+    assert after / before == pytest.approx(4.0, rel=0.15)
+
+
+def test_index_md_shows_the_event_with_its_cross_section(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    report, directory = stepped
+    index = (directory / "index.md").read_text(encoding="utf-8")
+    assert "### E1: step at `1` (call 0), a Linear, activation.rms, sample 30" in index
+    assert "| offset | module | call | before | after | ratio | in spreads |" in index
+    assert "| 0 | `1` | 0 |" in index
+    assert "Around the onset, sample (forward): value: 27 (forward 54)" in index
+    assert json.dumps(report["events"][0]["interpretation"])[1:40] in json.dumps(index)
+
+
+def test_advice_fits_a_step_at_a_linear(stepped: tuple[dict[str, Any], Path]) -> None:
+    report, _ = stepped
+    event = report["events"][0]
+    text, experiment = event["interpretation"], event["next_experiment"]
+    assert "moved 3.5" in text and "above its" in text and "trend at sample 30" in text
+    assert "The value itself rose from" in text
+    assert "weight" in experiment and "normalization" not in experiment
+    assert "learning rate" not in experiment
+
+
+def test_module_kinds() -> None:
+    assert [module_kind(k) for k in ("Linear", "Conv2d", "LayerNorm", "BatchNorm1d")] == [
+        "weighted",
+        "weighted",
+        "normalization",
+        "normalization",
+    ]
+    assert [module_kind(k) for k in ("ReLU", "Dropout", "Sequential", None)] == [
+        "nonlinearity",
+        "pass_through",
+        "block",
+        "block",
+    ]
+
+
+def test_a_module_that_stops_being_called_is_named_and_explains_the_step(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    gate = Gate(nn.LayerNorm(16))
+    model = nn.Sequential(nn.Linear(8, 16), gate, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(90):
+        gate.skip = step >= 60
+        optimizer.zero_grad()
+        (model(torch.randn(32, 8, generator=generator) * 5).pow(2).mean() * 1e-2).backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["coverage"]["modules_stopped"] == [
+        {"module": "1.inner", "call_index": 0, "last_sample": 59, "last_forward": 59}
+    ]
+    headline = report["summary"]["headline"]
+    assert "1 module(s) stopped being called: `1.inner` (call 0) last ran at sample 59" in headline
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "Stopped being called: `1.inner` after sample 59 (forward 59)." in index
+    event = next(e for e in report["events"] if e["signal"] == "activation")
+    assert event["onset"]["sample"] == 60
+    assert "1.inner (call 0) stopped being called after sample 59" in event["interpretation"]
+    assert event["next_experiment"].startswith("Check why 1.inner no longer runs")
