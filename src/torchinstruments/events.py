@@ -847,7 +847,9 @@ def modules_stopped(observer: RunSnapshot) -> list[dict[str, Any]]:
         key = (s.module, s.call_index)
         sample, count = latest.get(key, (-1, 0))
         latest[key] = (max(sample, t.latest.sample), max(count, t.count))
-    gap = max(STOPPED_MIN_SAMPLES, math.ceil(STOPPED_MIN_SHARE * observer.counters.samples_observed))
+    gap = max(
+        STOPPED_MIN_SAMPLES, math.ceil(STOPPED_MIN_SHARE * observer.counters.samples_observed)
+    )
     stopped = [
         (sample, module, call)
         for (module, call), (sample, count) in latest.items()

@@ -455,7 +455,7 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
         nonfinite_between_samples=_sentinel_hits(observer),
     )
     same = SameTensor(observer.series.values())
-    kinds = observer.module_kinds
+    kinds = dict(observer.module_kinds)
     stopped = modules_stopped(observer)
     # Entries per category: a Facet (notable), a Candidate (a quiet row) or a <model>
     # finding dict; each with its round-robin key.
