@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._records import ROOT_INDEX
+from .capture import compiled_frames
 
 if TYPE_CHECKING:
     from ._error_log import ErrorEntry
@@ -186,7 +187,11 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         sampling=sampling,
         capture_direct_forwards=observer.capture_direct_forwards,
         full_sentinel=observer.full_sentinel,
-        hook_parking=observer.parking.status,
+        hook_parking=(
+            "off: torch.compile in use"  # parking would stop at the next try
+            if observer.parking.status == "on" and compiled_frames() != 0
+            else observer.parking.status
+        ),
         rank_info=observer.rank_info,
         options=dict(observer.options),
         started_at=observer.started_at,

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._jsonio import SCHEMA, SERIES_SCHEMA, dumps_report, longest_fitting_prefix
-from .capture import compiled_frames
 from .events import (
     QUIET_ROWS_PER_CATEGORY,
     Facet,
@@ -822,7 +821,7 @@ def _run_section(observer: RunSnapshot) -> dict[str, Any]:
         ),
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
-        "hook_parking": _hook_parking(observer),
+        "hook_parking": observer.hook_parking,
         **(
             {
                 "forked_from_pid": observer.forked_from_pid,
@@ -837,12 +836,6 @@ def _run_section(observer: RunSnapshot) -> dict[str, Any]:
             "python": platform.python_version(),
         },
     }
-
-
-def _hook_parking(observer: RunSnapshot) -> str:
-    if observer.hook_parking == "on" and compiled_frames() != 0:
-        return "off: torch.compile in use"  # parking would stop at the next try
-    return observer.hook_parking
 
 
 #: Most items of one list (or keys of one mapping) kept in the ``config`` section, and
