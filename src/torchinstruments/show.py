@@ -97,6 +97,23 @@ def _series_name(entry: dict[str, Any]) -> str:
     return f"{where} {measured}{suffix}"
 
 
+def _facts_and_texts(
+    entry: dict[str, Any], facts: list[str], *, interpretation_lines: int
+) -> list[str]:
+    """The facts (with the warm-up caveat), the interpretation and the next experiment of
+    a finding or event, wrapped and indented."""
+    if entry.get("warmup_complete") is False:
+        facts.append("warm-up not complete (weak evidence)")
+    lines = _wrapped("; ".join(facts), "     ", 2)
+    interpretation = entry.get("interpretation")
+    if isinstance(interpretation, str):
+        lines += _wrapped(one_line(interpretation, 2000), "     ", interpretation_lines)
+    experiment = entry.get("next_experiment")
+    if isinstance(experiment, str):
+        lines += _wrapped("next: " + one_line(experiment, 2000), "     ", 1)
+    return lines
+
+
 def _finding_lines(number: int, finding: dict[str, Any]) -> list[str]:
     """A notable finding in at most five lines."""
     category = _text(finding.get("category"), 60)
@@ -111,16 +128,7 @@ def _finding_lines(number: int, finding: dict[str, Any]) -> list[str]:
     ranking = _dict(finding.get("ranking"))
     if ranking:
         facts.append(f"ranked by {_text(ranking.get('basis'), 60)} = {_text(ranking.get('value'))}")
-    if finding.get("warmup_complete") is False:
-        facts.append("warm-up not complete (weak evidence)")
-    lines += _wrapped("; ".join(facts), "     ", 2)
-    interpretation = finding.get("interpretation")
-    if isinstance(interpretation, str):
-        lines += _wrapped(one_line(interpretation, 2000), "     ", 2)
-    experiment = finding.get("next_experiment")
-    if isinstance(experiment, str):
-        lines += _wrapped("next: " + one_line(experiment, 2000), "     ", 1)
-    return lines
+    return lines + _facts_and_texts(finding, facts, interpretation_lines=2)
 
 
 def _event_lines(number: int, event: dict[str, Any]) -> list[str]:
@@ -143,16 +151,7 @@ def _event_lines(number: int, event: dict[str, Any]) -> list[str]:
     ]
     if facets:
         facts.append("findings " + ", ".join(facets))
-    if event.get("warmup_complete") is False:
-        facts.append("warm-up not complete (weak evidence)")
-    lines += _wrapped("; ".join(facts), "     ", 2)
-    interpretation = event.get("interpretation")
-    if isinstance(interpretation, str):
-        lines += _wrapped(one_line(interpretation, 2000), "     ", 3)
-    experiment = event.get("next_experiment")
-    if isinstance(experiment, str):
-        lines += _wrapped("next: " + one_line(experiment, 2000), "     ", 1)
-    return lines
+    return lines + _facts_and_texts(event, facts, interpretation_lines=3)
 
 
 def _events_lines(events: Sequence[object], findings: Sequence[object]) -> list[str]:
