@@ -48,11 +48,11 @@ def test_quick_real_fault_benchmark_runs(
     assert status == 0, output[-3000:]
 
     quick = [s for s in SCENARIOS if s.quick]
-    families = {s.family for s in quick}
+    loops = {s.loop for s in quick}
     faults = [s for s in quick if not s.control]
     controls = [s for s in quick if s.control]
-    assert len(families) == 4
-    assert len(faults) == len(families) and len(controls) == len(families)
+    assert loops == {"plain", "trainer", "accelerate"}
+    assert len(faults) == len(loops) and len(controls) == len(loops)
 
     total = TOTAL.search(output)
     assert total is not None, output[-3000:]

@@ -14,6 +14,6 @@ runs ``torchinstruments.compare_runs`` against each family's same-seed control. 
 ``benchmarks/real_faults/README.md``.
 
     python -m benchmarks.real_faults --threads 2      # everything (about 15 min, 2 cores)
-    python -m benchmarks.real_faults --quick          # CI smoke: one fault + control per family
+    python -m benchmarks.real_faults --quick          # CI smoke: one fault + control per loop
     python -m benchmarks.real_faults --only gpt2_fc_x8_h2 --keep-reports /tmp/real
 """

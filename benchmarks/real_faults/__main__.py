@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"CI smoke test: one fault and one control per family, {QUICK_STEPS} steps",
+        help=f"CI smoke test: one fault and one control per loop, {QUICK_STEPS} steps",
     )
     parser.add_argument(
         "--only",
