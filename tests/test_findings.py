@@ -529,3 +529,40 @@ def test_a_series_that_leaves_a_settled_course_is_a_notable_break_of_trend():
 def test_settling_or_steady_drift_is_not_a_break_of_trend(rate_of):
     series = [_drifting_activation("m", 0, seed=5, rate_of=rate_of)]
     assert not any(c.notable for c in run_rules(series)["activation_scale_drift"])
+
+
+@pytest.mark.parametrize(("drop", "notable_step"), [(0.4, False), (0.55, True)])
+def test_a_steep_series_that_falls_back_is_judged_from_its_last_value(drop, notable_step):
+    """A series rising 15% a sample (ln units) falls by ``drop`` below its course at
+    sample 40 and rises on from there. Against the forecast that carried the slope
+    across the gap it fell 0.38 (1.46x, 19 spreads); against its last value it fell
+    0.23 (1.25x, under the least factor 1.3x) or 0.38 (1.46x)."""
+    series = [_drifting_activation("m", 0, seed=5, rate_of=lambda s: 0.15 * s - drop * (s >= 40))]
+    (candidate,) = run_rules(series)["activation_scale_drift"]
+    assert candidate.change is not None and candidate.change.start_sample == STEP_AT
+    assert candidate.change.step_z < -18  # from the forecast, notable either way
+    assert candidate.notable is notable_step
+    assert candidate.onset == (STEP_AT if notable_step else None)
+
+
+def test_breaks_of_trend_spread_over_many_samples_are_one_model_wide_event():
+    """A learning rate raised at sample 30 bends every block's course, each at its own
+    sample (corners from 30 to 38): one model-wide event, no module finding."""
+    bends = [30, 36, 32, 38, 34, 31, 37, 33]
+    series = [
+        _drifting_activation(
+            f"block{i}", i, seed=70 + i, rate_of=lambda s, b=bend: 0.06 * max(0, s - b)
+        )
+        for i, bend in enumerate(bends)
+    ]
+    found = run_rules(series)
+    drift = notable(found["activation_scale_drift"])
+    assert [(c.model_wide, c.change.kind if c.change else None) for c in drift] == [(1.0, "trend")]
+    assert len(drift[0].echoes) == len(bends) - 1
+    # One module that bends while the others hold their course is a module finding.
+    alone = [
+        _drifting_activation("block0", 0, seed=70, rate_of=lambda s: 0.06 * max(0, s - 30)),
+        *(quiet_activation(f"block{i}", i, seed=70 + i) for i in range(1, 8)),
+    ]
+    drift = notable(run_rules(alone)["activation_scale_drift"])
+    assert [(c.series.module, c.model_wide) for c in drift] == [("block0", None)]

@@ -794,3 +794,38 @@ def test_trend_break_starts_after_the_latest_step():
     change = t.trend_break()
     assert change is not None and change.start_sample > 30
     assert abs(change.step) < 0.05
+
+
+@pytest.mark.parametrize(
+    ("level_after", "value_before", "kind", "expected"),
+    [
+        (0.4, 0.7, "step", -0.3),  # against the trend: measured from the last value
+        (1.5, 0.7, "step", 0.5),  # along the trend: measured from the forecast
+        (0.85, 0.7, "step", 0.0),  # between the last value and the forecast: no step
+        (0.4, math.nan, "step", -0.6),  # no value before: the step itself
+        (0.4, 0.7, "trend", -0.6),  # a break of trend keeps its step
+    ],
+)
+def test_step_without_trend_is_the_smaller_departure_in_the_same_direction(
+    level_after: float, value_before: float, kind: str, expected: float
+) -> None:
+    change = ChangePoint(
+        start_sample=10,
+        alarm_sample=10,
+        level_before=1.0,  # the forecast carried a rising slope across the gap
+        std_before=0.1,
+        level_after=level_after,
+        value_before=value_before,
+        kind=kind,
+        spread_after=0.2,
+    )
+    assert change.step_without_trend == pytest.approx(expected, abs=1e-12)
+    assert change.step_without_trend_z == pytest.approx(expected / 0.2, abs=1e-12)
+
+
+def test_a_change_records_the_last_value_before_it() -> None:
+    tracker = SeriesTracker(TrackConfig(warmup_samples=4), log_scale=False, noise_floor=0.1)
+    for sample, value in enumerate([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0]):
+        tracker.update(sample, value)
+    (change,) = tracker.changes
+    assert (change.start_sample, change.value_before, change.level_after) == (6, 1.0, 5.0)

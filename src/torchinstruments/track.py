@@ -215,6 +215,8 @@ class ChangePoint:
             forward (tracked units); 0 for a step.
         slope_change_t: for a trend break, the t-statistic of the change of slope (its
             least-squares estimate over its standard error); 0 for a step.
+        value_before: for a step, the last value before ``start_sample`` (tracked
+            units); NaN when none was kept.
     """
 
     start_sample: int
@@ -232,6 +234,7 @@ class ChangePoint:
     kind: str = "step"
     slope_after: float = 0.0
     slope_change_t: float = 0.0
+    value_before: float = math.nan
     _after_count: int = 1
     _after_sum: float = 0.0
     _after_residuals: int = 0
@@ -250,6 +253,37 @@ class ChangePoint:
         if self.spread_after > spread:
             spread = self.spread_after
         return self.step / spread
+
+    @property
+    def step_without_trend(self) -> float:
+        """The part of a step that the slope before it cannot explain, in tracked units.
+
+        :attr:`step` is measured from the trend's forecast, which carries the slope
+        across the gap between two samples; the slope of a series that rose steeply is
+        uncertain, and a series that merely stops rising departs from the forecast by the
+        whole predicted movement. So the step is also measured from the last value before
+        it (:attr:`value_before`: the slope stopped): the smaller of the two in size
+        when both point the same way, else 0 (the value lies between the forecast and
+        the last value). A step along the trend keeps its forecast-based size; one
+        against it loses what the slope would have added. Breaks of trend, and changes
+        without a value before them, return :attr:`step`.
+        """
+        step = self.step
+        before = self.value_before
+        if self.kind != "step" or math.isnan(before):
+            return step
+        flat = self.level_after - before
+        if flat * step <= 0.0:
+            return 0.0
+        return step if abs(step) < abs(flat) else flat
+
+    @property
+    def step_without_trend_z(self) -> float:
+        """:attr:`step_without_trend` in residual spreads (the spread of :attr:`step_z`)."""
+        spread = self.std_before
+        if self.spread_after > spread:
+            spread = self.spread_after
+        return self.step_without_trend / spread
 
     def note_after(self, forward: int, value: float) -> None:
         """Count one value (tracked units) at ``forward``, from the alarm on, into
@@ -849,6 +883,7 @@ class SeriesTracker:
                 alarm_forward=forward,
                 slope_before=slope,
                 reference_count=self.count - 1,
+                value_before=self._value_before(start_sample),
                 _after_points=((forward, v),),
             )
             self.change_count += 1
@@ -859,6 +894,15 @@ class SeriesTracker:
             if len(self._measuring_after) > MAX_CHANGES:
                 del self._measuring_after[0]
         self._reanchor(v, slope)
+
+    def _value_before(self, start_sample: int) -> float:
+        """The last value before ``start_sample`` among the recent points (tracked
+        units; NaN if none). A constant run keeps no recent points after its first, and
+        its values are all equal; ``+ 0.0`` makes a signed zero the same either way."""
+        for point in reversed(self._recent):
+            if point[0] < start_sample:
+                return point[3] + 0.0
+        return math.nan
 
     def _measure_after(self, forward: int, v: float) -> None:
         """Feed one value to the spread after of each change still measuring it."""

@@ -10,6 +10,7 @@ from .base import (
     Candidate,
     display_module,
     format_value,
+    group_window,
     rank_candidates,
 )
 from .rules import (
@@ -105,15 +106,15 @@ def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
     findings of their own. They stay listed, not notable, with the
     event's onset under ``evidence.part_of_model_wide_event``; their categories are
     re-ordered (notable first)."""
-    onsets = sorted(
+    events = sorted(
         {
-            c.onset
+            (c.onset, c.onset + group_window(c, ONSET_TOLERANCE_SAMPLES))
             for candidates in ranked.values()
             for c in candidates
             if c.model_wide is not None and c.notable and c.onset is not None
         }
     )
-    if not onsets:
+    if not events:
         return
     for category, candidates in ranked.items():
         if category == "non_finite":
@@ -125,9 +126,12 @@ def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:
             # Without an onset (volatility, oscillation) a notable candidate is taken as
             # a consequence of the earliest event: the whole model moved at once.
             event = (
-                onsets[0]
+                events[0][0]
                 if c.onset is None
-                else next((o for o in onsets if abs(o - c.onset) <= ONSET_TOLERANCE_SAMPLES), None)
+                else next(
+                    (o for o, until in events if o - ONSET_TOLERANCE_SAMPLES <= c.onset <= until),
+                    None,
+                )
             )
             if event is not None:
                 c.notable = False

@@ -61,6 +61,16 @@ MODEL = "<model>"
 #: Departure from its own trend, in residual spreads, at a group's onset, of a module
 #: that is not a member, that counts as having moved with the group.
 UPSTREAM_DEPARTURE_SPREADS = 3.0
+#: Breaks of trend (:meth:`~torchinstruments.track.SeriesTracker.trend_break`) are dated
+#: at the corner of a broken line, which a gradual bend (a learning rate raised under
+#: Adam, a growth that compounds) places anywhere in its first part: breaks whose
+#: corners lie within this share of the span from the group's earliest corner to its
+#: latest sample belong to one group, and any of them may be where it begins.
+TREND_GROUP_SHARE = 0.5
+#: A module that is not a member counts as having moved with a group of breaks of trend
+#: when its own break of trend, with its corner in the group's window, has a slope-change
+#: t-statistic of at least this (below a finding's floor, but moved).
+TREND_MOVED_T = 3.0
 #: A change is early (weak) when its series had seen fewer than this many warm-ups of
 #: values before the alarm: the trend and spread of early training are still settling.
 EARLY_REFERENCE_FACTOR = 1.5
@@ -176,16 +186,36 @@ def _ordering_onset(candidate: Candidate, onset_tolerance: int) -> float:
     return candidate.onset
 
 
+def _is_trend(candidate: Candidate) -> bool:
+    return candidate.change is not None and candidate.change.kind == "trend"
+
+
+def _earliest(group: list[Candidate]) -> Candidate:
+    """The member whose change began first (the first in the group's order among ties)."""
+    return min(group, key=lambda c: c.onset if c.onset is not None else -1)
+
+
+def group_window(first: Candidate, onset_tolerance: int) -> int:
+    """How many samples after ``first``'s onset another candidate's change may begin and
+    still join its group: ``onset_tolerance``, or for a break of trend
+    ``TREND_GROUP_SHARE`` of the span from its corner to its latest sample, if larger."""
+    change = first.change
+    if change is None or change.kind != "trend" or first.onset is None:
+        return onset_tolerance
+    return max(onset_tolerance, int(TREND_GROUP_SHARE * (change.alarm_sample - first.onset)))
+
+
 def _profile_origin(group: list[Candidate]) -> Candidate:
     """The member where the profile of change begins (see the module docstring); the
     group is in propagation order. Candidates without a change point (non-finite values,
-    whose onset is exact) keep the plain propagation order."""
+    whose onset is exact) keep the plain propagation order. In a group of breaks of
+    trend, every member whose corner lies in the group's window may be where it begins
+    (``TREND_GROUP_SHARE``)."""
     earliest = min((c.onset for c in group if c.onset is not None), default=None)
-    first = [
-        c
-        for c in group
-        if earliest is None or c.onset is None or c.onset <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
-    ]
+    slack = ORIGIN_ONSET_SLACK_SAMPLES
+    if all(_is_trend(c) for c in group):
+        slack = max(slack, group_window(_earliest(group), slack))
+    first = [c for c in group if earliest is None or c.onset is None or c.onset <= earliest + slack]
     largest = max(step_size(c) for c in group)
     if largest <= 0.0:
         return first[0]
@@ -196,12 +226,15 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
 
 
 def _model_wide_share(
-    group: list[Candidate], candidates: Sequence[Candidate], first_position: int
+    group: list[Candidate], candidates: Sequence[Candidate], first_position: int, window: int
 ) -> float | None:
     """The cross-section of a group at its onset: the share of observed modules (of the
     group's signal, the root excluded) that moved, a module having moved when it is a
     member or its series departed from its own trend by ``UPSTREAM_DEPARTURE_SPREADS`` or
-    more at that sample (below a finding's floor, but moved). None when the modules
+    more at that sample (below a finding's floor, but moved); in a group of breaks of
+    trend also when its own break of trend has its corner within ``window`` samples of
+    the onset and a slope-change
+    t-statistic of at least ``TREND_MOVED_T``. None when the modules
     before the group's first member mostly stayed put (fewer than half of them moved;
     none are before it when the group begins at the first observed module): a change
     that begins after modules that stayed put starts at a module, however far
@@ -212,6 +245,7 @@ def _model_wide_share(
     moved: set[str] = set(members)
     observed: set[str] = set()
     first = min(c.position for c in group)
+    trend_group = all(_is_trend(c) for c in group)
     before: set[str] = set()
     for c in candidates:
         module = c.series.module
@@ -225,6 +259,14 @@ def _model_wide_share(
         departure = c.judged.departure_at(onset)
         if departure is not None and abs(departure.z) >= UPSTREAM_DEPARTURE_SPREADS:
             moved.add(module)
+        elif trend_group:
+            bend = c.judged.trend_break()
+            if (
+                bend is not None
+                and abs(bend.start_sample - onset) <= window
+                and abs(bend.slope_change_t) >= TREND_MOVED_T
+            ):
+                moved.add(module)
     before -= members
     if before and len(before & moved) < 0.5 * len(before):
         return None
@@ -259,7 +301,10 @@ def rank_candidates(
     for candidate in sorted(notable, key=lambda c: (c.onset, _origin_order(c))):
         for group in groups:
             same_signal = group[0].series.signal == candidate.series.signal
-            if same_signal and abs(group[0].onset - candidate.onset) <= onset_tolerance:  # type: ignore[operator]
+            window = (
+                group_window(group[0], onset_tolerance) if _is_trend(candidate) else onset_tolerance
+            )
+            if same_signal and abs(group[0].onset - candidate.onset) <= window:  # type: ignore[operator]
                 group.append(candidate)
                 break
         else:
@@ -274,7 +319,8 @@ def rank_candidates(
         origin.group_score = max(c.score for c in group)
         extent = (modules_observed or {}).get(origin.series.signal)
         if extent is not None and extent[0] >= 4:
-            share = _model_wide_share(group, candidates, extent[1])
+            window = group_window(_earliest(group), onset_tolerance)
+            share = _model_wide_share(group, candidates, extent[1], window)
             if share is not None and share >= MODEL_WIDE_SHARE:
                 origin.model_wide = share
         origins.append(origin)

@@ -270,12 +270,14 @@ def _least_z(change: ChangePoint, tracker: SeriesTracker, least: float) -> float
 def _first_notable(
     tracker: SeriesTracker, *, min_abs_step: float, min_abs_step_z: float
 ) -> ChangePoint | None:
-    """The earliest change, not transient, at least ``min_abs_step`` (tracked units) and
-    :func:`_least_z` residual spreads, or None."""
+    """The earliest change, not transient, whose step without the trend's slope
+    (:attr:`~torchinstruments.track.ChangePoint.step_without_trend`: a series that only
+    stopped rising, or fell back to where it was, is not a step) is at least
+    ``min_abs_step`` (tracked units) and :func:`_least_z` residual spreads, or None."""
     for change in tracker.changes:
-        if change.transient or abs(change.step) < min_abs_step:
+        if change.transient or abs(change.step_without_trend) < min_abs_step:
             continue
-        if abs(change.step_z) >= _least_z(change, tracker, min_abs_step_z):
+        if abs(change.step_without_trend_z) >= _least_z(change, tracker, min_abs_step_z):
             return change
     return None
 
