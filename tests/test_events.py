@@ -185,3 +185,29 @@ def test_a_module_that_stops_being_called_is_named_and_explains_the_step(
     assert event["onset"]["sample"] == 60
     assert "1.inner (call 0) stopped being called after sample 59" in event["interpretation"]
     assert event["next_experiment"].startswith("Check why 1.inner no longer runs")
+
+
+def test_a_weight_that_compounds_is_a_bend_with_advice_for_a_slow_cause(tmp_path: Path) -> None:
+    """The second Linear's weight grows 4% a step from step 60 on: its output leaves a
+    settled course for a steep one (no step between two samples). The event is a bend,
+    told as a break of trend, and its next experiment asks for the weight and update
+    norms from the bend on, not for one checkpoint pair around a step."""
+    torch.manual_seed(0)
+    growing = nn.Linear(16, 16)
+    model = nn.Sequential(nn.Linear(8, 16), growing, nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(120):
+        if step >= 60:
+            with torch.no_grad():
+                growing.weight.mul_(1.04)
+        optimizer.zero_grad()
+        model(torch.randn(32, 8, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    event = read_report(tmp_path)["events"][0]
+    assert (event["module"], event["shape"]) == ("1", "bend")
+    assert event["interpretation"].startswith("1 (call 0, output) activation.rms began to rise")
+    assert "bends instead of stepping" in event["next_experiment"]
+    assert "weights: log their norm" in event["next_experiment"]

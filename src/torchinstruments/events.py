@@ -18,11 +18,12 @@ module turns the notable ones into events and the others into compact rows:
   among the facet's own module and echoes (of any signal: an activation step moves the
   output gradients at the same samples), or when it has no onset (volatility,
   oscillation) and is at one of those modules. Model-wide facets (``<model>``) join the
-  model-wide event at their onset.
+  model-wide event at their onset (within the window of a group of breaks of trend,
+  :func:`~torchinstruments.find.base.group_window`).
 - **Shape.** What the event's first facet looks like decides its texts: ``step`` (a
-  change point that held), ``spike`` (one that returned to the old trend),
-  ``non_finite``, ``model_wide``, ``oscillation``, ``volatility``, ``drift`` (notable
-  without a change point).
+  change point that held), ``spike`` (one that returned to the old trend), ``bend``
+  (a break of trend), ``non_finite``, ``model_wide``, ``oscillation``, ``volatility``,
+  ``drift`` (notable without a change point).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .find import RULES, Candidate, display_module, format_value, model_wide_texts
-from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early, step_size
+from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, group_window, is_early, step_size
 from .series import (
     GRAD_OUTPUT,
     RMS_TO_ROOT,
@@ -235,6 +236,8 @@ class Event:
         if any(f.category == "non_finite" for f in self.facets):
             return "non_finite"
         if c.change is not None and c.onset is not None:
+            if c.change.kind == "trend":
+                return "bend"
             return "spike" if c.change.transient else "step"
         if c.category == "oscillation":
             return "oscillation"
@@ -254,7 +257,9 @@ def _joins(event: Event, c: Candidate) -> bool:
     if (c.model_wide is not None) != event.model_wide:
         return False
     if event.model_wide:
-        return c.onset is not None and abs(c.onset - (lead.onset or 0)) <= ONSET_TOLERANCE_SAMPLES
+        onset = lead.onset or 0
+        window = group_window(lead, ONSET_TOLERANCE_SAMPLES)
+        return c.onset is not None and onset - ONSET_TOLERANCE_SAMPLES <= c.onset <= onset + window
     where = (c.series.module, c.series.call_index)
     if c.onset is None:
         return where in event.members
@@ -626,6 +631,42 @@ def _step_texts(
     return text, _keep_fixed(experiment)
 
 
+def _bend_experiment(c: Candidate, kinds: dict[str, str]) -> str:
+    """Next experiment of a break of trend: a slow cause at the module, by its kind."""
+    s = c.series
+    module = display_module(s.module)
+    change = c.change
+    assert change is not None
+    start = f"sample {change.start_sample} (training forward {change.start_forward})"
+    family = module_kind(kinds.get(s.module))
+    if s.signal == GRAD_OUTPUT:
+        cause = (
+            f"the modules after {module} in forward order: a gradient that bends while the "
+            "loss gradient does not comes from a backward that changes a little every step"
+        )
+    elif family == "weighted":
+        cause = (
+            f"{module}'s weights: log their norm and the norm of each update from just "
+            f"before {start} on; a norm that compounds points at its learning rate, its "
+            "weight decay or a scale applied to it every step"
+        )
+    elif family == "normalization":
+        cause = (
+            f"{module}'s affine parameters and running statistics: log them from just "
+            f"before {start} on (a momentum, an epsilon or a learning rate that changed)"
+        )
+    else:
+        cause = (
+            f"the module before {module} and {module}'s own parameters, logged from just "
+            f"before {start} on"
+        )
+    return _keep_fixed(
+        f"A course that bends instead of stepping has a slow cause, one that acts a little "
+        f"every step: look at {cause}. If many modules bend from about the same sample, "
+        "look at the learning rate and its schedule first."
+    )
+
+
 def event_texts(
     event: Event,
     observer: RunSnapshot,
@@ -646,6 +687,8 @@ def event_texts(
     if shape in ("step", "spike"):
         return _step_texts(event, observer, kinds, same, stopped)
     rule = RULES[c.category]
+    if shape == "bend":
+        return rule.interpretation(c), _bend_experiment(c, kinds)
     return rule.interpretation(c), rule.next_experiment(c)
 
 

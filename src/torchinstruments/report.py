@@ -91,8 +91,9 @@ Rules for your answer:
    from 0 place the origin there; its "echoes" moved at the same samples because of it.
    "also_named" are other modules that output the same tensor. Module "<model>" is a
    model-wide event: most of the model moved at once, a run-level cause.
-5. "shape" says what happened: a "step" that held, a "spike" that returned, a
-   "non_finite" value, a "model_wide" move, an "oscillation", "volatility" or a "drift".
+5. "shape" says what happened: a "step" that held, a "spike" that returned, a "bend"
+   (the series left its course for a steeper one), a "non_finite" value, a
+   "model_wide" move, an "oscillation", "volatility" or a "drift".
    History points are [sample, training forward, value], every observed sample around
    each change. "coverage.modules_stopped" lists modules that stopped being called.
 6. Do not infer anything about labels, optimizer updates, inputs or parameter gradients:
