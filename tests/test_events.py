@@ -211,3 +211,17 @@ def test_a_weight_that_compounds_is_a_bend_with_advice_for_a_slow_cause(tmp_path
     assert event["interpretation"].startswith("1 (call 0, output) activation.rms began to rise")
     assert "bends instead of stepping" in event["next_experiment"]
     assert "weights: log their norm" in event["next_experiment"]
+
+
+def test_echoes_carry_their_values_around_their_onset(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    report, _ = stepped
+    event = report["events"][0]
+    assert event["echoes"], event
+    for echo in event["echoes"]:
+        history = echo["history"]
+        samples = [p[0] for p in history["points"]]
+        assert history["metric"] == ("rms" if echo["signal"] == "activation" else "rms_to_root")
+        assert samples == sorted(samples) and len(samples) >= 2
+        assert all(abs(s - echo["onset_sample"]) <= 3 for s in samples)

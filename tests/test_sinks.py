@@ -181,3 +181,32 @@ def test_plots_are_written_and_linked_from_index(tmp_path: Path) -> None:
 def test_plots_flag_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="plots must be a bool, got 1"):
         inject_observer(ResidualNet(), output_dir=tmp_path, plots=1)  # type: ignore[arg-type]
+
+
+def test_echo_lines_meet_the_event_before_the_onset() -> None:
+    from torchinstruments.plots import _echo_lines, render_plot
+
+    points = [[10, 100, 2.0], [11, 110, 2.0], [12, 120, 8.0], [13, 130, 8.0]]
+    event = {
+        "id": "E1",
+        "shape": "step",
+        "module": "fc",
+        "call_index": 0,
+        "signal": "activation",
+        "metric": "rms",
+        "onset": {"sample": 12, "forward": 120},
+        "history": {"metric": "rms", "points": points},
+        "echoes": [
+            {
+                "module": "act",
+                "history": {"metric": "rms", "points": [[11, 110, 0.5], [12, 120, 1.0]]},
+            },
+            {"module": "other", "history": {"metric": "zero_fraction", "points": points}},
+            {"module": "lonely", "history": {"metric": "rms", "points": [[12, 120, 1.0]]}},
+        ],
+    }
+    # Log scale: the echo is multiplied by 2.0 / 0.5 to meet the event at sample 11.
+    assert _echo_lines(event, points, log=True) == [("act", ([110, 120], [2.0, 4.0]))]
+    # Linear scale: shifted by 2.0 - 0.5.
+    assert _echo_lines(event, points, log=False) == [("act", ([110, 120], [2.0, 2.5]))]
+    assert render_plot(event)[:8] == b"\x89PNG\r\n\x1a\n"

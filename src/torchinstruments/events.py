@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from .find import RULES, Candidate, display_module, format_value, model_wide_texts
 from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, group_window, is_early, step_size
 from .series import (
+    CHANGE_CONTEXT_SAMPLES,
     GRAD_OUTPUT,
     RMS_TO_ROOT,
     TensorSeries,
@@ -309,6 +310,30 @@ def event_history(
     for sample, forward, value in series.change_windows.get(metric, ()):
         points[sample] = (forward, value)
     return [[sample, forward, value] for sample, (forward, value) in sorted(points.items())]
+
+
+def _echo_points(e: Candidate, observer: RunSnapshot) -> list[list[float | int | None]]:
+    """``[sample, forward, value]`` of an echo's judged measure (``rms_to_root`` for an
+    output gradient ranked on it) around its own change: the observed samples from
+    ``CHANGE_CONTEXT_SAMPLES`` before to as many after its first sample (at most 7; for
+    a break of trend, found when the report is built, the bounded history's points in
+    that range)."""
+    measure = e.metric if e.judged is e.tracker else RMS_TO_ROOT
+    onset = e.onset
+    if onset is None:
+        return []
+    low, high = onset - CHANGE_CONTEXT_SAMPLES, onset + CHANGE_CONTEXT_SAMPLES
+    window = e.series.change_windows.get(measure, ())
+    points = [
+        [sample, forward, value] for sample, forward, value in window if low <= sample <= high
+    ]
+    if points:
+        return points
+    return [
+        [sample, observer.sample_forwards.forward(sample), value]
+        for sample, value in e.judged.history()
+        if low <= sample <= high
+    ]
 
 
 # ------------------------------------------------------------------ cross-section
@@ -854,6 +879,10 @@ def event_body(
                 "metric": e.metric,
                 "onset_sample": e.onset,
                 "in_residual_spreads": step_size(e) if e.change is not None else None,
+                "history": {
+                    "metric": e.metric if e.judged is e.tracker else RMS_TO_ROOT,
+                    "points": _echo_points(e, observer),
+                },
             }
             for e in echoes[:max_echoes]
         ]

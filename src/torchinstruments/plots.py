@@ -3,7 +3,8 @@
 ``DirectorySink(..., plots=True)`` (or ``inject_observer(..., plots=True)``) writes
 ``plots/<n>-<event>-<shape>-<module>-<signal>.png``, one per event (at most
 ``MAX_PLOTS``), from the history each event carries: x axis the training forward, y
-axis the signal and metric with its scale, the onset marked; ``index.md`` links them. The core
+axis the signal and metric with its scale, the onset marked, echoes faint beside it;
+``index.md`` links them. The core
 install does not need matplotlib: asking for plots without it raises at injection.
 """
 
@@ -22,6 +23,8 @@ __all__ = ["MAX_PLOTS", "plot_filename", "render_plot", "require_matplotlib"]
 
 #: Most pictures written per report.
 MAX_PLOTS = 8
+#: Most echoes drawn in one picture.
+MAX_ECHO_LINES = 4
 #: Longest module part of a picture's file name, in characters (ASCII after
 #: :func:`plot_filename`): the whole name stays far below the 255 bytes that common
 #: file systems (ext4, XFS, APFS, NTFS) allow for one path component.
@@ -69,8 +72,41 @@ def plot_filename(number: int, event: dict[str, Any]) -> str:
     return f"plots/{number:02d}-{ident}-{shape}-{module}-{signal}.png"
 
 
+def _echo_lines(
+    event: dict[str, Any], points: list[list[Any]], log: bool
+) -> list[tuple[str, tuple[list[float], list[float]]]]:
+    """Each echo's points around its onset, moved onto the event's scale: multiplied
+    (log scale) or shifted (linear) so that its first point meets the event's history
+    at the same sample, or at the latest sample before it. Echoes whose history is of
+    another metric, or without a point to meet at, are left out."""
+    lead = {p[0]: p[2] for p in points}
+    lines = []
+    metric = (event.get("history") or {}).get("metric") or event.get("metric")
+    for echo in event.get("echoes") or []:
+        history = echo.get("history") or {}
+        own = [p for p in history.get("points") or [] if p[1] is not None]
+        if len(own) < 2 or history.get("metric") != metric:
+            continue
+        first_sample, first_value = own[0][0], own[0][2]
+        meet = max((s for s in lead if s <= first_sample), default=None)
+        if meet is None:
+            continue
+        if log:
+            if first_value <= 0 or any(p[2] <= 0 for p in own):
+                continue
+            factor = lead[meet] / first_value
+            values = [p[2] * factor for p in own]
+        else:
+            shift = lead[meet] - first_value
+            values = [p[2] + shift for p in own]
+        lines.append((str(echo.get("module")), ([p[1] for p in own], values)))
+    return lines
+
+
 def render_plot(event: dict[str, Any]) -> bytes:
-    """PNG bytes of one event's history against the training forward, its onset marked.
+    """PNG bytes of one event's history against the training forward, its onset marked,
+    and its echoes (up to ``MAX_ECHO_LINES``) faint beside it, scaled to meet the event's
+    history at their first point (see :func:`_echo_lines`).
 
     The y axis names the signal, the metric and the scale (log for scale metrics whose
     values are all positive)."""
@@ -90,6 +126,15 @@ def render_plot(event: dict[str, Any]) -> bytes:
     log = metric in LOG_SCALE_METRICS and all(v > 0 for v in values)
     if log:
         axes.set_yscale("log")
+    for echo, (echo_forwards, echo_values) in _echo_lines(event, points, log)[:MAX_ECHO_LINES]:
+        axes.plot(
+            echo_forwards,
+            echo_values,
+            color="tab:gray",
+            alpha=0.45,
+            linewidth=0.8,
+            label=f"echo {echo} (scaled to meet before the onset)",
+        )
     onset = event.get("onset") or {}
     if onset.get("forward") is not None:
         axes.axvline(
