@@ -70,7 +70,7 @@ def test_one_step_is_one_event_that_its_findings_refer_to(
     assert {f["event"] for f in activation} == {"E1"}
     (event,) = [e for e in report["events"] if e["id"] == "E1"]
     assert (event["module"], event["shape"], event["module_kind"]) == ("1", "step", "Linear")
-    assert event["onset"] == {"sample": 30, "forward": 60}  # sampling=2
+    assert event["onset"] == {"sample": 30, "forward": 60, "after_forward": 58}  # sampling=2
     assert {f["category"] for f in event["findings"]} >= {
         "activation_scale_drift",
         "regime_change",
@@ -225,3 +225,14 @@ def test_echoes_carry_their_values_around_their_onset(
         assert history["metric"] == ("rms" if echo["signal"] == "activation" else "rms_to_root")
         assert samples == sorted(samples) and len(samples) >= 2
         assert all(abs(s - echo["onset_sample"]) <= 3 for s in samples)
+
+
+def test_the_onset_brackets_the_change_between_two_samples(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    report, directory = stepped
+    onset = report["events"][0]["onset"]
+    # sampling=2: sample 30 is training forward 60, the sample before it forward 58.
+    assert onset == {"sample": 30, "forward": 60, "after_forward": 58}
+    index = (directory / "index.md").read_text(encoding="utf-8")
+    assert "sample 30, training forward 60 (after forward 58, the sample before)" in index

@@ -566,3 +566,20 @@ def test_breaks_of_trend_spread_over_many_samples_are_one_model_wide_event():
     ]
     drift = notable(run_rules(alone)["activation_scale_drift"])
     assert [(c.series.module, c.model_wide) for c in drift] == [("block0", None)]
+
+
+def test_a_step_that_the_next_sample_partly_undoes_is_dated_at_the_step():
+    """Activation RMS 1.0, then 0.14 at sample 30 (a weight scaled down 7x) and 0.57 from
+    sample 31 on (the optimizer and the normalization after it take back part of it).
+    The step's spread after holds the rebound, and at sample 30 the reference is young
+    (a notable step needs twice the spreads): the change began at sample 30, down, not
+    at the rebound."""
+    rng = random.Random(9)
+    step_at = 30
+    series = new_series("m", 0)
+    for sample in range(SAMPLES):
+        level = 1.0 if sample < step_at else 0.14 if sample == step_at else 0.57
+        series.update(CONFIG, sample, {"rms": noisy(rng, level)})
+    (candidate,) = run_rules([series])["activation_scale_drift"]
+    assert candidate.notable and candidate.onset == step_at
+    assert candidate.change is not None and candidate.change.step < math.log(0.2)

@@ -184,8 +184,12 @@ def test_modules_that_were_never_called_are_named(tmp_path: Path) -> None:
     assert coverage["modules_not_observed"] == missing
     assert coverage["modules_selected"] - coverage["modules_observed"] == len(missing)
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
-    assert "Not observed (never called in a sampled training forward" in index
-    assert "`layers.1.self_attn.out_proj`." in index
+    assert (
+        "Never ran in a sampled forward, observed through their parent: "
+        "`layers.0.self_attn.out_proj` by `layers.0.self_attn`, "
+        "`layers.1.self_attn.out_proj` by `layers.1.self_attn`."
+    ) in index
+    assert "Not observed (never called" not in index  # named once, with its parent
 
 
 def test_report_is_rewritten_during_training_and_survives_a_kill(tmp_path: Path) -> None:

@@ -344,7 +344,7 @@ def test_module_names_cannot_add_markdown_sections(tmp_path: Path) -> None:
     assert lines[-1] == "```" and index.index("## Prompt for an LLM") > index.index("blocks.x")
     report = read_report(tmp_path)
     assert f"blocks.{evil}" in {f["module"] for f in report["findings"]}  # JSON keeps it
-    assert "Not observed (never called" in index and "`` blocks.never|`run` ``" in index
+    assert "Never ran in a sampled forward: `` blocks.never|`run` ``." in index
 
 
 def _bad_histogram() -> object:
@@ -575,7 +575,11 @@ def test_a_child_that_never_runs_is_observed_through_its_parent(tmp_path: Path) 
     assert ("activation", "output[0]") in attention
     assert ("grad_output", "output[0]") in attention
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
-    assert "Observed through their parent: `layer.self_attn.out_proj` by `layer.self_attn`" in index
+    assert (
+        "Never ran in a sampled forward, observed through their parent: "
+        "`layer.self_attn.out_proj` by `layer.self_attn`."
+    ) in index
+    assert index.count("layer.self_attn.out_proj") == 1  # named once, not in three lists
 
 
 def test_a_module_replaced_after_injection_is_named(tmp_path: Path) -> None:

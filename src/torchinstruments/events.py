@@ -56,6 +56,7 @@ __all__ = [
     "build_events",
     "event_history",
     "modules_stopped",
+    "onset_of",
     "quiet_row",
 ]
 
@@ -473,6 +474,20 @@ def _keep_fixed(text: str) -> str:
     return f"{text} Keep seed, data order and precision fixed so the runs compare."
 
 
+def onset_of(sample: int | None, observer: RunSnapshot) -> dict[str, int | None]:
+    """An event's ``onset``: its first sample, that sample's training forward, and
+    ``after_forward``, the forward of the sample before it (None at the first sample or
+    where the schedule no longer says): the change happened in the forwards after
+    ``after_forward``, up to and including ``forward``."""
+    forwards = observer.sample_forwards
+    before = forwards.forward(sample - 1) if sample is not None and sample > 0 else None
+    return {
+        "sample": sample,
+        "forward": forwards.forward(sample) if sample is not None else None,
+        "after_forward": before,
+    }
+
+
 def _when(sample: int | None, forward: int | None) -> str:
     if sample is None:
         return "an unknown sample"
@@ -816,7 +831,7 @@ def event_body(
         "also_named": [] if event.model_wide else same.also_named(s),
         "metric": c.metric,
         "direction": {1: "up", -1: "down"}.get(c.direction),
-        "onset": {"sample": c.onset, "forward": observer.sample_forwards.forward(c.onset)},
+        "onset": onset_of(c.onset, observer),
         "warmup_complete": t.warmup_complete,
         "early_in_run": is_early(c),
         "findings": [

@@ -240,6 +240,11 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
                 "warmup_end_sample": tracker.warmup_end_sample,
                 "change_sample": change.start_sample,
                 "change_forward": observer.sample_forwards.forward(change.start_sample),
+                "change_after_forward": (
+                    observer.sample_forwards.forward(change.start_sample - 1)
+                    if change.start_sample > 0
+                    else None
+                ),
                 "change_in_residual_spreads": abs(change.step_z),
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
@@ -371,7 +376,11 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         "also_named": [],
         "metric": item["metric"],
         "direction": "up" if evidence["factor"] > 1 else "down",
-        "onset": {"sample": item["change_sample"], "forward": item["change_forward"]},
+        "onset": {
+            "sample": item["change_sample"],
+            "forward": item["change_forward"],
+            "after_forward": item.get("change_after_forward"),
+        },
         "warmup_complete": item["warmup_complete"],
         "early_in_run": False,
         "findings": [{"category": item["category"], "rank": item["rank"], "metric": "rms"}],
@@ -1009,7 +1018,10 @@ def md_code(value: object, *, in_table: bool = False) -> str:
 
 
 def _not_observed_text(coverage: dict[str, Any]) -> str:
-    names = coverage.get("modules_not_observed") or []
+    """The modules not observed, less those that never ran (:func:`_placement_text`
+    names them, with the parent observed in their place)."""
+    never = set(coverage.get("modules_never_ran") or [])
+    names = [name for name in coverage.get("modules_not_observed") or [] if name not in never]
     if not names:
         return ""
     more = coverage["modules_selected"] - coverage["modules_observed"] > len(names)
@@ -1041,12 +1053,19 @@ def _placement_text(coverage: dict[str, Any]) -> str:
     modules replaced after injection (their places are no longer observed)."""
     parts = []
     never = coverage.get("modules_never_ran") or []
-    if never:
-        parts.append(" Never ran in a sampled forward: " + ", ".join(map(md_code, never)) + ".")
     parents = coverage.get("parents_observed") or {}
-    if parents:
-        pairs = ", ".join(f"{md_code(c)} by {md_code(p)}" for c, p in parents.items())
-        parts.append(f" Observed through their parent: {pairs}.")
+    alone = [m for m in never if m not in parents]
+    if alone:
+        parts.append(" Never ran in a sampled forward: " + ", ".join(map(md_code, alone)) + ".")
+    for lead, children in (
+        (" Never ran in a sampled forward, observed through their parent: ", True),
+        (" Observed through their parent: ", False),
+    ):
+        pairs = ", ".join(
+            f"{md_code(c)} by {md_code(p)}" for c, p in parents.items() if (c in never) is children
+        )
+        if pairs:
+            parts.append(f"{lead}{pairs}.")
     replaced = coverage.get("modules_replaced") or []
     if replaced:
         parts.append(
@@ -1071,6 +1090,8 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
     when = f"sample {onset.get('sample')}"
     if onset.get("forward") is not None:
         when += f", training forward {onset['forward']}"
+        if onset.get("after_forward") is not None:
+            when += f" (after forward {onset['after_forward']}, the sample before)"
     kind = f", a {md_text(e['module_kind'])}" if e.get("module_kind") else ""
     lines = [
         f"### {e['id']}: {e['shape'].replace('_', '-')} at {md_code(e['module'])}{call}{kind}, "

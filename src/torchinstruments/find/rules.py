@@ -273,13 +273,43 @@ def _first_notable(
     """The earliest change, not transient, whose step without the trend's slope
     (:attr:`~torchinstruments.track.ChangePoint.step_without_trend`: a series that only
     stopped rising, or fell back to where it was, is not a step) is at least
-    ``min_abs_step`` (tracked units) and :func:`_least_z` residual spreads, or None."""
-    for change in tracker.changes:
-        if change.transient or abs(change.step_without_trend) < min_abs_step:
+    ``min_abs_step`` (tracked units) and :func:`_least_z` residual spreads, or None.
+
+    A step whose very next sample begins an opposite change that is notable on its own
+    (a rebound) is the onset when it is that large against the spread before it alone:
+    the rebound inflates its spread after, and may have marked it transient."""
+    changes = tracker.changes
+    for index, change in enumerate(changes):
+        if abs(change.step_without_trend) < min_abs_step:
             continue
-        if abs(change.step_without_trend_z) >= _least_z(change, tracker, min_abs_step_z):
+        least = _least_z(change, tracker, min_abs_step_z)
+        if not change.transient and abs(change.step_without_trend_z) >= least:
+            return change
+        rebound = changes[index + 1] if index + 1 < len(changes) else None
+        if (
+            rebound is not None
+            and rebound.start_sample == change.alarm_sample + 1
+            and rebound.step * change.step < 0.0
+            and abs(change.step_without_trend) / change.std_before >= least
+            and _first_notable_rebound(rebound, tracker, min_abs_step, min_abs_step_z)
+        ):
+            # A step that the very next sample partly undid (a weight scaled down that
+            # the optimizer regrows, a normalization after it that compensates): its
+            # spread after holds the rebound, and the rebound alone is notable. The
+            # change began with the step, so the step is the onset, judged by the
+            # spread before it.
             return change
     return None
+
+
+def _first_notable_rebound(
+    rebound: ChangePoint, tracker: SeriesTracker, min_abs_step: float, min_abs_step_z: float
+) -> bool:
+    return (
+        not rebound.transient
+        and abs(rebound.step_without_trend) >= min_abs_step
+        and abs(rebound.step_without_trend_z) >= _least_z(rebound, tracker, min_abs_step_z)
+    )
 
 
 def _notable_trend(tracker: SeriesTracker, *, min_abs_step: float) -> ChangePoint | None:
