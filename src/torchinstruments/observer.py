@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.jit import ScriptModule
 
 from . import _amp
 from ._calls import CallCapture
@@ -33,7 +34,15 @@ from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
 from ._store import SeriesStore
-from .capture import ForwardHook, ForwardWrapper, RootPostHook, RootPreHook, passive
+from .capture import (
+    PREPARE_ATTRIBUTE,
+    ForwardHook,
+    ForwardWrapper,
+    PrepareScriptable,
+    RootPostHook,
+    RootPreHook,
+    passive,
+)
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
 from .histogram import HistogramSpec
@@ -96,6 +105,7 @@ class Observer:
         self.parents_adopted: dict[str, str] = {}
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
+        self._preparers: list[tuple[weakref.ref[nn.Module], PrepareScriptable]] = []
         self._atexit = AtExit(self)
 
         # The stages, in data-flow order (see the module docstring).
@@ -213,10 +223,28 @@ class Observer:
                 handle = module.register_forward_hook(hook)
                 self._handles.append(handle)
                 parking.parkable.append((module._forward_hooks, handle.id, hook))
+        self._prepare_for_scripting()
         context.attached = self.buffer.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
         on_termination.add(self)
+
+    def _prepare_for_scripting(self) -> None:
+        """Give every module of the model a :class:`~.capture.PrepareScriptable`, so
+        that ``torch.jit.script`` of the model or of any module in it compiles a stand-in
+        without our hooks. Modules that have an instance ``__prepare_scriptable__`` of
+        their own, and ScriptModules, are left alone."""
+        target = self.target
+        if target is None:
+            return
+        for module in target.modules():
+            if isinstance(module, ScriptModule):
+                continue
+            present = module.__dict__.get(PREPARE_ATTRIBUTE)
+            if present is None or isinstance(present, PrepareScriptable):
+                preparer = PrepareScriptable(module)
+                module.__dict__[PREPARE_ATTRIBUTE] = preparer
+                self._preparers.append((weakref.ref(module), preparer))
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
@@ -235,6 +263,11 @@ class Observer:
             else:
                 del module.__dict__["forward"]
         self._wrapped.clear()
+        for ref, preparer in self._preparers:
+            module = ref()
+            if module is not None and module.__dict__.get(PREPARE_ATTRIBUTE) is preparer:
+                del module.__dict__[PREPARE_ATTRIBUTE]
+        self._preparers.clear()
         self.buffer.attached = False
         _amp.uninstall(self)
         atexit.unregister(self._atexit)
