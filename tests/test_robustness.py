@@ -532,7 +532,10 @@ def test_reductions_are_invisible_to_user_subclasses_and_dispatch_modes(tmp_path
 
 
 def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> None:
-    """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM)."""
+    """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM):
+    report.json and index.md state the same report number (or index.md an earlier one
+    after a SIGKILL between their replacements, counted as torn), with and without
+    plots."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kill_runs.py"
     arguments = ["--sigkill", "4", "--sigterm", "2", "--seed", "7", "--output-dir", str(tmp_path)]
     done = subprocess.run(
@@ -543,8 +546,10 @@ def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> No
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 7 and ", 0 failed" in lines[-1]
+    assert len(lines) == 7 and ", 0 failed" in lines[-1] and "(2 with plots" in lines[-1]
     assert all("SIGTERM" not in line or line.endswith(": ok") for line in lines[:-1])
+    # Run 0 stopped by SIGTERM while it drew: its final report links its picture.
+    assert lines[0].startswith("run   0 SIGTERM plots (1 linked)"), lines[0]
     assert len(list(tmp_path.glob("run-*/report.json"))) == 6
 
 

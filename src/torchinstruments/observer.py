@@ -92,6 +92,9 @@ class Observer:
         self.options = options
         self.started_at = time.time()
         self.reports_written = 0
+        #: The number of the report being (or last) written: 1 for the first, one more
+        #: at each write; ``report.json`` and ``index.md`` both state it (``run.report_number``).
+        self.report_number = 0
         self.series_summary_omitted = 0
         self._warned_write = False
         #: True while a report is being built and written (see _lifecycle.py).
@@ -440,6 +443,7 @@ class Observer:
         except Exception as error:
             self.record_error("series_summary", "", error)
         try:
+            self.report_number += 1
             snapshot = self.snapshot()
             report = build_report(snapshot)  # statistics flushed above
         except Exception as error:
