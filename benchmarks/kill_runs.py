@@ -34,7 +34,7 @@ first. No file system offers one atomic replacement of two names short of swappi
 symbolic link or a directory, so a SIGKILL between the two renames leaves ``index.md``
 an earlier report than ``report.json``, which the report numbers show (``torn``). The
 instant is short, but a process on a busy machine is often descheduled as a system call
-returns, and is killed there: with a rewrite every 20 ms on 2 shared cores, 1 to 5 of
+returns, and is killed there: with a rewrite every 20 ms on 2 shared cores, 0 to 5 of
 30 SIGKILL runs tear. With the default rewrite interval (60 s) a kill lands there about
 once in millions. SIGTERM is handled after the write in progress, so it never tears.
 """
