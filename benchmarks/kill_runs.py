@@ -1,35 +1,42 @@
 """Kill test: training runs stopped at random moments each leave a sound report.
 
-Each run is a process forked from this one (torch is imported once, so a run costs
-tens of milliseconds rather than an interpreter start). The child injects the observer
-into a small MLP with every forward sampled and a rewrite every few milliseconds,
-tells the parent, and trains until it is stopped; the parent waits a random delay
-(uniform in ``[0, --max-delay-s]``), sends SIGKILL or SIGTERM, and then checks what the
-run left in its directory:
+Each run is a process forked from this one (torch, Dynamo and matplotlib are imported
+once, so a run costs tens of milliseconds rather than an interpreter start). The child
+injects the observer into a small MLP with every forward sampled and a rewrite every
+few milliseconds, tells the parent, and trains until it is stopped. Every third run
+writes plots (``plots=True``): its inputs are scaled up ten times from the 9th forward
+on, so that an event and its picture appear, and it tells the parent after the 10th
+forward, so that its rewrites draw. The parent waits a random delay (uniform in
+``[0, --max-delay-s]``), sends SIGKILL or SIGTERM, and then checks what the run left in
+its directory:
 
 - ``report.json`` exists, parses, and is at most ``max_bytes`` long;
-- ``index.md`` renders the same report: its counts of training root forwards and
-  samples are those of ``report.json``; or, after SIGKILL only, it renders the
-  rewrite just before (``torn``: counted and shown, not a failure; see below);
+- ``index.md`` renders the same report: it states the report number and run start
+  that ``report.json`` holds (``run.report_number``, ``run.started_at``), and the same
+  counts of training root forwards and samples; or, after SIGKILL only, it renders an
+  earlier report of the run (``torn``: counted and shown apart; see below);
+- with ``plots``, every picture ``index.md`` links exists;
 - after SIGTERM, the process ended by the signal (status ``-SIGTERM``), and the report
   is the one written at the signal (it counts at least the forwards the child had run
   when the parent sent it, as the child reports them).
 
-Usage (the full version, 30 SIGKILL and 10 SIGTERM runs, about 30 s)::
+Usage (the full version, 30 SIGKILL and 10 SIGTERM runs)::
 
     .venv/bin/python benchmarks/kill_runs.py
     .venv/bin/python benchmarks/kill_runs.py --sigkill 4 --sigterm 2 --seed 1
 
-It prints one line per run and a summary, and exits 1 if any run broke a check.
+It prints one line per run and a summary, and exits 1 if any run broke a check
+(``--torn-fails`` counts torn runs as failures too).
 
-``report.json`` and ``index.md`` are staged in full and then replaced one right after
-the other (two ``rename`` calls; no file system offers one atomic replacement of two
-names short of swapping a symbolic link or a directory). A SIGKILL between the two
-leaves ``index.md`` one rewrite behind. That instant is short, but a process on a busy
-machine is often descheduled as a system call returns, and is then killed there: with
-a rewrite every 20 ms on 2 shared cores, 5 of 40 SIGKILL runs were torn in one
-measurement. With the default rewrite interval (60 s) a kill lands there about once
-in millions. SIGTERM is handled after the write in progress, so it never tears.
+Pictures are written first; ``report.json`` and ``index.md`` are then written in full
+to temporary files and put in place by two consecutive ``rename`` calls, report.json
+first. No file system offers one atomic replacement of two names short of swapping a
+symbolic link or a directory, so a SIGKILL between the two renames leaves ``index.md``
+an earlier report than ``report.json``, which the report numbers show (``torn``). The
+instant is short, but a process on a busy machine is often descheduled as a system call
+returns, and is killed there: with a rewrite every 20 ms on 2 shared cores, 0 to 5 of
+30 SIGKILL runs tear. With the default rewrite interval (60 s) a kill lands there about
+once in millions. SIGTERM is handled after the write in progress, so it never tears.
 """
 
 from __future__ import annotations
@@ -48,14 +55,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchinstruments import ReportConfig, inject_observer
+from torchinstruments import ReportConfig, TrackConfig, inject_observer
 
 MAX_BYTES = 16_000
 REWRITE_INTERVAL_S = 0.02
 _COUNTS = re.compile(r"; (\d+) training root forwards, (\d+) sampled")
+_NUMBER = re.compile(r"^Report (\d+) of the run started (\S+) ", re.MULTILINE)
+_PICTURE = re.compile(r"\]\((plots/[^)]+\.png)\)")
 
 
-def _train_forever(directory: Path, ready: int, progress: Path) -> None:
+def _train_forever(directory: Path, ready: int, progress: Path, plots: bool) -> None:
     """The child: inject, say so through the pipe, train until stopped."""
     torch.set_num_threads(1)
     torch.manual_seed(os.getpid())
@@ -67,23 +76,46 @@ def _train_forever(directory: Path, ready: int, progress: Path) -> None:
         model,
         output_dir=directory,
         sampling=1,
+        plots=plots,
         report_config=ReportConfig(max_bytes=MAX_BYTES, rewrite_interval_s=REWRITE_INTERVAL_S),
+        track_config=TrackConfig(warmup_samples=4),  # events from the 9th forward
     )
-    os.write(ready, b"1")
-    os.close(ready)
+    # With plots, ready once the event is there: each rewrite then draws its picture.
+    ready_at = 10 if plots else 0
     forwards = 0
     while True:
+        if forwards == ready_at:
+            os.write(ready, b"1")
+            os.close(ready)
         optimizer.zero_grad()
-        model(torch.randn(8, 16)).pow(2).mean().backward()
+        scale = 10.0 if plots and forwards >= 8 else 1.0  # a step: an event to draw
+        model(scale * torch.randn(8, 16)).pow(2).mean().backward()
         optimizer.step()
         forwards += 1
         if forwards % 16 == 0:
             progress.write_text(str(forwards))
 
 
+def _shown(index: str) -> tuple[tuple[int, str] | None, tuple[int, int] | None]:
+    """The report number and run start, and the counts, that ``index.md`` states."""
+    number, counts = _NUMBER.search(index), _COUNTS.search(index)
+    return (
+        (int(number.group(1)), number.group(2)) if number else None,
+        (int(counts.group(1)), int(counts.group(2))) if counts else None,
+    )
+
+
+def _pictures_linked(directory: Path) -> int:
+    try:
+        return len(_PICTURE.findall((directory / "index.md").read_text(encoding="utf-8")))
+    except OSError:
+        return 0
+
+
 def check_run(directory: Path, how: str, status: int, forwards_before: int) -> list[str]:
     """What is wrong with the files one stopped run left (empty if nothing); a run
-    whose ``index.md`` is one rewrite behind after SIGKILL gives ``["torn"]``."""
+    whose ``index.md`` is an earlier report than ``report.json`` after SIGKILL gives
+    ``["torn"]``."""
     problems = []
     report_path, index_path = directory / "report.json", directory / "index.md"
     if not report_path.exists():
@@ -95,14 +127,25 @@ def check_run(directory: Path, how: str, status: int, forwards_before: int) -> l
         report = json.loads(raw)
     except ValueError as error:
         return [*problems, f"report.json does not parse: {error}"]
-    match = _COUNTS.search(index_path.read_text(encoding="utf-8")) if index_path.exists() else None
-    shown = (int(match.group(1)), int(match.group(2))) if match else None
-    written = (report["run"]["forwards_seen"], report["run"]["samples_seen"])
-    if shown != written:
-        behind = shown is not None and shown[0] < written[0] and shown[1] <= written[1]
+    index = index_path.read_text(encoding="utf-8") if index_path.exists() else ""
+    identity, shown = _shown(index)
+    run = report["run"]
+    written_identity = (run["report_number"], run["started_at"])
+    written = (run["forwards_seen"], run["samples_seen"])
+    if identity != written_identity:
+        behind = (
+            identity is not None
+            and identity[1] == written_identity[1]
+            and identity[0] < written_identity[0]
+        )
         if how == "SIGKILL" and behind and not problems:
             return ["torn"]
-        problems.append(f"index.md shows {shown}, report.json {written}")
+        problems.append(f"index.md is report {identity}, report.json {written_identity}")
+    elif shown != written:
+        problems.append(f"report {identity}: index.md shows {shown}, report.json {written}")
+    missing = [name for name in _PICTURE.findall(index) if not (directory / name).is_file()]
+    if missing:
+        problems.append(f"index.md links missing pictures {missing}")
     if how == "SIGTERM":
         if status != -signal.SIGTERM:
             problems.append(f"ended with status {status}, not -SIGTERM")
@@ -111,7 +154,7 @@ def check_run(directory: Path, how: str, status: int, forwards_before: int) -> l
     return problems
 
 
-def run_once(directory: Path, how: str, delay_s: float) -> list[str]:
+def run_once(directory: Path, how: str, delay_s: float, plots: bool = False) -> list[str]:
     """Fork one training run, stop it after ``delay_s`` and check its files."""
     read_end, write_end = os.pipe()
     progress = directory.with_suffix(".progress")
@@ -120,12 +163,12 @@ def run_once(directory: Path, how: str, delay_s: float) -> list[str]:
         code = 0
         try:
             os.close(read_end)
-            _train_forever(directory, write_end, progress)
+            _train_forever(directory, write_end, progress, plots)
         except BaseException:
             code = 2
         os._exit(code)
     os.close(write_end)
-    os.read(read_end, 1)  # injected: its first report is written
+    os.read(read_end, 1)  # injected (its first report is written), or past the event
     os.close(read_end)
     time.sleep(delay_s)
     forwards_before = 0
@@ -140,35 +183,61 @@ def run_once(directory: Path, how: str, delay_s: float) -> list[str]:
     return check_run(directory, how, status, forwards_before)
 
 
+def _warm_up(plots: bool) -> None:
+    """Import here what every child would otherwise import itself: Dynamo (which
+    ``torch.optim`` loads at the first optimizer, seconds on a busy machine) and, for
+    the runs with plots, matplotlib with its font cache."""
+    torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    if plots:
+        from torchinstruments.plots import render_plot, require_matplotlib
+
+        require_matplotlib()
+        points = [[0, 0, 1.0], [1, 1, 2.0]]
+        render_plot({"module": "m", "signal": "activation", "history": {"points": points}})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sigkill", type=int, default=30, help="runs stopped by SIGKILL")
     parser.add_argument("--sigterm", type=int, default=10, help="runs stopped by SIGTERM")
     parser.add_argument("--max-delay-s", type=float, default=0.5, help="longest delay")
     parser.add_argument("--seed", type=int, default=0, help="seed of the delays and order")
+    parser.add_argument(
+        "--plots-every", type=int, default=3, help="every n-th run writes plots (0: none)"
+    )
+    parser.add_argument("--torn-fails", action="store_true", help="a torn run is a failure")
     parser.add_argument("--output-dir", type=Path, default=None, help="keep the runs here")
     args = parser.parse_args(argv)
     chooser = random.Random(args.seed)
     plan = ["SIGKILL"] * args.sigkill + ["SIGTERM"] * args.sigterm
     chooser.shuffle(plan)
+    with_plots = [args.plots_every > 0 and n % args.plots_every == 0 for n in range(len(plan))]
+    _warm_up(any(with_plots))
     base = args.output_dir or Path(tempfile.mkdtemp(prefix="kill-runs-"))
-    failures = torn = 0
+    failures = torn = drawn = 0
     started = time.perf_counter()
     for number, how in enumerate(plan):
         delay = chooser.uniform(0.0, args.max_delay_s)
-        problems = run_once(base / f"run-{number:03d}", how, delay)
-        if problems == ["torn"]:
+        plots = with_plots[number]
+        problems = run_once(base / f"run-{number:03d}", how, delay, plots)
+        if problems == ["torn"] and not args.torn_fails:
             torn += 1
-            verdict = "torn (index.md one rewrite behind)"
+            verdict = "torn (index.md is an earlier report than report.json)"
         else:
             failures += bool(problems)
             verdict = "ok" if not problems else "FAIL: " + "; ".join(problems)
-        print(f"run {number:3d} {how} after {delay * 1000:6.1f} ms: {verdict}", flush=True)
+        kind = how
+        if plots:
+            pictures = _pictures_linked(base / f"run-{number:03d}")
+            kind += f" plots ({pictures} linked)"
+            drawn += pictures > 0
+        print(f"run {number:3d} {kind} after {delay * 1000:6.1f} ms: {verdict}", flush=True)
     elapsed = time.perf_counter() - started
     sound = len(plan) - failures - torn
     print(
-        f"{sound} of {len(plan)} runs sound, {torn} torn, {failures} failed "
-        f"({elapsed:.1f} s); files in {base}"
+        f"{sound} of {len(plan)} runs sound ({sum(with_plots)} with plots, {drawn} of them "
+        f"with pictures), {torn} torn, "
+        f"{failures} failed ({elapsed:.1f} s); files in {base}"
     )
     return 1 if failures else 0
 

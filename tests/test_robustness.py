@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -532,7 +532,10 @@ def test_reductions_are_invisible_to_user_subclasses_and_dispatch_modes(tmp_path
 
 
 def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> None:
-    """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM)."""
+    """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM):
+    report.json and index.md state the same report number (or index.md an earlier one
+    after a SIGKILL between their replacements, counted as torn), with and without
+    plots."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kill_runs.py"
     arguments = ["--sigkill", "4", "--sigterm", "2", "--seed", "7", "--output-dir", str(tmp_path)]
     done = subprocess.run(
@@ -543,8 +546,10 @@ def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> No
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 7 and ", 0 failed" in lines[-1]
+    assert len(lines) == 7 and ", 0 failed" in lines[-1] and "(2 with plots" in lines[-1]
     assert all("SIGTERM" not in line or line.endswith(": ok") for line in lines[:-1])
+    # Run 0 stopped by SIGTERM while it drew: its final report links its picture.
+    assert lines[0].startswith("run   0 SIGTERM plots (1 linked)"), lines[0]
     assert len(list(tmp_path.glob("run-*/report.json"))) == 6
 
 
@@ -608,6 +613,149 @@ def test_a_scripted_submodule_is_skipped_and_named(tmp_path: Path) -> None:
     report = read_report(tmp_path)
     assert report["config"]["scripted_modules_skipped"] == ["1"]
     assert {f["module"] for f in report["findings"]} >= {"0", "2"}
+
+
+def _double(module: nn.Module, inputs: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+    """A user's forward hook that TorchScript can compile: doubles the output."""
+    return output * 2
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+        self.fc.register_forward_hook(_double)  # the user's hook, to be kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class _ScriptableNet(nn.Module):
+    """Submodules two deep, a user hook on ``block.fc``, a scripted submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(8, 1))
+        self.scale = torch.jit.script(nn.Linear(1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.head(self.block(x)))
+
+
+_OUR_PARTS = ("torchinstruments",)
+
+
+def _foreign_hooks(module: nn.Module) -> list[str]:
+    """Type names of hooks, wrappers and attributes of ours anywhere in ``module``."""
+    found = []
+    for sub in module.modules():
+        values = list(sub.__dict__.values())
+        for name in ("_forward_hooks", "_forward_pre_hooks"):
+            values += list(getattr(sub, name, {}).values())
+        found += [type(v).__name__ for v in values if type(v).__module__.startswith(_OUR_PARTS)]
+    return found
+
+
+def _hooks_by_module(model: nn.Module) -> dict[str, tuple[int, int]]:
+    return {
+        name: (len(module._forward_hooks), len(module._forward_pre_hooks))
+        for name, module in model.named_modules()
+    }
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["hooks", "capture_direct_forwards"])
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_torch_jit_script_of_an_observed_model_compiles_it_without_our_hooks(
+    tmp_path: Path, direct: bool
+) -> None:
+    torch.manual_seed(0)
+    model = _ScriptableNet()
+    twin = _ScriptableNet()
+    twin.load_state_dict(model.state_dict())
+    batches = make_batches(6)
+    inject_observer(model, output_dir=tmp_path, sampling=1, capture_direct_forwards=direct)
+    losses = train(model, batches[:3])
+    hooks = _hooks_by_module(model)
+    scripted = torch.jit.script(model)
+    scripted_block = torch.jit.script(model.block)  # a submodule alone
+    assert _hooks_by_module(model) == hooks  # the eager model kept every hook
+    losses += train(model, batches[3:])  # the eager model trains on, observed
+    assert losses == train(twin, batches[:3]) + train(twin, batches[3:])
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(scripted(x), model(x))
+        assert torch.equal(scripted_block(x), model.block(x))
+        assert torch.equal(scripted(x), twin(x))
+    # The ScriptModule shares the model's parameters and holds the user's hook only.
+    assert scripted.block.fc.weight is model.block.fc.weight
+    assert scripted_block.fc.bias is model.block.fc.bias
+    assert _foreign_hooks(scripted) == [] and _foreign_hooks(scripted_block) == []
+    assert _hooks_by_module(scripted) == _hooks_by_module(twin)
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["samples_observed"] == coverage["backward_samples_observed"] == 6
+    assert _foreign_hooks(model) == []
+    assert _hooks_by_module(model) == _hooks_by_module(twin)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
+def test_torch_jit_trace_of_an_observed_model_records_what_an_unobserved_one_does(
+    tmp_path: Path,
+) -> None:
+    for direct in (False, True):
+        out = tmp_path / f"direct-{direct}"
+        torch.manual_seed(0)
+        model = _ScriptableNet()
+        twin = _ScriptableNet()
+        twin.load_state_dict(model.state_dict())
+        batches = make_batches(4)
+        inject_observer(model, output_dir=out, sampling=1, capture_direct_forwards=direct)
+        x = torch.randn(4, 8)
+        losses = train(model, batches[:2])
+        # torch.jit.trace runs the model three times (once to trace, twice to check).
+        traced = cast(torch.jit.ScriptModule, torch.jit.trace(model, x))
+        losses += train(model, batches[2:])
+        assert losses == train(twin, batches)
+        reference = cast(torch.jit.ScriptModule, torch.jit.trace(twin, x))
+        # Same graph, same input names: nothing of ours was recorded.
+        assert traced.code == reference.code, direct
+        assert torch.equal(traced(x), reference(x))
+        assert _foreign_hooks(traced) == []
+        remove_observer(model)
+        coverage = read_report(out)["coverage"]
+        assert coverage["samples_observed"] == coverage["backward_samples_observed"] == 4
+        assert coverage["eval_forwards_skipped"] == 3  # the trace's runs
+
+
+class _Exporting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    @torch.jit.export
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
+def test_torch_jit_trace_of_a_module_with_exported_methods_says_how_to(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), _Exporting())
+    x = torch.randn(2, 8)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    # torch.jit.trace compiles such a module with its hooks, ours included.
+    with pytest.raises(AttributeError, match=r"@torch.jit.export methods.*remove_observer"):
+        torch.jit.trace(model, x)
+    scripted = torch.jit.script(model)
+    train(model, make_batches(2))
+    remove_observer(model)
+    traced = cast(torch.jit.ScriptModule, torch.jit.trace(model, x))
+    assert torch.equal(traced(x), model(x)) and torch.equal(scripted(x), model(x))
+    assert read_report(tmp_path)["coverage"]["samples_observed"] == 2
 
 
 def test_injection_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

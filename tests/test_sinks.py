@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from torchinstruments import (
     ConfigError,
     MetricLoggerSink,
     TensorBoardSink,
+    TrackConfig,
     inject_observer,
     remove_observer,
 )
@@ -210,3 +214,73 @@ def test_echo_lines_meet_the_event_before_the_onset() -> None:
     # Linear scale: shifted by 2.0 - 0.5.
     assert _echo_lines(event, points, log=False) == [("act", ([110, 120], [2.0, 2.5]))]
     assert render_plot(event)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Stopped(BaseException):
+    """Stands for a SIGKILL: nothing after it runs (not an Exception, so not caught)."""
+
+
+def _numbers(directory: Path) -> tuple[int, int | None]:
+    """The report number of ``report.json`` and the one ``index.md`` states."""
+    run = read_report(directory)["run"]
+    index = (directory / "index.md").read_text(encoding="utf-8")
+    match = re.search(r"^Report (\d+) of the run started (\S+) ", index, re.MULTILINE)
+    assert match is None or match.group(2) == run["started_at"]
+    return run["report_number"], int(match.group(1)) if match else None
+
+
+def test_report_and_index_state_one_report_number_whenever_a_write_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchinstruments.plots
+
+    torch.manual_seed(0)
+    model = ResidualNet()
+    handle = inject_observer(
+        model,
+        output_dir=tmp_path,
+        sampling=1,
+        plots=True,
+        track_config=TrackConfig(warmup_samples=4),
+    )
+    assert _numbers(tmp_path) == (1, 1)  # written at injection
+    for step, batch in enumerate(make_batches(16)):
+        if step == 8:
+            with torch.no_grad():
+                model.fc.weight.mul_(8.0)  # an event, and its picture
+        train(model, [batch])
+    handle.flush()
+    # Reports 1 at injection, 2 after the warm-up, 3 at the flush.
+    assert _numbers(tmp_path) == (3, 3)
+    assert list((tmp_path / "plots").glob("*.png")), "no picture: the test draws nothing"
+
+    # Stopped while drawing: the pictures come first, so both files stay at report 3.
+    def stop(event: dict[str, Any]) -> bytes:
+        raise _Stopped
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torchinstruments.plots, "render_plot", stop)
+        with pytest.raises(_Stopped):
+            handle.flush()
+    assert _numbers(tmp_path) == (3, 3)
+
+    # Stopped between the two replacements (report.json first): index.md is an earlier
+    # report (the last one that reached it, 3: report 4 was stopped), and says which.
+    replace = os.replace
+    calls: list[str] = []
+
+    def replace_then_stop(source: str, target: os.PathLike[str] | str) -> None:
+        calls.append(Path(target).name)
+        if Path(target).name == "index.md":
+            raise _Stopped
+        replace(source, target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", replace_then_stop)
+        with pytest.raises(_Stopped):
+            handle.flush()
+    assert calls[-2:] == ["report.json", "index.md"]  # after the pictures
+    assert calls[:-2] and all(name.endswith(".png") for name in calls[:-2])
+    assert _numbers(tmp_path) == (5, 3)
+    remove_observer(model)
+    assert _numbers(tmp_path) == (6, 6)

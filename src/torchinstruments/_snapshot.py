@@ -132,6 +132,10 @@ class RunSnapshot:
     forked_from_pid: int | None
     #: Training forwards seen before the fork (0 in the original process).
     forwards_at_fork: int
+    #: The number of the report written from this snapshot (``run.report_number``):
+    #: 1 for the first report of the run, one more at each write; a report built
+    #: without a write (``ObserverHandle.report``) carries the last written one's.
+    report_number: int = 0
 
 
 def take_snapshot(observer: Observer) -> RunSnapshot:
@@ -198,6 +202,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         telemetry_seconds=capture.telemetry_seconds,
         forked_from_pid=observer.forked_from_pid,
         forwards_at_fork=observer.forwards_at_fork,
+        report_number=observer.report_number,
     )
 
 

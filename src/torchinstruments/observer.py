@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.jit import ScriptModule
 
 from . import _amp
 from ._calls import CallCapture
@@ -33,7 +34,15 @@ from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
 from ._store import SeriesStore
-from .capture import ForwardHook, ForwardWrapper, RootPostHook, RootPreHook, passive
+from .capture import (
+    PREPARE_ATTRIBUTE,
+    ForwardHook,
+    ForwardWrapper,
+    PrepareScriptable,
+    RootPostHook,
+    RootPreHook,
+    passive,
+)
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
 from .histogram import HistogramSpec
@@ -83,6 +92,9 @@ class Observer:
         self.options = options
         self.started_at = time.time()
         self.reports_written = 0
+        #: The number of the report being (or last) written: 1 for the first, one more
+        #: at each write; ``report.json`` and ``index.md`` both state it (``run.report_number``).
+        self.report_number = 0
         self.series_summary_omitted = 0
         self._warned_write = False
         #: True while a report is being built and written (see _lifecycle.py).
@@ -96,6 +108,7 @@ class Observer:
         self.parents_adopted: dict[str, str] = {}
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
+        self._preparers: list[tuple[weakref.ref[nn.Module], PrepareScriptable]] = []
         self._atexit = AtExit(self)
 
         # The stages, in data-flow order (see the module docstring).
@@ -213,10 +226,28 @@ class Observer:
                 handle = module.register_forward_hook(hook)
                 self._handles.append(handle)
                 parking.parkable.append((module._forward_hooks, handle.id, hook))
+        self._prepare_for_scripting()
         context.attached = self.buffer.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
         on_termination.add(self)
+
+    def _prepare_for_scripting(self) -> None:
+        """Give every module of the model a :class:`~.capture.PrepareScriptable`, so
+        that ``torch.jit.script`` of the model or of any module in it compiles a stand-in
+        without our hooks. Modules that have an instance ``__prepare_scriptable__`` of
+        their own, and ScriptModules, are left alone."""
+        target = self.target
+        if target is None:
+            return
+        for module in target.modules():
+            if isinstance(module, ScriptModule):
+                continue
+            present = module.__dict__.get(PREPARE_ATTRIBUTE)
+            if present is None or isinstance(present, PrepareScriptable):
+                preparer = PrepareScriptable(module)
+                module.__dict__[PREPARE_ATTRIBUTE] = preparer
+                self._preparers.append((weakref.ref(module), preparer))
 
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
@@ -235,6 +266,11 @@ class Observer:
             else:
                 del module.__dict__["forward"]
         self._wrapped.clear()
+        for ref, preparer in self._preparers:
+            module = ref()
+            if module is not None and module.__dict__.get(PREPARE_ATTRIBUTE) is preparer:
+                del module.__dict__[PREPARE_ATTRIBUTE]
+        self._preparers.clear()
         self.buffer.attached = False
         _amp.uninstall(self)
         atexit.unregister(self._atexit)
@@ -407,6 +443,7 @@ class Observer:
         except Exception as error:
             self.record_error("series_summary", "", error)
         try:
+            self.report_number += 1
             snapshot = self.snapshot()
             report = build_report(snapshot)  # statistics flushed above
         except Exception as error:

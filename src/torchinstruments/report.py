@@ -829,6 +829,7 @@ def _run_section(observer: RunSnapshot) -> dict[str, Any]:
         "started_at": datetime.fromtimestamp(observer.started_at, UTC).isoformat(
             timespec="seconds"
         ),
+        "report_number": observer.report_number,
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
         "hook_parking": observer.hook_parking,
@@ -1173,6 +1174,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"with a backward); generated {report['generated_at']}.",
         "",
     ]
+    number = run.get("report_number")
+    if isinstance(number, int) and number > 0:  # absent from reports of older versions
+        lines += [
+            f"Report {number} of the run started {md_text(str(run.get('started_at')))} "
+            "(`run.report_number` and `run.started_at` of report.json).",
+            "",
+        ]
     first = summary.get("first_non_finite")
     if first:
         where = (

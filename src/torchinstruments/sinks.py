@@ -284,8 +284,10 @@ class DirectorySink(_SinkBase):
         Each file is written on its own: one that fails does not stop the others, and
         the first error is raised once all were tried. Pictures are written first;
         both texts are then staged in full and the two files replaced one right after
-        the other, so that ``index.md`` renders the same report as ``report.json``
-        except for a kill in the instant between the two replacements.
+        the other, ``report.json`` first, so that ``index.md`` renders the same report
+        as ``report.json`` except after a kill in the instant between the two
+        replacements, when it is an earlier one. Both state the report's
+        ``run.report_number``, so a reader can tell.
         """
         failures: list[Exception] = []
         shown = report
