@@ -96,11 +96,12 @@ class UnrelatedNet(nn.Module):
 
 def test_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> None:
     """:func:`check_inject_and_remove_keep_another_models_compiled_code` in a fresh
-    interpreter, where Dynamo is loaded before the first injection. Dynamo's caches and
-    settings are process-wide: after an observer was injected in the process before
-    Dynamo was loaded, removal of a later observer does not make the compiled model trace
-    again (a known gap of the per-model invalidation, seen when this test ran after
-    others in one process)."""
+    interpreter, where Dynamo is loaded before the first injection: the code compiled
+    before injection has no hook guards, so injection must invalidate it, and removal
+    compiles the model anew. In a process where an observer was injected before Dynamo
+    loaded, hook guards are on from Dynamo's start: the code compiled before injection
+    guards on the empty hook dictionaries and runs again after removal, compiling
+    nothing (the same graph, by its size: the check's last assertion holds there too)."""
     root = Path(__file__).resolve().parent.parent
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
@@ -252,9 +253,28 @@ def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Pa
     assert compile_coverage["slots_dropped"] == 0
 
 
+def accumulate(model: nn.Module, steps: int) -> list[float]:
+    """Gradient accumulation: two forwards, then one backward of their summed loss, per
+    step."""
+    generator = torch.Generator().manual_seed(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = sum(model(torch.randn(8, 6, generator=generator)).square().mean() for _ in "ab")
+        assert isinstance(loss, Tensor)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def test_unsampled_forwards_run_a_graph_of_their_own_compiled_once(tmp_path: Path) -> None:
     """Sampling every 2nd forward: one graph with the reductions, one without, each
-    compiled once over 8 forwards (Dynamo picks by its guard); 4 samples observed."""
+    compiled once over 8 forwards (Dynamo picks by its guard); 4 samples observed. Then
+    gradient accumulation (a sampled and an unsampled forward before each backward):
+    the sampled forward's output gradients are taken after that backward. Training
+    equals the compiled twin's, every series the eager path's."""
     from torch._dynamo.utils import counters
 
     class EveryOtherNet(nn.Module):
@@ -268,15 +288,26 @@ def test_unsampled_forwards_run_a_graph_of_their_own_compiled_once(tmp_path: Pat
 
     torch.manual_seed(0)
     model = EveryOtherNet()
-    twin = copy.deepcopy(model)
-    inject_observer(model, output_dir=tmp_path, sampling=2)
+    twin, eager = copy.deepcopy(model), copy.deepcopy(model)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=2)
+    train(eager, 8)
+    accumulate(eager, 2)
+    remove_observer(eager)
+    inject_observer(model, output_dir=tmp_path / "compiled", sampling=2)
     graphs = counters["stats"]["unique_graphs"]
-    losses = train(cast(nn.Module, torch.compile(model, backend="aot_eager", fullgraph=True)), 8)
+    compiled = cast(nn.Module, torch.compile(model, backend="aot_eager", fullgraph=True))
+    losses = train(compiled, 8)
     assert counters["stats"]["unique_graphs"] - graphs == 2
-    report = remove_observer_and_read(model, tmp_path)
-    assert losses == train(cast(nn.Module, torch.compile(twin, backend="aot_eager")), 8)
-    assert samples_of(tmp_path, "fc1") == 4 and samples_of(tmp_path, "fc2") == 4
-    assert report["coverage"]["samples_observed"] == 4
+    losses += accumulate(compiled, 2)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    report = remove_observer_and_read(model, tmp_path / "compiled")
+    plain = cast(nn.Module, torch.compile(twin, backend="aot_eager"))
+    assert losses == train(plain, 8) + accumulate(plain, 2)
+    series = written_series(tmp_path / "compiled")
+    assert len(series[("fc1", 0, "activation", "output", "rms")]) == 6
+    assert len(series[("fc1", 0, "grad_output", "output", "rms")]) == 6
+    assert_same_telemetry(written_series(tmp_path / "eager"), series)
+    assert report["coverage"]["samples_observed"] == 6
 
 
 def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:

@@ -26,15 +26,16 @@ without them; each is compiled once and chosen by its guards at every call, so t
 sampling decision never recompiles. A sampled forward zeroes the buffers first
 (:meth:`CompiledCapture.begin_sample`); when the root returns
 (:meth:`CompiledCapture.end_sample`) one device copy of each buffer becomes that
-sample's pending rows in the statistics buffer, and at the next sampled forward or
-flush, whichever comes first, the sinks' gradients become its output-gradient rows
+sample's pending rows in the statistics buffer; once its backward has run, the next
+flush or sampled forward makes the sinks' gradients its output-gradient rows
 (:meth:`CompiledCapture.take_gradients`). Nothing is read back to the host inside a
 forward; a slot that no graph wrote in a sample (its row counts 0 elements) is left out
 by the series store.
 
 What is not captured inside compiled graphs: histograms and the full sentinel; output
 gradients of outputs that are other containers (counted); output gradients of a sample
-whose backward ran after the next sampled forward or flush. Where Dynamo cannot take the
+whose backward ran only after the next sampled forward (two sampled forwards before one
+backward). Where Dynamo cannot take the
 capture (a torch without ``torch.compiler.assume_constant_result``), forward hooks stay
 ``torch.compiler.disable``d: each observed module call is a graph break, and
 ``fullgraph=True`` fails; :meth:`CompiledCapture.mode` says so in the report.
