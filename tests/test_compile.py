@@ -9,6 +9,7 @@ object (a class's ``forward``), so a class shared between tests would share its 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import subprocess
@@ -73,6 +74,17 @@ def samples_of(directory: Path, module: str) -> int:
     return 0
 
 
+def decorated(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator as ``transformers`` puts on ``forward``: Dynamo compiles the wrapper's
+    frame, whose code object is not the module's ``forward``."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
 class ObservedNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -80,6 +92,7 @@ class ObservedNet(nn.Module):
         self.act = nn.Tanh()
         self.fc2 = nn.Linear(12, 1)
 
+    @decorated
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
@@ -113,9 +126,9 @@ def test_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> 
 
 def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> None:
     """Another compiled model is not compiled again by injection or removal, while the
-    observed model's hooks take effect (it is traced again into a graph larger by the
-    in-graph reductions, and every submodule is observed) and then go (traced again,
-    into a graph of the size it had before injection)."""
+    observed model's hooks (its ``forward`` decorated) take effect (it is traced again
+    into a graph larger by the in-graph reductions, and every submodule is observed) and
+    then go (traced again, into a graph of the size it had before injection)."""
     torch.manual_seed(0)
     observed, unrelated = ObservedNet(), UnrelatedNet()
     observed_backend, unrelated_backend = CountingBackend(), CountingBackend()

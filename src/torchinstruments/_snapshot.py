@@ -159,6 +159,7 @@ class RunSnapshot:
     forked_from_pid: int | None
     #: Training forwards seen before the fork (0 in the original process).
     forwards_at_fork: int
+    #: The capture inside ``torch.compile``'d graphs (``coverage.compiled_capture``).
     compiled_capture: CompiledCaptureCounts = CompiledCaptureCounts()
 
 
