@@ -38,7 +38,7 @@ hook parking switched off, as under ``torch.compile``, and with the default, whe
 hooks of unsampled forwards are parked and never called), the
 resident memory over 5,000 samples, the time to build and write the report of a model
 with 2,000 observed modules, and ``torch.compile`` (injection before and after
-compiling; graph breaks; compiled-step ratio).
+compiling; graph breaks; compiled-step ratio at default sampling and at ``sampling=1``).
 """
 
 from __future__ import annotations
@@ -780,6 +780,9 @@ def _pick_backend(args: argparse.Namespace, workload: Workload) -> tuple[str, st
 
 
 COMPILE_CASES = ("inject before compile", "inject after compile")
+#: Compiled-step ratio cases: the two injection orders at default sampling, then every
+#: forward sampled (the graph with the in-graph reductions runs at every step).
+RATIO_CASES = (*COMPILE_CASES, "sampling=1")
 
 
 def _compile_coverage(workload: Workload, backend: str, tmp: Path) -> dict[str, Any]:
@@ -838,12 +841,15 @@ def _compile_coverage(workload: Workload, backend: str, tmp: Path) -> dict[str, 
 def _compile_ratio(
     case: str, workload: Workload, backend: str, args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
-    """Compiled plain and compiled observed copies, default settings, interleaved."""
-    steady_start, steady_interval = _steady_schedule()
+    """Compiled plain and compiled observed copies, interleaved: default sampling in the
+    two injection orders, or every forward sampled (case ``"sampling=1"``, injected
+    before compiling)."""
+    every = case == "sampling=1"
+    steady_start, steady_interval = (0, 1) if every else _steady_schedule()
     target_s = BLOCK_TARGET_QUICK_S if args.quick else BLOCK_TARGET_S
     torch._dynamo.reset()
     pair = Pair(workload)
-    directory = tmp / f"compile-{case.split()[1]}"
+    directory = tmp / ("compile-every" if every else f"compile-{case.split()[1]}")
     x, y = pair.batches[0]
     pair.plain = _compile(pair.plain, backend)
     start = time.perf_counter()
@@ -852,8 +858,10 @@ def _compile_ratio(
     observed_module = pair.observed
     target: nn.Module = observed_module
     try:
-        if case == "inject before compile":
-            handle = inject_observer(observed_module, output_dir=directory)
+        if case != "inject after compile":
+            handle = inject_observer(
+                observed_module, output_dir=directory, sampling=1 if every else None
+            )
             pair.observed = _compile(observed_module, backend)
         else:
             pair.observed = _compile(observed_module, backend)
@@ -923,7 +931,10 @@ def bench_compile(
         setattr(dynamo_config, flag, False)
     results["ratio_dynamo_setting"] = f"{flag}=False" if previous is not None else "default"
     try:
-        for case in COMPILE_CASES:
+        for case in RATIO_CASES:
+            if args.quick and case == "sampling=1":
+                results[case] = {"error": "not run with --quick"}
+                continue
             _progress(f"compile: ratio, {case}")
             results[case] = _compile_ratio(case, workload, backend, args, tmp)
     finally:
@@ -1161,13 +1172,15 @@ def print_compile(result: dict[str, Any]) -> None:
     if notes:
         print("\n".join(notes))
     print(
-        f"\ncompiled-step ratio: compiled plain vs compiled observed copy, default settings, "
-        f"interleaved; dynamo {result.get('ratio_dynamo_setting')} so that each copy has its "
+        f"\ncompiled-step ratio: compiled plain vs compiled observed copy, interleaved, at "
+        "default sampling (both injection orders) and with sampling=1 (every forward runs "
+        f"the graph with the in-graph reductions); dynamo {result.get('ratio_dynamo_setting')} "
+        "so that each copy has its "
         "own compiled code;\ndense start = 4 blocks inside the first 64 forwards; "
         f"steady = from forward {_steady_schedule()[0]} on"
     )
     rows = []
-    for case in COMPILE_CASES:
+    for case in RATIO_CASES:
         entry = result.get(case, {})
         if "steady_ratio" not in entry:
             rows.append([case, "-", "-", entry.get("error", "?")[:70], "-", "-", "-", "-"])

@@ -1,4 +1,6 @@
-"""``torch.compile``: injection and removal keep other models' compiled code.
+"""``torch.compile``: observed modules are reduced inside compiled graphs (``aot_eager``
+here; inductor in ``test_compile_inductor.py``), and injection and removal keep other
+models' compiled code.
 
 Each model class here is used by one test only: Dynamo caches compiled code per code
 object (a class's ``forward``), so a class shared between tests would share its cache.
@@ -6,6 +8,9 @@ object (a class's ``forward``), so a class shared between tests would share its 
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -20,14 +26,24 @@ from torchinstruments import inject_observer, remove_observer
 
 
 class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it compiles (runs them as is)."""
+    """A ``torch.compile`` backend that counts the graphs it compiles (runs them as is),
+    keeps their sizes (nodes) and notes which one ran last."""
 
     def __init__(self) -> None:
         self.graphs = 0
+        self.sizes: list[int] = []
+        self.last = -1
 
     def __call__(self, graph: torch.fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
+        index = self.graphs
         self.graphs += 1
-        return graph.forward
+        self.sizes.append(len(graph.graph.nodes))
+
+        def run(*args: Any) -> Any:
+            self.last = index
+            return graph.forward(*args)
+
+        return run
 
 
 def train(model: nn.Module, steps: int, seed: int = 0) -> list[float]:
@@ -44,6 +60,11 @@ def train(model: nn.Module, steps: int, seed: int = 0) -> list[float]:
     return losses
 
 
+def remove_observer_and_read(model: nn.Module, directory: Path) -> dict[str, Any]:
+    remove_observer(model)
+    return json.loads((directory / "report.json").read_text(encoding="utf-8"))
+
+
 def samples_of(directory: Path, module: str) -> int:
     """Samples observed of ``module``'s activation RMS, from the written series.json."""
     data = json.loads((directory / "series.json").read_text(encoding="utf-8"))
@@ -53,6 +74,17 @@ def samples_of(directory: Path, module: str) -> int:
     return 0
 
 
+def decorated(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator as ``transformers`` puts on ``forward``: Dynamo compiles the wrapper's
+    frame, whose code object is not the module's ``forward``."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
 class ObservedNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -60,6 +92,7 @@ class ObservedNet(nn.Module):
         self.act = nn.Tanh()
         self.fc2 = nn.Linear(12, 1)
 
+    @decorated
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
@@ -76,11 +109,12 @@ class UnrelatedNet(nn.Module):
 
 def test_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> None:
     """:func:`check_inject_and_remove_keep_another_models_compiled_code` in a fresh
-    interpreter, where Dynamo is loaded before the first injection. Dynamo's caches and
-    settings are process-wide: after an observer was injected in the process before
-    Dynamo was loaded, removal of a later observer does not make the compiled model trace
-    again (a known gap of the per-model invalidation, seen when this test ran after
-    others in one process)."""
+    interpreter, where Dynamo is loaded before the first injection: the code compiled
+    before injection has no hook guards, so injection must invalidate it, and removal
+    compiles the model anew. In a process where an observer was injected before Dynamo
+    loaded, hook guards are on from Dynamo's start: the code compiled before injection
+    guards on the empty hook dictionaries and runs again after removal, compiling
+    nothing (the same graph, by its size: the check's last assertion holds there too)."""
     root = Path(__file__).resolve().parent.parent
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
@@ -92,8 +126,9 @@ def test_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> 
 
 def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> None:
     """Another compiled model is not compiled again by injection or removal, while the
-    observed model is (its hooks take effect, then go): telemetry of every submodule
-    while observed, none of it after removal."""
+    observed model's hooks (its ``forward`` decorated) take effect (it is traced again
+    into a graph larger by the in-graph reductions, and every submodule is observed) and
+    then go (traced again, into a graph of the size it had before injection)."""
     torch.manual_seed(0)
     observed, unrelated = ObservedNet(), UnrelatedNet()
     observed_backend, unrelated_backend = CountingBackend(), CountingBackend()
@@ -109,6 +144,8 @@ def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) ->
     train(other, 3)
     assert unrelated_backend.graphs == unrelated_graphs  # no recompile of the other model
     assert observed_backend.graphs > observed_graphs  # traced again, with the hooks
+    plain_size = observed_backend.sizes[0]
+    assert observed_backend.sizes[observed_backend.last] > plain_size
     remove_observer(observed)
     for name in ("fc1", "act", "fc2"):
         assert samples_of(tmp_path, name) == 3, name
@@ -118,3 +155,190 @@ def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) ->
     train(other, 2)
     assert unrelated_backend.graphs == unrelated_graphs
     assert observed_backend.graphs > observed_graphs  # traced again, without the hooks
+    assert observed_backend.sizes[observed_backend.last] == plain_size
+
+
+# ----------------------------------------------------------- capture inside compiled graphs
+EXAMPLE_PATH = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
+
+
+def example_model() -> nn.Module:
+    """The example's ResidualMLP, small: 2 blocks of width 16 (13 leaf modules)."""
+    spec = importlib.util.spec_from_file_location("_ti_example_for_compile", EXAMPLE_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.ResidualMLP(inputs=16, width=16, depth=2, classes=4)
+
+
+def example_batches(count: int) -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+def fit_classifier(model: nn.Module, data: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+Series = dict[tuple[str, int, str, str, str], list[list[Any]]]
+
+
+def written_series(directory: Path) -> Series:
+    """Every series of series.json: (module, call, signal, path, metric) -> points."""
+    data = json.loads((directory / "series.json").read_text(encoding="utf-8"))
+    return {
+        (e["module"], e["call_index"], e["signal"], e["tensor_path"], e["metric"]): e["points"]
+        for e in data["series"]
+    }
+
+
+def assert_same_telemetry(eager: Series, compiled: Series, rel: float = 1e-5) -> None:
+    """The same series, samples and values; values to ``rel`` (series.json keeps 6
+    significant digits, and float32 sums in another order differ in the last bits)."""
+    assert sorted(compiled) == sorted(eager)
+    for key, points in eager.items():
+        other = compiled[key]
+        assert [p[0] for p in other] == [p[0] for p in points], key
+        for (_, a), (_, b) in zip(points, other, strict=True):
+            if a is None or b is None:
+                assert a is b, key
+            else:
+                assert b == pytest.approx(a, rel=rel, abs=1e-9), key
+
+
+def assert_identical_training(
+    observed: nn.Module, twin: nn.Module, losses: list[Tensor], twin_losses: list[Tensor]
+) -> None:
+    """Identical means bit for bit: every loss and every parameter and buffer after
+    training equal (``torch.equal``) to those of the same compiled model without the
+    observer, trained on the same batches from the same initial state."""
+    assert all(torch.equal(a, b) for a, b in zip(losses, twin_losses, strict=True))
+    mine, theirs = observed.state_dict(), twin.state_dict()
+    assert list(mine) == list(theirs)
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+
+
+def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Path) -> None:
+    """``fullgraph=True`` compiles with the observer (so the observer adds no graph
+    break); training is bit-identical to the same compiled model
+    without it; every series (activations and output gradients of the 13 leaf modules
+    and the root) equals the eager path's on the same batches; the sampling decision
+    compiles nothing again (one graph over 6 sampled forwards)."""
+    from torch._dynamo.utils import counters
+
+    base = example_model()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    data = example_batches(6)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    fit_classifier(eager, data)
+    remove_observer(eager)
+
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    compiled = torch.compile(observed, backend="aot_eager", fullgraph=True)
+    losses = fit_classifier(cast(nn.Module, compiled), data)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # no recompile per forward
+    assert sum(counters["graph_break"].values()) == breaks
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    twin_losses = fit_classifier(
+        cast(nn.Module, torch.compile(twin, backend="aot_eager", fullgraph=True)), data
+    )
+    assert_identical_training(observed, twin, losses, twin_losses)
+    eager_series = written_series(tmp_path / "eager")
+    assert len({key[:4] for key in eager_series}) == 2 * 14  # 13 leaves and the root
+    assert_same_telemetry(eager_series, written_series(tmp_path / "compiled"))
+    compile_coverage = report["coverage"]["compiled_capture"]
+    assert compile_coverage["mode"] == "in_graph"
+    assert compile_coverage["slots"] == 2 * 13  # every leaf module, both signals
+    assert compile_coverage["slots_dropped"] == 0
+
+
+def accumulate(model: nn.Module, steps: int) -> list[float]:
+    """Gradient accumulation: two forwards, then one backward of their summed loss, per
+    step."""
+    generator = torch.Generator().manual_seed(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = sum(model(torch.randn(8, 6, generator=generator)).square().mean() for _ in "ab")
+        assert isinstance(loss, Tensor)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_unsampled_forwards_run_a_graph_of_their_own_compiled_once(tmp_path: Path) -> None:
+    """Sampling every 2nd forward: one graph with the reductions, one without, each
+    compiled once over 8 forwards (Dynamo picks by its guard); 4 samples observed. Then
+    gradient accumulation (a sampled and an unsampled forward before each backward):
+    the sampled forward's output gradients are taken after that backward. Training
+    equals the compiled twin's, every series the eager path's."""
+    from torch._dynamo.utils import counters
+
+    class EveryOtherNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(6, 8)
+            self.fc2 = nn.Linear(8, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = EveryOtherNet()
+    twin, eager = copy.deepcopy(model), copy.deepcopy(model)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=2)
+    train(eager, 8)
+    accumulate(eager, 2)
+    remove_observer(eager)
+    inject_observer(model, output_dir=tmp_path / "compiled", sampling=2)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = cast(nn.Module, torch.compile(model, backend="aot_eager", fullgraph=True))
+    losses = train(compiled, 8)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    losses += accumulate(compiled, 2)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    report = remove_observer_and_read(model, tmp_path / "compiled")
+    plain = cast(nn.Module, torch.compile(twin, backend="aot_eager"))
+    assert losses == train(plain, 8) + accumulate(plain, 2)
+    series = written_series(tmp_path / "compiled")
+    assert len(series[("fc1", 0, "activation", "output", "rms")]) == 6
+    assert len(series[("fc1", 0, "grad_output", "output", "rms")]) == 6
+    assert_same_telemetry(written_series(tmp_path / "eager"), series)
+    assert report["coverage"]["samples_observed"] == 6
+
+
+def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
+    """A ``transformers`` GPT-2 (two blocks, from a config): no graph break with the
+    observer, one graph; every observed submodule output traced into it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    handle = inject_observer(model, output_dir=tmp_path, sampling=1)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(model)(input_ids=ids)
+    observer = handle._observer
+    remove_observer(model)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    assert explained.graph_count == 1
+    assert observer is not None and observer.compiled_capture is not None
+    traced = {observer.names[key[0]] for key in observer.compiled_capture.slot_keys}
+    assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.act", "lm_head"} <= traced

@@ -60,9 +60,11 @@ def test_import_and_eager_training_load_no_compiler_and_no_optional_package() ->
     assert result["compiler"] == []  # not at import, not while training eagerly
 
 
-def test_hooks_are_graph_breaks_when_dynamo_is_imported_after_injection() -> None:
-    """Injected before Dynamo is loaded, then compiled: the hooks run eagerly (Dynamo
-    skips them as ``torch.compiler.disable``d functions) and observe every forward."""
+def test_hooks_are_traced_into_the_graph_when_dynamo_is_imported_after_injection() -> None:
+    """Injected before Dynamo is loaded, then compiled: the capture inside compiled graphs
+    is ready once Dynamo loads (no graph break: submodule hooks are traced, the root's
+    run eagerly), the gradient hooks stay ``torch.compiler.disable``d, and every forward
+    is observed."""
     out = run_python(
         """
         import json, sys, tempfile
@@ -71,8 +73,16 @@ def test_hooks_are_graph_breaks_when_dynamo_is_imported_after_injection() -> Non
         from torchinstruments import inject_observer, remove_observer
         from torchinstruments.capture import ForwardHook, GradHook, NodeGradHook
 
+        class Net(nn.Module):  # torch.compile traces a torch.nn root's hooks inline
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+            def forward(self, x):
+                return self.body(x)
+
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        model = Net()
         folder = tempfile.mkdtemp()
         inject_observer(model, output_dir=folder, sampling=1)
         assert "torch._dynamo" not in sys.modules
@@ -90,11 +100,69 @@ def test_hooks_are_graph_breaks_when_dynamo_is_imported_after_injection() -> Non
             "breaks": sum(counters["graph_break"].values()),
             "errors": report["coverage"]["errors_total"],
             "samples": report["run"]["samples_seen"],
+            "mode": report["coverage"]["compiled_capture"]["mode"],
         }))
         """
     )
     result = json.loads(out.splitlines()[-1])
-    assert result["disabled"] == [True, True, True]
-    assert result["breaks"] >= 2  # at least the root's enter and leave
+    assert result["disabled"] == [False, True, True]
+    assert result["breaks"] == 0
     assert result["errors"] == 0
     assert result["samples"] == 5
+    assert result["mode"] == "in_graph"
+
+
+def test_without_assume_constant_result_hooks_are_graph_breaks_and_coverage_says_so() -> None:
+    """On a torch without ``torch.compiler.assume_constant_result`` (removed here) the
+    forward hooks stay ``torch.compiler.disable``d: each observed module call is a graph
+    break, every forward is still observed eagerly, and ``coverage.compiled_capture``
+    says why."""
+    out = run_python(
+        """
+        import json, tempfile
+        import torch
+        del torch.compiler.assume_constant_result
+        from torch import nn
+        from torchinstruments import inject_observer, remove_observer
+        from torchinstruments.capture import ForwardHook
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+            def forward(self, x):
+                return self.body(x)
+
+        torch.manual_seed(0)
+        model = Net()
+        folder = tempfile.mkdtemp()
+        inject_observer(model, output_dir=folder, sampling=1)
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
+            compiled(torch.randn(3, 4)).sum().backward()
+        remove_observer(model)
+        from torch._dynamo.utils import counters
+        report = json.load(open(f"{folder}/report.json"))
+        series = json.load(open(f"{folder}/series.json"))["series"]
+        print(json.dumps({
+            "disabled": bool(getattr(ForwardHook.__call__, "_torchdynamo_disable", False)),
+            "breaks": sum(counters["graph_break"].values()),
+            "errors": report["coverage"]["errors_total"],
+            "capture": report["coverage"]["compiled_capture"],
+            "counts": sorted(
+                {(e["module"], e["signal"], e["count"]) for e in series if e["metric"] == "rms"}
+            ),
+        }))
+        """
+    )
+    result = json.loads(out.splitlines()[-1])
+    assert result["disabled"] is True
+    assert result["breaks"] >= 3  # one per observed module call at least
+    assert result["errors"] == 0
+    assert result["capture"]["mode"] == "off: torch without torch.compiler.assume_constant_result"
+    assert result["capture"]["slots"] == 0
+    modules = ("<root>", "body.0", "body.1", "body.2")
+    assert result["counts"] == sorted(
+        [m, signal, 3] for m in modules for signal in ("activation", "grad_output")
+    )

@@ -34,6 +34,7 @@ from .capture import _graph_task_id, compiled_frames, in_backward, passive
 
 if TYPE_CHECKING:
     from ._calls import CallCapture
+    from ._compiled_capture import CompiledCapture
     from ._error_log import ErrorLog
     from ._parking import HookParking
     from ._sentinel import Sentinel
@@ -103,6 +104,7 @@ class ForwardContext(ForwardState):
         parking: HookParking,
         sentinel: Sentinel,
         capture: CallCapture,
+        compiled: CompiledCapture | None,
     ) -> None:
         self._owner = weakref.ref(owner)
         #: Weak references to the observed modules, by index (the observer's list).
@@ -120,6 +122,8 @@ class ForwardContext(ForwardState):
         self.parking = parking
         self.sentinel = sentinel
         self.capture = capture
+        #: The capture inside torch.compile'd graphs (None with direct-forward wrappers).
+        self.compiled = compiled
         #: How often the report is rewritten, in seconds.
         self.rewrite_interval_s = rewrite_interval_s
         #: The training forward of each sample (runs of arithmetic progressions).
@@ -428,6 +432,8 @@ class ForwardContext(ForwardState):
                 self._unsampled_training = False
             return
         if state is SAMPLED or state is SENTINEL:
+            if self.compiled is not None and len(stack) == 1:
+                self.compiled.end_sample(self)  # rows before the root's own
             self.on_forward(index, args, output)
             if self.sample_outputs and len(self._state_stack) == 1:
                 self.sample_outputs = {}  # the forward is over: its outputs are not shared
@@ -505,6 +511,8 @@ class ForwardContext(ForwardState):
                 # maybe_flush), not only rewrite_interval_s after injection.
                 self.last_write = -math.inf
             self.sample_forwards.append(index)
+            if self.compiled is not None:
+                self.compiled.begin_sample(self)
             if self.caller_step is not None:
                 self.store.note_step(self.sample, self.caller_step)
             awaiting = self.awaiting_backward

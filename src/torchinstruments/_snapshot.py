@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._records import ROOT_INDEX
 from .capture import compiled_frames
+from .compiled import last_invalidation
 
 if TYPE_CHECKING:
     from ._error_log import ErrorEntry
@@ -26,7 +27,14 @@ if TYPE_CHECKING:
     from .series import TensorSeries
     from .track import SeriesTracker
 
-__all__ = ["Counters", "RunSnapshot", "SeriesKey", "modules_replaced", "take_snapshot"]
+__all__ = [
+    "CompiledCaptureCounts",
+    "Counters",
+    "RunSnapshot",
+    "SeriesKey",
+    "modules_replaced",
+    "take_snapshot",
+]
 
 #: (module index, call index, signal, tensor path) of one observed tensor.
 SeriesKey = tuple[int, int, str, str]
@@ -74,6 +82,25 @@ class Counters:
     paths_dropped: int = 0
     #: Errors raised inside hooks (all of them, kept in the error table or not).
     errors_total: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledCaptureCounts:
+    """How ``torch.compile`` was met, each field named as the key of the report's
+    ``coverage.compiled_capture`` that shows it (see ``_compiled_capture.py``)."""
+
+    #: ``"in_graph"`` once a compiled graph reduced an observed output, ``"unused"``
+    #: while none did, ``"off: <reason>"`` where hooks traced by Dynamo are graph breaks.
+    mode: str = "unused"
+    #: (module, call index, signal, tensor path) reduced inside compiled graphs.
+    slots: int = 0
+    #: Those beyond ``MAX_SLOTS`` (4,096), not reduced.
+    slots_dropped: int = 0
+    #: Traced outputs whose gradient is not tapped (containers other than a tuple or
+    #: list of tensors).
+    gradients_not_captured: int = 0
+    #: How injection or removal last invalidated compiled code (``compiled.last_invalidation``).
+    compiled_code_invalidation: str = "none"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +163,8 @@ class RunSnapshot:
     #: 1 for the first report of the run, one more at each write; a report built
     #: without a write (``ObserverHandle.report``) carries the last written one's.
     report_number: int = 0
+    #: The capture inside ``torch.compile``'d graphs (``coverage.compiled_capture``).
+    compiled_capture: CompiledCaptureCounts = CompiledCaptureCounts()
 
 
 def take_snapshot(observer: Observer) -> RunSnapshot:
@@ -203,6 +232,22 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         forked_from_pid=observer.forked_from_pid,
         forwards_at_fork=observer.forwards_at_fork,
         report_number=observer.report_number,
+        compiled_capture=_compiled_counts(observer),
+    )
+
+
+def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
+    compiled = observer.compiled_capture
+    if compiled is None:
+        return CompiledCaptureCounts(
+            mode="off: capture_direct_forwards", compiled_code_invalidation=last_invalidation()
+        )
+    return CompiledCaptureCounts(
+        mode=compiled.mode(),
+        slots=len(compiled.slot_keys),
+        slots_dropped=compiled.slots_dropped,
+        gradients_not_captured=compiled.gradients_not_tapped,
+        compiled_code_invalidation=last_invalidation(),
     )
 
 

@@ -152,6 +152,8 @@ class SeriesStore:
                     hits.append(record)
                 continue
             key, sample, position, _ = record
+            if not row[0]:
+                continue  # 0 elements: a compiled graph's slot not written in this sample
             values = finish_statistics(row)
             shared = aliases.pop((key, sample), None) if aliases else None
             if key[2] == GRAD_OUTPUT:

@@ -2,8 +2,9 @@
 
 Hooks are small callable objects that hold only a weak reference to their observer's
 forward context (``_context.py``), so a model never keeps a detached observer alive.
-Each returns ``None`` (outputs are never replaced) and never raises: the observer
-catches and counts its own errors.
+Each returns ``None`` (eager outputs are never replaced; a forward hook traced into a
+compiled graph returns the same values, see ``_compiled_capture.py``) and never raises:
+the observer catches and counts its own errors.
 
 Copying a model that carries hooks (``copy.deepcopy`` for EMA models, ``pickle``,
 ``torch.save``) copies the hook dictionaries too; our hooks then copy as inert
@@ -53,6 +54,18 @@ _graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_tas
 _OPAQUE_NAMES: list[str] = []
 _opaque_applied = False
 _opaque_lock = threading.Lock()
+_COMPILER_CALLBACKS: list[Callable[[], None]] = []
+
+
+def on_compiler_loaded(callback: Callable[[], None]) -> None:
+    """Call ``callback`` once Dynamo is loaded and our hooks were made opaque (now, if
+    that happened already). The in-graph capture registers itself here, so that this
+    module imports nothing of it."""
+    with _opaque_lock:
+        if not _opaque_applied:
+            _COMPILER_CALLBACKS.append(callback)
+            return
+    callback()
 
 
 def _opaque_to_compiler(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,6 +101,8 @@ def _make_hooks_opaque() -> None:
             for part in owner_path:
                 owner = getattr(owner, part)
             setattr(owner, name, disable(getattr(owner, name)))
+        for callback in _COMPILER_CALLBACKS:
+            callback()
 
 
 class _CompilerImportWatch(importlib.abc.MetaPathFinder):
@@ -446,13 +461,16 @@ if _is_compiling is _never_compiling:  # torch without torch.compiler.is_compili
 
 
 class ForwardHook(_HookBase):
-    """Forward hook on one observed module; returns at once in unsampled forwards."""
+    """Forward hook on one observed module; returns at once in unsampled forwards.
+    ``compiled``: the observer's capture inside compiled graphs (``_compiled_capture.py``
+    replaces this ``__call__`` with one Dynamo traces, once Dynamo is loaded)."""
 
-    __slots__ = ("_index",)
+    __slots__ = ("_index", "compiled")
 
-    def __init__(self, observer: ForwardContext, index: int) -> None:
+    def __init__(self, observer: ForwardContext, index: int, compiled: object = None) -> None:
         super().__init__(observer)
         self._index = index
+        self.compiled = compiled
 
     @_opaque_to_compiler
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:

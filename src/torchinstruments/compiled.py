@@ -26,7 +26,6 @@ code objects' caches are reset (``reset_code``), and failing that the whole of D
 
 from __future__ import annotations
 
-import inspect
 import sys
 import types
 from collections.abc import Iterable
@@ -38,6 +37,9 @@ __all__ = ["forget_compiled_code", "guard_on_hooks", "last_invalidation"]
 
 #: The Dynamo setting that :func:`guard_on_hooks` turns off.
 HOOK_GUARD_FLAG = "skip_nnmodule_hook_guards"
+
+#: Deepest chain of decorators followed from a ``forward`` (see :func:`_module_codes`).
+_MAX_WRAPPERS = 16
 
 #: How the last call of :func:`forget_compiled_code` invalidated compiled code.
 _last_method = "none"
@@ -70,19 +72,22 @@ def guard_on_hooks() -> bool:
 
 
 def _module_codes(modules: Iterable[nn.Module]) -> set[types.CodeType]:
-    """The ``forward`` code objects of ``modules`` (class and instance ``forward``)."""
+    """The ``forward`` code objects of ``modules`` (class and instance ``forward``), with
+    those of the decorators' wrappers around them (``functools.wraps``' ``__wrapped__``
+    chain): Dynamo compiles the outermost frame, a wrapper's where ``forward`` is
+    decorated (``transformers``' GPT-2). A wrapper's code may be shared with other
+    decorated functions, whose entries without hook guards are then invalidated too."""
     codes: set[types.CodeType] = set()
     for module in modules:
         for forward in (getattr(type(module), "forward", None), module.__dict__.get("forward")):
-            if forward is None:
-                continue
-            try:
-                function = inspect.unwrap(forward)
-            except Exception:
-                continue
-            code = getattr(function, "__code__", None)
-            if isinstance(code, types.CodeType):
-                codes.add(code)
+            function: object = forward
+            for _ in range(_MAX_WRAPPERS):
+                if function is None:
+                    break
+                code = getattr(function, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    codes.add(code)
+                function = getattr(function, "__wrapped__", None)
     return codes
 
 

@@ -325,7 +325,7 @@ def _echo_points(e: Candidate, observer: RunSnapshot) -> list[list[float | int |
         return []
     low, high = onset - CHANGE_CONTEXT_SAMPLES, onset + CHANGE_CONTEXT_SAMPLES
     window = e.series.change_windows.get(measure, ())
-    points = [
+    points: list[list[float | int | None]] = [
         [sample, forward, value] for sample, forward, value in window if low <= sample <= high
     ]
     if points:

@@ -25,6 +25,7 @@ from torch.jit import ScriptModule
 
 from . import _amp
 from ._calls import CallCapture
+from ._compiled_capture import CompiledCapture
 from ._context import ForwardContext
 from ._error_log import ErrorLog
 from ._lifecycle import AtExit, on_termination, sink_for_child, warn
@@ -138,6 +139,9 @@ class Observer:
             "off: capture_direct_forwards" if capture_direct_forwards else "on",
         )
         self.sentinel = Sentinel(self.names, self.buffer)
+        #: Statistics of submodule outputs reduced inside torch.compile'd graphs (see
+        #: _compiled_capture.py); None with forward wrappers, whose calls Dynamo skips.
+        self.compiled_capture = None if capture_direct_forwards else CompiledCapture()
         #: The state machine the hooks call (see _context.py).
         self.context = ForwardContext(
             owner=self,
@@ -155,6 +159,7 @@ class Observer:
             parking=self.parking,
             sentinel=self.sentinel,
             capture=self.capture,
+            compiled=self.compiled_capture,
         )
 
     @property
@@ -222,7 +227,7 @@ class Observer:
                     parking.root_forward_code = getattr(forward, "__code__", None)
                 self._handles.append(handle)
             else:
-                hook = ForwardHook(context, index)
+                hook = ForwardHook(context, index, self.compiled_capture)
                 handle = module.register_forward_hook(hook)
                 self._handles.append(handle)
                 parking.parkable.append((module._forward_hooks, handle.id, hook))
@@ -272,6 +277,8 @@ class Observer:
                 del module.__dict__[PREPARE_ATTRIBUTE]
         self._preparers.clear()
         self.buffer.attached = False
+        if self.compiled_capture is not None:
+            self.compiled_capture.active = False
         _amp.uninstall(self)
         atexit.unregister(self._atexit)
         on_termination.discard(self)
@@ -295,6 +302,11 @@ class Observer:
         """
         with passive():
             buffer = self.buffer
+            if self.compiled_capture is not None:
+                try:  # the last compiled sample's output gradients, if its backward ran
+                    self.compiled_capture.take_gradients(buffer)
+                except Exception as error:
+                    self.record_error("flush", "", error)
             buffer.launch()
             for records, rows in buffer.arrived(block=block):
                 try:
@@ -373,7 +385,7 @@ class Observer:
             self.names.append(parent_name)
             self._modules.append(weakref.ref(parent))
             self.capture.plan_histograms(new_index, parent_name)
-            hook = ForwardHook(self.context, new_index)
+            hook = ForwardHook(self.context, new_index, self.compiled_capture)
             handle = parent.register_forward_hook(hook)
             self._handles.append(handle)
             self.parking.parkable.append((parent._forward_hooks, handle.id, hook))

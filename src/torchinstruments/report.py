@@ -643,6 +643,7 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                     "findings_omitted": omitted,
                     "errors_total": observer.counters.errors_total,
                     "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k, replaced),
+                    "compiled_capture": dataclasses.asdict(observer.compiled_capture),
                 },
                 "events": kept_events,
                 "findings": findings,
