@@ -16,7 +16,6 @@ differ most, and the first points of divergence, earliest first. See
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from ._jsonio import (
 from ._validate import require_float, require_int
 from .errors import ConfigError, ReportReadError
 from .find import display_module
-from .sampling import SampleForwards
+from .sampling import SampleForwards, policy_from_description
 from .series import ACTIVATION, GRAD_OUTPUT, LOG_SCALE_METRICS, SIGNALS
 
 __all__ = [
@@ -256,72 +255,31 @@ def _mappings_differ(first: SampleForwards, second: SampleForwards) -> bool:
 
 
 class _Schedule:
-    """Sample index <-> training forward index for the deterministic sampling policies.
+    """Sample index <-> training forward index of one run: what it recorded
+    (``sample_forwards``), else its sampling policy rebuilt from its description
+    (:func:`~torchinstruments.sampling.policy_from_description`).
 
     Known for ``default`` and ``every_n``; for ``time_budget`` only the dense start is
     known; for anything else nothing is.
     """
 
     def __init__(self, description: object, recorded: SampleForwards | None = None) -> None:
-        self.policy = "unknown"
-        self.interval = 0
-        self.per_stage = 0
-        self.stages: list[tuple[int, int]] = []
-        self.dense = 0
+        self.model = policy_from_description(description)
+        described = description.get("policy") if isinstance(description, dict) else None
+        self.policy = str(described) if self.model is not None else "unknown"
         #: What the run recorded; it wins over the schedule's model where it has the
         #: sample (forced samples after a sentinel hit shift the model's mapping).
         self.recorded = recorded
-        if not isinstance(description, dict):
-            return
-        policy = description.get("policy")
-        if policy == "every_n":
-            n = description.get("interval_forwards")
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
-                self.policy, self.interval = "every_n", n
-        elif policy == "default":
-            self._parse_default(description)
-        elif policy == "time_budget":
-            dense = description.get("dense_forwards")
-            if isinstance(dense, int) and not isinstance(dense, bool) and dense >= 0:
-                self.policy, self.dense = "time_budget", dense
-
-    def _parse_default(self, description: dict[str, Any]) -> None:
-        per_stage = description.get("samples_per_stage")
-        raw = description.get("stages")
-        if not isinstance(per_stage, int) or per_stage < 1 or not isinstance(raw, list) or not raw:
-            return
-        stages: list[tuple[int, int]] = []
-        for stage in raw:
-            if not isinstance(stage, dict):
-                return
-            start, interval = stage.get("from_forward"), stage.get("interval_forwards")
-            if not isinstance(start, int) or not isinstance(interval, int) or interval < 1:
-                return
-            stages.append((start, interval))
-        for (start, interval), (following, _) in itertools.pairwise(stages):
-            if following != start + per_stage * interval:
-                return
-        if stages[0][0] != 0:
-            return
-        self.policy, self.per_stage, self.stages = "default", per_stage, stages
 
     @property
     def known(self) -> bool:
-        return self.policy != "unknown" or self.recorded is not None
+        return self.model is not None or self.recorded is not None
 
     def forward(self, sample: int) -> int | None:
         """The training forward index of ``sample``, or None if unknown."""
         if self.recorded is not None:
             return self.recorded.forward(sample)
-        if self.policy == "every_n":
-            return sample * self.interval
-        if self.policy == "default":
-            stage = min(sample // self.per_stage, len(self.stages) - 1)
-            start, interval = self.stages[stage]
-            return start + (sample - stage * self.per_stage) * interval
-        if self.policy == "time_budget" and sample < self.dense:
-            return sample
-        return None
+        return self.model.forward_of(sample) if self.model is not None else None
 
     def sample(self, forward: int) -> int | None:
         """The sample taken at training forward ``forward``, or None (none, or unknown)."""
@@ -329,34 +287,11 @@ class _Schedule:
             return None
         if self.recorded is not None:
             return self.recorded.sample(forward)
-        if self.policy == "every_n":
-            return forward // self.interval if forward % self.interval == 0 else None
-        if self.policy == "default":
-            stage = 0
-            for index, (start, _) in enumerate(self.stages):
-                if forward >= start:
-                    stage = index
-            start, interval = self.stages[stage]
-            if (forward - start) % interval:
-                return None
-            return stage * self.per_stage + (forward - start) // interval
-        if self.policy == "time_budget" and forward < self.dense:
-            return forward
-        return None
+        return self.model.sample_at(forward) if self.model is not None else None
 
     def expected_samples(self, forwards: int) -> int | None:
         """Samples the schedule takes in ``forwards`` training forwards (None: unknown)."""
-        if self.policy == "every_n":
-            return -(-forwards // self.interval)
-        if self.policy == "default":
-            total = 0
-            for index, (start, interval) in enumerate(self.stages):
-                if forwards <= start:
-                    break
-                count = -(-(forwards - start) // interval)
-                total += count if index == len(self.stages) - 1 else min(count, self.per_stage)
-            return total
-        return None
+        return self.model.samples_in(forwards) if self.model is not None else None
 
 
 def _sampling_description(config: dict[str, Any]) -> object:
