@@ -87,7 +87,9 @@ def _train(out: Path, name: str, *, seed: int, modify: bool, nonfinite: bool, ti
         handle = inject_observer(model, output_dir=target)
     for step in range(STEPS):
         if modify and step == STEPS // 2:
-            model.blocks[1].factor = 0.01
+            block = model.blocks[1]
+            assert isinstance(block, Block)
+            block.factor = 0.01
         x = torch.randn(32, 16, generator=generator)
         if nonfinite and step == 120:
             x[0, 0] = float("inf")
