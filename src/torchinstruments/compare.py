@@ -34,11 +34,20 @@ from ._jsonio import (
     longest_fitting_prefix,
     read_json_object,
 )
+from ._metrics import (
+    COMPARISON_FRACTION_FLOOR,
+    COMPARISON_LOG_FLOOR,
+    IDENTICAL_FRACTION_FLOOR,
+    IDENTICAL_LOG_FLOOR,
+    LOG_SCALE_METRICS,
+    MAD_TO_STD,
+    TINY,
+)
 from ._validate import require_float, require_int
 from .errors import ConfigError, ReportReadError
 from .find import display_module
 from .sampling import SampleForwards, policy_from_description
-from .series import ACTIVATION, GRAD_OUTPUT, LOG_SCALE_METRICS, SIGNALS
+from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
 
 __all__ = [
     "COMPARISON_INDEX_NAME",
@@ -66,14 +75,6 @@ DIVERGENCE_THRESHOLD = 5.0
 PERSISTENCE_POINTS = 2
 #: A ``series.json`` larger than this (bytes) is unreadable.
 MAX_SOURCE_BYTES = 64 * 1024 * 1024
-#: Smallest noise of scale metrics, in natural log: 0.1 (about 10%).
-LOG_NOISE_FLOOR = 0.1
-#: Smallest noise of fractions (``zero_fraction``, ``nonfinite_fraction``), absolute.
-FRACTION_NOISE_FLOOR = 0.02
-#: Noise floors at the first point where runs that were identical before it differ
-#: (natural log; fractions): the run-to-run noise of such a pair is zero until then.
-IDENTICAL_LOG_NOISE_FLOOR = 0.01
-IDENTICAL_FRACTION_NOISE_FLOOR = 0.002
 #: Compared points at which every common series must agree exactly for the runs to be
 #: taken as identical before their first difference (a same-seed pair).
 MIN_IDENTICAL_POINTS = 3
@@ -96,16 +97,12 @@ DIVERGENCE_ORIGIN_SHARE = 0.25
 GRADIENT_LEADS_FACTOR = 5.0
 #: Module name of a model-wide first divergence.
 MODEL = "<model>"
-#: Scales a median absolute deviation to a standard deviation for normal data.
-MAD_TO_STD = 1.4826
 #: Entries listed per category, first divergences listed, one-run tensors listed per side.
 TOP_PER_CATEGORY = 10
 MAX_FIRST_DIVERGENCES = 20
 MAX_ONE_RUN_ENTRIES = 100
 #: ``[sample, baseline, candidate]`` points carried by each category entry.
 POINTS_PER_ENTRY = 12
-#: Values of log-scale metrics are clamped to this before the log (a dead signal is 0).
-_TINY = 1e-30
 
 #: Category -> the (signal, metric) series it compares. Scale categories compare
 #: activation ``rms`` and output-gradient ``rms_to_root`` (net of the loss gradient, as
@@ -156,7 +153,7 @@ def noise_floor(metric: str, *, log_scale: bool) -> float:
         (0.1, 0.02)
     """
     del metric
-    return LOG_NOISE_FLOOR if log_scale else FRACTION_NOISE_FLOOR
+    return COMPARISON_LOG_FLOOR if log_scale else COMPARISON_FRACTION_FLOOR
 
 
 def sustained_departure(
@@ -320,7 +317,7 @@ class _Series:
 
     def compared(self, value: float) -> float:
         """``value`` in compared units: natural log for scale metrics."""
-        return math.log(max(value, _TINY)) if self.log_scale else value
+        return math.log(max(value, TINY)) if self.log_scale else value
 
 
 @dataclass(slots=True)
@@ -786,7 +783,7 @@ def _noise(
     nothing about it; only a tenth of the floor applies."""
     floor = noise_floor(metric, log_scale=series.log_scale)
     if identical_before:
-        floor = IDENTICAL_LOG_NOISE_FLOOR if series.log_scale else IDENTICAL_FRACTION_NOISE_FLOOR
+        floor = IDENTICAL_LOG_FLOOR if series.log_scale else IDENTICAL_FRACTION_FLOOR
         return _Noise(floor, "floor", {"floor": floor})
     parts = {
         "floor": floor,
@@ -848,7 +845,7 @@ def _series_name(key: SeriesKey | TensorKey) -> str:
 
 def _difference_text(series: _Series, baseline: float, candidate: float) -> str:
     if series.log_scale:
-        ratio = max(candidate, _TINY) / max(baseline, _TINY)
+        ratio = max(candidate, TINY) / max(baseline, TINY)
         return f"{_text(baseline)} -> {_text(candidate)} ({_text(ratio)}x)"
     return f"{_text(baseline)} -> {_text(candidate)} ({candidate - baseline:+.4g})"
 
@@ -1613,10 +1610,13 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
             ),
             "threshold": threshold,
             "persistence_points": PERSISTENCE_POINTS,
-            "noise_floors": {"log_scale": LOG_NOISE_FLOOR, "fractions": FRACTION_NOISE_FLOOR},
+            "noise_floors": {
+                "log_scale": COMPARISON_LOG_FLOOR,
+                "fractions": COMPARISON_FRACTION_FLOOR,
+            },
             "noise_floors_after_identical_prefix": {
-                "log_scale": IDENTICAL_LOG_NOISE_FLOOR,
-                "fractions": IDENTICAL_FRACTION_NOISE_FLOOR,
+                "log_scale": IDENTICAL_LOG_FLOOR,
+                "fractions": IDENTICAL_FRACTION_FLOOR,
             },
             "order": (
                 "earliest point first; then activations in forward call order, then output "

@@ -30,10 +30,18 @@ from typing import Any
 
 from ._jsonio import SCHEMA as RANK_SCHEMA
 from ._jsonio import atomic_write, dumps_report, read_json_object
+from ._metrics import (
+    MAD_TO_STD,
+    METRICS,
+    RANK_DEFAULT_SPREAD_FLOOR,
+    RANK_LOG_SPREAD_FLOOR,
+    compared_value,
+    is_log_scale,
+    rank_spread_floors,
+)
 from ._validate import require_float, require_int
 from .distributed import parse_rank_directory
 from .errors import ConfigError, ReportReadError
-from .series import LOG_SCALE_METRICS
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -58,24 +66,11 @@ GLOBAL_INDEX_NAME = "global-index.md"
 DEFAULT_MAX_BYTES = 256_000
 #: Departure, in spreads, beyond which a rank's series value is an outlier.
 OUTLIER_THRESHOLD = 5.0
-#: Scales a median absolute deviation to a standard deviation for normal data.
-MAD_TO_STD = 1.4826
 #: Most distinct series (and, separately, findings) compared across ranks; more are
 #: counted under ``coverage.series_dropped`` / ``coverage.findings_dropped``.
 MAX_KEYS_COMPARED = 20_000
 #: A rank report larger than this (bytes) is unreadable: no writer of ours produces one.
 MAX_SOURCE_BYTES = 16 * 1024 * 1024
-
-#: Smallest spread per metric, in compared units (natural log for scale metrics).
-_SPREAD_FLOORS = {"zero_fraction": 0.02, "nonfinite_fraction": 0.02, "excess_kurtosis": 1.0}
-#: Smallest spread of log-scale metrics: 0.1 in natural log, about 10% relative.
-_LOG_SPREAD_FLOOR = 0.1
-#: Smallest spread of metrics not listed above (absolute units).
-_DEFAULT_SPREAD_FLOOR = 0.1
-#: Log-scale metrics: the report's scale metrics plus the GradScaler loss scale.
-_LOG_METRICS = frozenset(LOG_SCALE_METRICS | {"loss_scale"})
-#: Values of log-scale metrics are clamped to this before the log (a dead signal is 0).
-_TINY = 1e-30
 
 _KIND_ORDER = {"non_finite": 0, "series_value": 1, "rank_specific_finding": 2}
 _SECTIONS = (
@@ -181,13 +176,8 @@ def spread_floor(metric: str) -> float:
         >>> spread_floor("rms"), spread_floor("zero_fraction")
         (0.1, 0.02)
     """
-    if metric in _LOG_METRICS:
-        return _LOG_SPREAD_FLOOR
-    return _SPREAD_FLOORS.get(metric, _DEFAULT_SPREAD_FLOOR)
-
-
-def _compared(metric: str, value: float) -> float:
-    return math.log(max(value, _TINY)) if metric in _LOG_METRICS else value
+    properties = METRICS.get(metric)
+    return properties.rank_spread_floor if properties is not None else RANK_DEFAULT_SPREAD_FLOOR
 
 
 def rank_ranges(ranks: Sequence[int]) -> list[str]:
@@ -493,8 +483,8 @@ def _series_outliers(
             continue
         metric = key[4]
         floor = spread_floor(metric)
-        log_scale = metric in _LOG_METRICS
-        compared = [_compared(metric, v) for v in held.values]
+        log_scale = is_log_scale(metric)
+        compared = [compared_value(metric, v) for v in held.values]
         if count == 2:
             gap = abs(compared[0] - compared[1]) / floor
             if gap > threshold:
@@ -822,9 +812,9 @@ def _assemble(merged: _Merged, keep: int, generated_at: str) -> dict[str, Any]:
             ),
             "threshold": merged.threshold,
             "spread_floors": {
-                "scale metrics (natural log)": _LOG_SPREAD_FLOOR,
-                **_SPREAD_FLOORS,
-                "other": _DEFAULT_SPREAD_FLOOR,
+                "scale metrics (natural log)": RANK_LOG_SPREAD_FLOOR,
+                **rank_spread_floors(),
+                "other": RANK_DEFAULT_SPREAD_FLOOR,
             },
         },
         "outlier_ranks": cut["outlier_ranks"],
