@@ -27,9 +27,9 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from .errors import ReportReadError
 
@@ -40,8 +40,10 @@ __all__ = [
     "SERIES_SCHEMA",
     "atomic_write",
     "dumps_report",
+    "float_or_none",
+    "int_or_none",
+    "is_int",
     "json_depth",
-    "longest_fitting_prefix",
     "one_line",
     "read_json_object",
 ]
@@ -68,24 +70,26 @@ def dumps_report(report: dict[str, Any]) -> bytes:
     return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
-def longest_fitting_prefix(
-    build: Callable[[int], dict[str, Any]], count: int, max_bytes: int
-) -> dict[str, Any]:
-    """``build(k)`` for the largest ``k <= count`` whose :func:`dumps_report` bytes fit
-    ``max_bytes`` (binary search; ``build(0)`` if none does). ``build`` must grow with k."""
-    best = build(count)
-    if len(dumps_report(best)) <= max_bytes:
-        return best
-    low, high = 0, count
-    best = build(0)
-    while low < high:
-        middle = (low + high + 1) // 2
-        candidate = build(middle)
-        if len(dumps_report(candidate)) <= max_bytes:
-            low, best = middle, candidate
-        else:
-            high = middle - 1
-    return best
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether a parsed JSON field is an integer (``true`` and ``false`` are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_or_none(value: object) -> int | None:
+    """A parsed JSON field as an int, or None when it is not an integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def float_or_none(value: object) -> float | None:
+    """A parsed JSON field as a finite float (an integer converted), or None when it is
+    not a number, a boolean, or does not fit a finite float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -25,13 +25,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
+from ._document import (
+    DEFAULT_MAX_BYTES,
+    longest_fitting_prefix,
+    number_text,
+    round_number,
+    round_robin,
+    shrink_to_fit,
+)
 from ._jsonio import (
     SERIES_SCHEMA,
     atomic_write,
     dumps_report,
-    longest_fitting_prefix,
+    float_or_none,
+    is_int,
     read_json_object,
 )
 from ._metrics import (
@@ -67,8 +76,6 @@ COMPARISON_SCHEMA = "torchinstruments.comparison/1"
 COMPARISON_NAME = "comparison.json"
 COMPARISON_INDEX_NAME = "comparison.md"
 SERIES_NAME = "series.json"
-#: Default bound on ``comparison.json`` as written, in bytes (as ``ReportConfig.max_bytes``).
-DEFAULT_MAX_BYTES = 256_000
 #: Departure, in noise units, beyond which a series has notably diverged.
 DIVERGENCE_THRESHOLD = 5.0
 #: Consecutive compared points (same sign) a departure must last to count.
@@ -193,22 +200,6 @@ def _first_departure(departures: Sequence[float], threshold: float, persistence:
     return None
 
 
-def _number(value: float | None) -> float | None:
-    """JSON-safe float with six significant digits (None where it does not exist)."""
-    if value is None or not math.isfinite(value):
-        return None
-    return float(f"{value:.6g}")
-
-
-def _text(value: float | None) -> str:
-    """Four significant digits for prose."""
-    if value is None:
-        return "n/a"
-    if value == 0 or not math.isfinite(value):
-        return str(value)
-    return f"{value:.4g}"
-
-
 # ---------------------------------------------------------------------- schedules
 def _parse_recorded(raw: object) -> SampleForwards | None:
     """``sample_forwards`` of ``series.json`` if present, complete and well formed."""
@@ -223,7 +214,7 @@ def _parse_recorded(raw: object) -> SampleForwards | None:
         if (
             not isinstance(run, list)
             or len(run) != 4
-            or not all(_is_int(v) and v >= 0 for v in run)
+            or not all(is_int(v) and v >= 0 for v in run)
             or run[0] != expected
             or run[3] < 1
             or (run[3] > 1 and run[2] < 1)
@@ -351,17 +342,6 @@ class _Run:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _float_or_none(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _row_error(path: Path, index: int, what: str, got: object) -> ReportReadError:
     return ReportReadError(f"{path}: series[{index}]: expected {what}, got {got!r}"[:500])
 
@@ -373,14 +353,14 @@ def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, _Series]
     tensor_path, metric = row.get("tensor_path"), row.get("metric")
     if not isinstance(module, str):
         raise _row_error(path, index, "'module' to be a string", module)
-    if not _is_int(call):
+    if not is_int(call):
         raise _row_error(path, index, "'call_index' to be an int", call)
     if not isinstance(signal, str) or signal not in SIGNALS:
         raise _row_error(path, index, f"'signal' in {SIGNALS}", signal)
     if not isinstance(tensor_path, str) or not isinstance(metric, str):
         raise _row_error(path, index, "'tensor_path' and 'metric' to be strings", row.get("metric"))
     position, count = row.get("forward_position"), row.get("count")
-    if not _is_int(position) or not _is_int(count):
+    if not is_int(position) or not is_int(count):
         raise _row_error(path, index, "'forward_position' and 'count' to be ints", count)
     points = row.get("points")
     if not isinstance(points, list):
@@ -392,13 +372,13 @@ def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, _Series]
         if (
             not isinstance(point, list)
             or len(point) != 2
-            or not _is_int(point[0])
+            or not is_int(point[0])
             or point[0] <= previous
         ):
             raise _row_error(
                 path, index, "points [sample, value] in increasing sample order", point
             )
-        value = _float_or_none(point[1])
+        value = float_or_none(point[1])
         previous = point[0]
         if value is None:
             continue  # a value that did not exist is not compared
@@ -412,11 +392,11 @@ def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, _Series]
         log_scale=row.get("log_scale") is True,
         samples=samples,
         values=values,
-        ema_fast=_float_or_none(row.get("ema_fast")),
-        baseline_std=_float_or_none(row.get("baseline_std")),
-        volatility=_float_or_none(row.get("volatility")),
-        first_nonzero_sample=first_nonzero if _is_int(first_nonzero) else None,
-        residual_spread=_float_or_none(row.get("residual_spread")),
+        ema_fast=float_or_none(row.get("ema_fast")),
+        baseline_std=float_or_none(row.get("baseline_std")),
+        volatility=float_or_none(row.get("volatility")),
+        first_nonzero_sample=first_nonzero if is_int(first_nonzero) else None,
+        residual_spread=float_or_none(row.get("residual_spread")),
     )
 
 
@@ -459,7 +439,7 @@ def _read_run(directory: str | os.PathLike[str], role: str) -> _Run:
         run=raw["run"],
         config=raw["config"],
         modules_selected=frozenset(display_module(m) for m in selected),
-        omitted=omitted if _is_int(omitted) else 0,
+        omitted=omitted if is_int(omitted) else 0,
         series=series,
         recorded=_parse_recorded(raw.get("sample_forwards")),
     )
@@ -846,8 +826,8 @@ def _series_name(key: SeriesKey | TensorKey) -> str:
 def _difference_text(series: _Series, baseline: float, candidate: float) -> str:
     if series.log_scale:
         ratio = max(candidate, TINY) / max(baseline, TINY)
-        return f"{_text(baseline)} -> {_text(candidate)} ({_text(ratio)}x)"
-    return f"{_text(baseline)} -> {_text(candidate)} ({candidate - baseline:+.4g})"
+        return f"{number_text(baseline)} -> {number_text(candidate)} ({number_text(ratio)}x)"
+    return f"{number_text(baseline)} -> {number_text(candidate)} ({candidate - baseline:+.4g})"
 
 
 def _downsample(rows: list[list[Any]], limit: int) -> list[list[Any]]:
@@ -939,7 +919,7 @@ def _compare_values(
         "metric": key[4],
         "forward_position": base.forward_position,
         "notable": notable,
-        "sustained_departure": _number(score),
+        "sustained_departure": round_number(score),
         "points_compared": len(common),
     }
     if first is not None:
@@ -948,11 +928,11 @@ def _compare_values(
         entry["first_divergence"] = {
             **axis.when(k),
             "last_agreeing": axis.when(common[first - 1]) if first > 0 else None,
-            "baseline": _number(points_b[k]),
-            "candidate": _number(points_c[k]),
-            "departure": _number(departures[first]),
+            "baseline": round_number(points_b[k]),
+            "candidate": round_number(points_c[k]),
+            "departure": round_number(departures[first]),
             "noise": {
-                "sigma": _number(sigmas[first]),
+                "sigma": round_number(sigmas[first]),
                 "basis": "floor at first difference"
                 if identical is not None and sigmas[first] == identical.sigma
                 else noise.basis,
@@ -963,32 +943,32 @@ def _compare_values(
     k = common[largest]
     entry["largest"] = {
         **axis.when(k),
-        "baseline": _number(points_b[k]),
-        "candidate": _number(points_c[k]),
-        "departure": _number(departures[largest]),
+        "baseline": round_number(points_b[k]),
+        "candidate": round_number(points_c[k]),
+        "departure": round_number(departures[largest]),
     }
     noise_entry: dict[str, Any] = {
-        "sigma": _number(noise.sigma),
+        "sigma": round_number(noise.sigma),
         "basis": noise.basis,
         "units": "natural log" if base.log_scale else "absolute",
-        **{name: _number(value) for name, value in noise.parts.items()},
+        **{name: round_number(value) for name, value in noise.parts.items()},
     }
     entry["noise"] = noise_entry
     if identical is not None:
         noise_entry["at_first_difference"] = {
-            "sigma": _number(identical.sigma),
+            "sigma": round_number(identical.sigma),
             "basis": identical.basis,
             "points": PERSISTENCE_POINTS,
         }
     entry["end"] = {
-        "baseline_ema_fast": _number(base.ema_fast),
-        "candidate_ema_fast": _number(cand.ema_fast),
+        "baseline_ema_fast": round_number(base.ema_fast),
+        "candidate_ema_fast": round_number(cand.ema_fast),
     }
     entry["warmup_complete"] = {
         "baseline": None if warm_b is None else base.count >= warm_b,
         "candidate": None if warm_c is None else cand.count >= warm_c,
     }
-    rows = [[k, _number(points_b[k]), _number(points_c[k])] for k in common]
+    rows = [[k, round_number(points_b[k]), round_number(points_c[k])] for k in common]
     entry["points_axis"] = "sample" if axis.mode == "sample" else "forward"
     entry["points"] = _downsample(rows, POINTS_PER_ENTRY)
     return _ValueResult(
@@ -1015,24 +995,24 @@ def _value_interpretation(entry: dict[str, Any], base: _Series, threshold: float
     first = entry.get("first_divergence")
     largest = entry["largest"]
     units = "ln" if base.log_scale else "absolute"
-    noise_text = f"noise {_text(noise['sigma'])} {units}, from {noise['basis']}"
+    noise_text = f"noise {number_text(noise['sigma'])} {units}, from {noise['basis']}"
     if first is None:
         return (
             f"{name} stays within {threshold:g} noise units of the baseline for "
             f"{PERSISTENCE_POINTS} consecutive compared points; its largest single departure "
-            f"is {_text(largest['departure'])} units at {_describe_when(largest)} "
+            f"is {number_text(largest['departure'])} units at {_describe_when(largest)} "
             f"({_difference_text(base, largest['baseline'] or 0.0, largest['candidate'] or 0.0)}; "
             f"{noise_text})."
         )
     at_first = first.get("noise")
     if isinstance(at_first, dict):
-        noise_text = f"noise {_text(at_first['sigma'])} {units}, from {at_first['basis']}"
+        noise_text = f"noise {number_text(at_first['sigma'])} {units}, from {at_first['basis']}"
     agreeing = first.get("last_agreeing")
     after = f", after agreeing at {_describe_when(agreeing)}" if agreeing else ""
     return (
         f"{name}: the candidate departs from the baseline from {_describe_when(first)}{after}: "
         f"{_difference_text(base, first['baseline'] or 0.0, first['candidate'] or 0.0)}, "
-        f"{_text(first['departure'])} noise units ({noise_text}); "
+        f"{number_text(first['departure'])} noise units ({noise_text}); "
         f"{first['points_beyond_threshold_after']} of the {first['points_after']} compared "
         f"points from there stay beyond {threshold:g} units."
     )
@@ -1726,10 +1706,7 @@ def _assemble(comparison: _Comparison, kept: dict[str, int]) -> dict[str, Any]:
 def _bounded(comparison: _Comparison, max_bytes: int) -> dict[str, Any]:
     """The longest round-robin prefix of the sections' entries that fits ``max_bytes``."""
     sections = comparison.sections
-    order: list[str] = []
-    depth = max((len(items) for items in sections.values()), default=0)
-    for level in range(depth):
-        order += [name for name, items in sections.items() if level < len(items)]
+    order = round_robin([[name] * len(items) for name, items in sections.items()])
 
     def build(count: int) -> dict[str, Any]:
         kept = dict.fromkeys(sections, 0)
@@ -1738,44 +1715,45 @@ def _bounded(comparison: _Comparison, max_bytes: int) -> dict[str, Any]:
         return _assemble(comparison, kept)
 
     best = longest_fitting_prefix(build, len(order), max_bytes)
-    for shrink in _SHRINK_STEPS:
-        if len(dumps_report(best)) <= max_bytes:
-            break
-        # Not even the header fits: shorten it, least useful part first.
-        shrink(best)
+    # Not even the header fits: shorten it, least useful part first.
+    if shrink_to_fit(best, max_bytes, _SHRINK_STEPS):
         best["coverage"]["limits_hit"] = sorted({*best["coverage"]["limits_hit"], "max_bytes"})
     return best
 
 
-def _shrink_mismatches(comparison: dict[str, Any]) -> None:
+def _shrink_mismatches(comparison: dict[str, Any]) -> bool:
     comparison["mismatches"] = [
         {"kind": m["kind"], "weakens": m["weakens"]} for m in comparison["mismatches"]
     ]
+    return True
 
 
-def _shrink_runs(comparison: dict[str, Any]) -> None:
+def _shrink_runs(comparison: dict[str, Any]) -> bool:
     for side in ("baseline", "candidate"):
         sampling = comparison[side].get("sampling")
         if isinstance(sampling, dict):
             comparison[side]["sampling"] = {"policy": sampling.get("policy")}
         elif isinstance(sampling, str):
             comparison[side]["sampling"] = sampling[:80]
+    return True
 
 
-def _shrink_rule(comparison: dict[str, Any]) -> None:
+def _shrink_rule(comparison: dict[str, Any]) -> bool:
     comparison["rule"]["statistic"] = "see torchinstruments.compare_runs"
     comparison["rule"]["order"] = "time, then forward order (activations), backward (gradients)"
+    return True
 
 
-def _shrink_first(comparison: dict[str, Any]) -> None:
+def _shrink_first(comparison: dict[str, Any]) -> bool:
     first = comparison["summary"]["first_divergence"]
     if first is not None:
         comparison["summary"]["first_divergence"] = {
             k: v for k, v in first.items() if k not in ("interpretation", "last_agreeing")
         }
+    return True
 
 
-def _shrink_text(comparison: dict[str, Any]) -> None:
+def _shrink_text(comparison: dict[str, Any]) -> bool:
     first = comparison["summary"]["first_divergence"]
     if first is not None:
         first["next_experiment"] = str(first.get("next_experiment", ""))[:200]
@@ -1784,6 +1762,7 @@ def _shrink_text(comparison: dict[str, Any]) -> None:
         path = comparison[side]["path"]
         if len(path) > 200:
             comparison[side]["path"] = "..." + path[-197:]
+    return True
 
 
 _SHRINK_STEPS = (_shrink_mismatches, _shrink_runs, _shrink_rule, _shrink_first, _shrink_text)

@@ -28,8 +28,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ._document import DEFAULT_MAX_BYTES, longest_fitting_prefix, round_number
 from ._jsonio import SCHEMA as RANK_SCHEMA
-from ._jsonio import atomic_write, dumps_report, read_json_object
+from ._jsonio import atomic_write, dumps_report, float_or_none, int_or_none, read_json_object
 from ._metrics import (
     MAD_TO_STD,
     METRICS,
@@ -62,8 +63,6 @@ __all__ = [
 GLOBAL_SCHEMA = "torchinstruments.global-report/1"
 GLOBAL_REPORT_NAME = "global-report.json"
 GLOBAL_INDEX_NAME = "global-index.md"
-#: Default bound on ``global-report.json`` as written, in bytes (as ``ReportConfig``).
-DEFAULT_MAX_BYTES = 256_000
 #: Departure, in spreads, beyond which a rank's series value is an outlier.
 OUTLIER_THRESHOLD = 5.0
 #: Most distinct series (and, separately, findings) compared across ranks; more are
@@ -225,11 +224,6 @@ def _missing_ranges(accounted: set[int], world: int) -> tuple[int, list[str]]:
     return count, ranges
 
 
-def _number(value: float) -> float | None:
-    """JSON-safe float with six significant digits (None where it does not exist)."""
-    return float(f"{value:.6g}") if math.isfinite(value) else None
-
-
 # ---------------------------------------------------------------------- reading
 def _discover(directory: Path) -> tuple[dict[int, Path], list[str], list[dict[str, Any]]]:
     """``rank-NNN`` directories under ``directory``, by rank, naming conflicts, and the
@@ -272,21 +266,10 @@ def _load(path: Path) -> dict[str, Any]:
     )
 
 
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float_or_none(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
-
-
 def _point_value(point: object) -> tuple[float | None, int | None]:
     if not isinstance(point, dict):
         return None, None
-    return _float_or_none(point.get("value")), _int_or_none(point.get("sample"))
+    return float_or_none(point.get("value")), int_or_none(point.get("sample"))
 
 
 @dataclass(slots=True)
@@ -367,13 +350,13 @@ class _Accumulator:
             _RankSummary(
                 rank=rank,
                 path=path,
-                reported_rank=_int_or_none(run.get("rank")),
-                world_size=_int_or_none(run.get("world_size")),
-                samples_seen=_int_or_none(run.get("samples_seen")),
-                forwards_seen=_int_or_none(run.get("forwards_seen")),
-                notable_findings=_int_or_none(summary.get("notable_findings")),
+                reported_rank=int_or_none(run.get("rank")),
+                world_size=int_or_none(run.get("world_size")),
+                samples_seen=int_or_none(run.get("samples_seen")),
+                forwards_seen=int_or_none(run.get("forwards_seen")),
+                notable_findings=int_or_none(summary.get("notable_findings")),
                 findings_returned=len(findings),
-                errors_total=_int_or_none(coverage.get("errors_total")),
+                errors_total=int_or_none(coverage.get("errors_total")),
                 limits_hit=limits_hit,
                 headline=headline if isinstance(headline, str) else None,
                 first_non_finite=first_nf if isinstance(first_nf, dict) else None,
@@ -389,7 +372,7 @@ class _Accumulator:
                     if isinstance(counts, dict)
                     else ()
                 )
-                if isinstance(counts, dict) and not any(_int_or_none(v) for v in left_out):
+                if isinstance(counts, dict) and not any(int_or_none(v) for v in left_out):
                     self.complete.setdefault(str(category), set()).add(rank)
         seen_series: set[SeriesKey] = set()
         seen_findings: set[FindingKey] = set()
@@ -410,7 +393,7 @@ class _Accumulator:
         path = finding.get("tensor_path")
         key: SeriesKey = (
             str(module),
-            _int_or_none(finding.get("call_index")),
+            int_or_none(finding.get("call_index")),
             str(signal),
             path if isinstance(path, str) else None,
             str(metric),
@@ -441,11 +424,11 @@ class _Accumulator:
             across = self.findings[finding_key] = _FindingAcross(basis=str(ranking.get("basis")))
         evidence = finding.get("evidence")
         onset = (
-            _int_or_none(evidence.get("first_nonfinite_sample"))
+            int_or_none(evidence.get("first_nonfinite_sample"))
             if isinstance(evidence, dict)
             else None
         )
-        value = _float_or_none(ranking.get("value"))
+        value = float_or_none(ranking.get("value"))
         across.ranks.append(rank)
         across.notable.append(1 if finding.get("notable") is True else 0)
         across.values.append(value if value is not None else math.nan)
@@ -492,9 +475,9 @@ def _series_outliers(
                     {
                         **_series_fields(key),
                         "ranks": list(held.ranks),
-                        "values": [_number(v) for v in held.values],
+                        "values": [round_number(v) for v in held.values],
                         "samples": list(held.samples),
-                        "departure": _number(gap),
+                        "departure": round_number(gap),
                         "interpretation": (
                             f"{_where(key)}: rank {held.ranks[0]} has {held.values[0]:.4g} and "
                             f"rank {held.ranks[1]} has {held.values[1]:.4g}, {gap:.1f} floor "
@@ -522,12 +505,12 @@ def _series_outliers(
                     "kind": "series_value",
                     "rank": rank,
                     **_series_fields(key),
-                    "value": _number(value),
+                    "value": round_number(value),
                     "sample": held.samples[index],
-                    "others_median": _number(median_value),
-                    "others_spread": _number(spread),
+                    "others_median": round_number(median_value),
+                    "others_spread": round_number(spread),
                     "spread_units": "natural log" if log_scale else metric,
-                    "departure": _number(departure),
+                    "departure": round_number(departure),
                     "ranks_compared": count,
                     "interpretation": (
                         f"On rank {rank}, {_where(key)} was {value:.4g} at sample "
@@ -573,7 +556,7 @@ def _finding_outliers(accumulator: _Accumulator) -> list[dict[str, Any]]:
                 "rank": rank,
                 "category": category,
                 **_series_fields(key),  # type: ignore[arg-type]
-                "ranking": {"basis": across.basis, "value": _number(value)},
+                "ranking": {"basis": across.basis, "value": round_number(value)},
                 "notable_on_ranks": len(notable),
                 "lacking_on_ranks": lacking,
                 "ranks_compared": comparable,
@@ -581,7 +564,9 @@ def _finding_outliers(accumulator: _Accumulator) -> list[dict[str, Any]]:
             if kind == "non_finite" and onset >= 0:
                 entry["first_nonfinite_sample"] = onset
             elif others_values:
-                entry["others_median_ranking_value"] = _number(statistics.median(others_values))
+                entry["others_median_ranking_value"] = round_number(
+                    statistics.median(others_values)
+                )
             what = (
                 f"non-finite values from sample {onset}"
                 if kind == "non_finite" and onset >= 0
@@ -681,7 +666,10 @@ def _common_findings(accumulator: _Accumulator) -> list[dict[str, Any]]:
                 "listed_on_ranks": len(across.ranks),
                 "notable_on_ranks": sum(across.notable),
                 "basis": across.basis,
-                "strongest": {"rank": across.ranks[best], "value": _number(across.values[best])},
+                "strongest": {
+                    "rank": across.ranks[best],
+                    "value": round_number(across.values[best]),
+                },
             }
         )
     return out
@@ -840,23 +828,14 @@ def _bounded(merged: _Merged, max_bytes: int) -> dict[str, Any]:
     """The largest per-section prefix (same length for every list) that fits ``max_bytes``."""
     generated_at = datetime.now(UTC).isoformat(timespec="seconds")
     longest = max((len(items) for items in merged.sections().values()), default=0)
-    best = _assemble(merged, longest, generated_at)
-    if len(dumps_report(best)) <= max_bytes:
-        return best
-    low, high = 0, longest - 1
-    best = _assemble(merged, 0, generated_at)
-    if len(dumps_report(best)) > max_bytes:
+    best = longest_fitting_prefix(
+        lambda keep: _assemble(merged, keep, generated_at), longest, max_bytes
+    )
+    if len(dumps_report(best)) > max_bytes:  # not even with every list empty
         raise ConfigError(
             f"merge_rank_reports: max_bytes must leave room for the report skeleton, "
             f"got {max_bytes} < {len(dumps_report(best))} bytes"
         )
-    while low < high:
-        middle = (low + high + 1) // 2
-        candidate = _assemble(merged, middle, generated_at)
-        if len(dumps_report(candidate)) <= max_bytes:
-            low, best = middle, candidate
-        else:
-            high = middle - 1
     return best
 
 

@@ -9,19 +9,27 @@ category. The same run gives the same report but for ``generated_at`` and ``run.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import platform
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._jsonio import SCHEMA, SERIES_SCHEMA, dumps_report, longest_fitting_prefix
+from ._document import (
+    bounded_text,
+    clean,
+    longest_fitting_prefix,
+    round_or_reason,
+    round_robin,
+    shrink_to_fit,
+    utf8_length,
+)
+from ._jsonio import SCHEMA, SERIES_SCHEMA, dumps_report
 from .events import (
     QUIET_ROWS_PER_CATEGORY,
     Facet,
@@ -101,57 +109,6 @@ Rules for your answer:
 7. End with the single narrowest next experiment (one change, same seed, data order and
    precision) that would confirm or refute your leading hypothesis.
 """
-
-
-def _round(value: float) -> float | dict[str, object]:
-    if not math.isfinite(value):
-        return {"value": None, "reason": f"not finite ({value})"}
-    return float(f"{value:.6g}")
-
-
-#: Longest name (module, tensor path) written to JSON, in characters; a longer one is
-#: cut and ends in 8 hex digits of its SHA-1 (see :func:`bounded_text`), the same in
-#: ``report.json`` and ``series.json``, so runs still compare by name.
-MAX_NAME_CHARS = 256
-#: Longest other string written to ``report.json`` (texts that quote names), in
-#: characters.
-MAX_TEXT_CHARS = 4_000
-#: Keys whose string values are names, bounded by ``MAX_NAME_CHARS``.
-_NAME_KEYS = frozenset({"module", "tensor_path", "modules_not_observed", "modules_never_ran"})
-
-
-def bounded_text(text: str, limit: int = MAX_NAME_CHARS) -> str:
-    """``text`` if it has at most ``limit`` characters; else its first characters, an
-    ellipsis and 8 hex digits of its SHA-1, ``limit`` characters in all (two long
-    names that share a prefix stay apart).
-
-    Example:
-        >>> bounded_text("a" * 300, 20)
-        'aaaaaaaaaa…1c2b7a5f'
-    """
-    if len(text) <= limit:
-        return text
-    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return f"{text[: max(limit - 9, 0)]}…{digest}"
-
-
-def _clean(obj: object, limit: int = MAX_TEXT_CHARS) -> Any:
-    """JSON-safe copy: floats rounded to 6 significant digits, no NaN or infinity,
-    strings bounded (names by ``MAX_NAME_CHARS``, other texts by ``MAX_TEXT_CHARS``)."""
-    if isinstance(obj, bool) or obj is None or isinstance(obj, int):
-        return obj
-    if isinstance(obj, str):
-        return obj if len(obj) <= limit else bounded_text(obj, limit)
-    if isinstance(obj, float):
-        return _round(obj)
-    if isinstance(obj, dict):
-        return {
-            bounded_text(str(k)): _clean(v, MAX_NAME_CHARS if k in _NAME_KEYS else limit)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list | tuple):
-        return [_clean(v, limit) for v in obj]
-    return bounded_text(str(obj), limit)
 
 
 def _point(point: SeriesPoint | None) -> dict[str, float | int]:
@@ -508,16 +465,10 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
         per_category[category] = items
         candidate_counts[category] = len(candidates) + len(specials)
         notable_counts[category] = len(notable) + sum(1 for x in specials if x["notable"])
-    order: list[object] = []
-    depth = max((len(v) for v in per_category.values()), default=0)
-    for level in range(depth):
-        round_items = [
-            per_category[category][level]
-            for category in CATEGORIES
-            if level < len(per_category[category])
-        ]
-        round_items.sort(key=lambda item: item[1])
-        order.extend(entry for entry, _ in round_items)
+    ranked_entries = round_robin(
+        [per_category[category] for category in CATEGORIES], key=lambda item: item[1]
+    )
+    order: list[object] = [entry for entry, _ in ranked_entries]
     # Events, numbered in report order; rows of findings, each referring to its event.
     facets = [entry for entry in order if isinstance(entry, Facet)]
     events = build_events(facets)
@@ -572,7 +523,7 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
         omitted_bytes = sum(v["by_bytes"] for v in omitted.values())
         omitted_top_k = sum(v["by_top_k"] for v in omitted.values())
         notable_returned = sum(1 for f in findings if f["notable"])
-        return _clean(
+        return clean(
             {
                 "schema": SCHEMA,
                 "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -671,14 +622,19 @@ def _fit_sections(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
     omitted: list[str] = coverage.setdefault("sections_omitted", [])
     if "max_bytes" not in coverage["limits_hit"]:
         coverage["limits_hit"].append("max_bytes")
-    for section, key, empty in _SHRINKABLE:
-        holder = report[section] if section else report
-        if key not in holder or not holder[key]:
-            continue
-        holder[key] = bounded_text(holder[key], 200) if empty is None else empty
-        omitted.append(f"{section}.{key}" if section else key)
-        if len(dumps_report(report)) <= max_bytes:
-            break
+
+    def emptying(section: str, key: str, empty: object) -> Callable[[dict[str, Any]], bool]:
+        def step(document: dict[str, Any]) -> bool:
+            holder = document[section] if section else document
+            if key not in holder or not holder[key]:
+                return False
+            holder[key] = bounded_text(holder[key], 200) if empty is None else empty
+            omitted.append(f"{section}.{key}" if section else key)
+            return True
+
+        return step
+
+    shrink_to_fit(report, max_bytes, [emptying(*shrinkable) for shrinkable in _SHRINKABLE])
     return report
 
 
@@ -1303,7 +1259,7 @@ def build_details(observer: RunSnapshot) -> dict[str, Any]:
         observer.series.values(),
         key=lambda s: (s.module, s.call_index, s.signal, s.tensor_path),
     )
-    return _clean(
+    return clean(
         {
             "schema": DETAILS_SCHEMA,
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -1354,15 +1310,15 @@ def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[
         "metric": metric,
         "forward_position": position,
         "count": tracker.count,
-        "points": [[sample, _round(value)] for sample, value in tracker.history()],
-        "ema_fast": _round(tracker.level(tracker.ema_fast)),
-        "baseline": _round(tracker.level(tracker.baseline_mean)),
-        "baseline_std": _round(tracker.baseline_std),
-        "residual_spread": _round(tracker.spread),
-        "volatility": _round(tracker.volatility),
+        "points": [[sample, round_or_reason(value)] for sample, value in tracker.history()],
+        "ema_fast": round_or_reason(tracker.level(tracker.ema_fast)),
+        "baseline": round_or_reason(tracker.level(tracker.baseline_mean)),
+        "baseline_std": round_or_reason(tracker.baseline_std),
+        "residual_spread": round_or_reason(tracker.spread),
+        "volatility": round_or_reason(tracker.volatility),
         "log_scale": tracker.log_scale,
-        "min": {"sample": low.sample, "value": _round(low.value)},
-        "max": {"sample": high.sample, "value": _round(high.value)},
+        "min": {"sample": low.sample, "value": round_or_reason(low.value)},
+        "max": {"sample": high.sample, "value": round_or_reason(high.value)},
         "first_nonzero_sample": first_nonzero.sample if first_nonzero else None,
         "nonzero_samples": tracker.nonzero_count,
     }
@@ -1404,11 +1360,11 @@ def build_series_summary(observer: RunSnapshot, max_bytes: int) -> dict[str, Any
     room = max_bytes // 2
     for name in observer.names:
         text = bounded_text(name)
-        room -= _utf8_length(encode(text)) + 1
+        room -= utf8_length(encode(text)) + 1
         if room < 0:
             break
         names.append(text)
-    header = _clean(
+    header = clean(
         {
             "schema": SERIES_SCHEMA,
             "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -1423,18 +1379,18 @@ def build_series_summary(observer: RunSnapshot, max_bytes: int) -> dict[str, Any
         }
     )
     header_text = encode(header)
-    if _utf8_length(header_text) > max_bytes - 64:
+    if utf8_length(header_text) > max_bytes - 64:
         # A tiny bound: the schedule's runs (up to 1,024) and the settings go first.
         header["sample_forwards"] = {"runs": [], "complete": False}
         header["config"] = {}
         header_text = encode(header)
-    budget = max_bytes - _utf8_length(header_text) - 64
+    budget = max_bytes - utf8_length(header_text) - 64
     kept: list[dict[str, Any]] = []
     texts: list[str] = []
     for series, metric, tracker in pairs:
         row = _summary_row(series, metric, tracker, position(series))
         text = encode(row)
-        size = _utf8_length(text) + 1
+        size = utf8_length(text) + 1
         if size > budget:
             break  # rows past the budget are counted, not built
         budget -= size
@@ -1446,11 +1402,6 @@ def build_series_summary(observer: RunSnapshot, max_bytes: int) -> dict[str, Any
     # them, as json.dumps of the dict with the same separators would write it.
     summary.json_text = f'{header_text[:-1]},"series":[{",".join(texts)}],"omitted":{omitted}}}'
     return summary
-
-
-def _utf8_length(text: str) -> int:
-    """Bytes of ``text`` in UTF-8 (its length when ASCII, the common case)."""
-    return len(text) if text.isascii() else len(text.encode())
 
 
 class SeriesSummary(dict[str, Any]):
