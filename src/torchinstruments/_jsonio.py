@@ -37,7 +37,6 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_INT",
     "SCHEMA",
-    "SERIES_SCHEMA",
     "atomic_write",
     "dumps_report",
     "float_or_none",
@@ -50,8 +49,6 @@ __all__ = [
 
 #: Schema of ``report.json``.
 SCHEMA = "torchinstruments.report/2"
-#: Schema of ``series.json``.
-SERIES_SCHEMA = "torchinstruments.series/1"
 #: Deepest nesting of arrays and objects accepted when reading (our reports nest about
 #: ten levels; Python's parser recurses once per level).
 MAX_JSON_DEPTH = 64

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import statistics
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -36,12 +35,8 @@ from ._document import (
     shrink_to_fit,
 )
 from ._jsonio import (
-    SERIES_SCHEMA,
     atomic_write,
     dumps_report,
-    float_or_none,
-    is_int,
-    read_json_object,
 )
 from ._metrics import (
     COMPARISON_FRACTION_FLOOR,
@@ -52,11 +47,18 @@ from ._metrics import (
     MAD_TO_STD,
     TINY,
 )
+from ._series_file import (
+    MAX_SERIES_FILE_BYTES,
+    SeriesFile,
+    SeriesKey,
+    SeriesRow,
+    read_series_file,
+)
 from ._validate import require_float, require_int
-from .errors import ConfigError, ReportReadError
+from .errors import ConfigError
 from .find import display_module
 from .sampling import SampleForwards, policy_from_description
-from .series import ACTIVATION, GRAD_OUTPUT, SIGNALS
+from .series import ACTIVATION, GRAD_OUTPUT
 
 __all__ = [
     "COMPARISON_INDEX_NAME",
@@ -75,13 +77,12 @@ __all__ = [
 COMPARISON_SCHEMA = "torchinstruments.comparison/1"
 COMPARISON_NAME = "comparison.json"
 COMPARISON_INDEX_NAME = "comparison.md"
-SERIES_NAME = "series.json"
 #: Departure, in noise units, beyond which a series has notably diverged.
 DIVERGENCE_THRESHOLD = 5.0
 #: Consecutive compared points (same sign) a departure must last to count.
 PERSISTENCE_POINTS = 2
 #: A ``series.json`` larger than this (bytes) is unreadable.
-MAX_SOURCE_BYTES = 64 * 1024 * 1024
+MAX_SOURCE_BYTES = MAX_SERIES_FILE_BYTES
 #: Compared points at which every common series must agree exactly for the runs to be
 #: taken as identical before their first difference (a same-seed pair).
 MIN_IDENTICAL_POINTS = 3
@@ -124,7 +125,6 @@ _VALUE_CATEGORIES = ("activation_scale", "gradient_scale", "zero_fraction")
 #: Configuration keys of ``series.json`` that do not change what is measured.
 _IGNORED_CONFIG_KEYS = frozenset({"report"})
 
-SeriesKey = tuple[str, int, str, str, str]
 TensorKey = tuple[str, int, str, str]
 
 COMPARISON_PROMPT = """\
@@ -201,31 +201,6 @@ def _first_departure(departures: Sequence[float], threshold: float, persistence:
 
 
 # ---------------------------------------------------------------------- schedules
-def _parse_recorded(raw: object) -> SampleForwards | None:
-    """``sample_forwards`` of ``series.json`` if present, complete and well formed."""
-    if not isinstance(raw, dict) or raw.get("complete") is not True:
-        return None
-    runs = raw.get("runs")
-    if not isinstance(runs, list):
-        return None
-    parsed: list[list[int]] = []
-    expected = 0
-    for run in runs:
-        if (
-            not isinstance(run, list)
-            or len(run) != 4
-            or not all(is_int(v) and v >= 0 for v in run)
-            or run[0] != expected
-            or run[3] < 1
-            or (run[3] > 1 and run[2] < 1)
-            or (parsed and run[1] <= parsed[-1][1] + parsed[-1][2] * (parsed[-1][3] - 1))
-        ):
-            return None
-        parsed.append(list(run))
-        expected = run[0] + run[3]
-    return SampleForwards(parsed)
-
-
 def _mappings_differ(first: SampleForwards, second: SampleForwards) -> bool:
     """Whether two recorded sample -> forward mappings disagree on a common sample (both
     are piecewise linear: comparing at each run's first, second and last sample is
@@ -290,161 +265,11 @@ def _sampling_description(config: dict[str, Any]) -> object:
     return sampling
 
 
-# ---------------------------------------------------------------------- reading
-@dataclass(slots=True)
-class _Series:
-    """What is kept of one series of one run: its points and its noise indicators."""
-
-    forward_position: int
-    count: int
-    log_scale: bool
-    samples: array[int]
-    values: array[float]
-    ema_fast: float | None
-    baseline_std: float | None
-    volatility: float | None
-    first_nonzero_sample: int | None
-    residual_spread: float | None = None
-
-    def compared(self, value: float) -> float:
-        """``value`` in compared units: natural log for scale metrics."""
-        return math.log(max(value, TINY)) if self.log_scale else value
-
-
-@dataclass(slots=True)
-class _Run:
-    """One run's ``series.json``, reduced."""
-
-    directory: Path
-    path: Path
-    run: dict[str, Any]
-    config: dict[str, Any]
-    modules_selected: frozenset[str]
-    omitted: int
-    series: dict[SeriesKey, _Series]
-    recorded: SampleForwards | None = None
-
-    def int_field(self, name: str) -> int | None:
-        value = self.run.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    @property
-    def samples_seen(self) -> int:
-        stated = self.int_field("samples_seen")
-        if stated is not None:
-            return stated
-        return max((s.samples[-1] + 1 for s in self.series.values() if s.samples), default=0)
-
-    @property
-    def warmup_samples(self) -> int | None:
-        track = self.config.get("track")
-        value = track.get("warmup_samples") if isinstance(track, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _row_error(path: Path, index: int, what: str, got: object) -> ReportReadError:
-    return ReportReadError(f"{path}: series[{index}]: expected {what}, got {got!r}"[:500])
-
-
-def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, _Series]:
-    if not isinstance(row, dict):
-        raise _row_error(path, index, "a JSON object", type(row).__name__)
-    module, call, signal = row.get("module"), row.get("call_index"), row.get("signal")
-    tensor_path, metric = row.get("tensor_path"), row.get("metric")
-    if not isinstance(module, str):
-        raise _row_error(path, index, "'module' to be a string", module)
-    if not is_int(call):
-        raise _row_error(path, index, "'call_index' to be an int", call)
-    if not isinstance(signal, str) or signal not in SIGNALS:
-        raise _row_error(path, index, f"'signal' in {SIGNALS}", signal)
-    if not isinstance(tensor_path, str) or not isinstance(metric, str):
-        raise _row_error(path, index, "'tensor_path' and 'metric' to be strings", row.get("metric"))
-    position, count = row.get("forward_position"), row.get("count")
-    if not is_int(position) or not is_int(count):
-        raise _row_error(path, index, "'forward_position' and 'count' to be ints", count)
-    points = row.get("points")
-    if not isinstance(points, list):
-        raise _row_error(path, index, "'points' to be a list", type(points).__name__)
-    samples: array[int] = array("q")
-    values: array[float] = array("d")
-    previous = -1
-    for point in points:
-        if (
-            not isinstance(point, list)
-            or len(point) != 2
-            or not is_int(point[0])
-            or point[0] <= previous
-        ):
-            raise _row_error(
-                path, index, "points [sample, value] in increasing sample order", point
-            )
-        value = float_or_none(point[1])
-        previous = point[0]
-        if value is None:
-            continue  # a value that did not exist is not compared
-        samples.append(point[0])
-        values.append(value)
-    first_nonzero = row.get("first_nonzero_sample")
-    key: SeriesKey = (module, call, signal, tensor_path, metric)
-    return key, _Series(
-        forward_position=position,
-        count=count,
-        log_scale=row.get("log_scale") is True,
-        samples=samples,
-        values=values,
-        ema_fast=float_or_none(row.get("ema_fast")),
-        baseline_std=float_or_none(row.get("baseline_std")),
-        volatility=float_or_none(row.get("volatility")),
-        first_nonzero_sample=first_nonzero if is_int(first_nonzero) else None,
-        residual_spread=float_or_none(row.get("residual_spread")),
-    )
-
-
-def _read_run(directory: str | os.PathLike[str], role: str) -> _Run:
+def _read_run(directory: str | os.PathLike[str], role: str) -> SeriesFile:
     """Read and reduce one run's ``series.json``; raise ``ReportReadError`` naming it."""
     if not isinstance(directory, str | os.PathLike) or str(directory) == "":
         raise ConfigError(f"compare_runs: {role}_dir must be a non-empty path, got {directory!r}")
-    root = Path(directory)
-    path = root / SERIES_NAME
-    if not root.is_dir():
-        raise ReportReadError(
-            f"{root}: expected the output directory of an observed run ({role}), "
-            f"got {'a file' if root.exists() else 'nothing'} at that path"
-        )
-    raw = read_json_object(
-        path,
-        what="a series summary",
-        max_bytes=MAX_SOURCE_BYTES,
-        schema=SERIES_SCHEMA,
-        required={"run": dict, "config": dict, "series": list},
-        missing_hint=(
-            f"the {role} run must be observed by a torchinstruments version that writes "
-            f"series.json, with DirectorySink(write_series_summary=True) (the default), "
-            f"and must have written its report"
-        ),
-    )
-    selected = raw.get("modules_selected", [])
-    if not isinstance(selected, list) or not all(isinstance(m, str) for m in selected):
-        raise ReportReadError(f"{path}: expected 'modules_selected' to be a list of names")
-    series: dict[SeriesKey, _Series] = {}
-    for index, row in enumerate(raw["series"]):
-        key, value = _parse_row(path, index, row)
-        if key in series:
-            raise _row_error(path, index, "each series once", key)
-        series[key] = value
-    omitted = raw.get("omitted", 0)
-    run = _Run(
-        directory=root,
-        path=path,
-        run=raw["run"],
-        config=raw["config"],
-        modules_selected=frozenset(display_module(m) for m in selected),
-        omitted=omitted if is_int(omitted) else 0,
-        series=series,
-        recorded=_parse_recorded(raw.get("sample_forwards")),
-    )
-    del raw  # before the other run is read: one parsed file in memory at a time
-    return run
+    return read_series_file(Path(directory), role)
 
 
 # ---------------------------------------------------------------------- alignment
@@ -504,7 +329,7 @@ def _names(names: Iterable[str], limit: int = 10) -> str:
     return shown + (f" and {len(ordered) - limit} more" if len(ordered) > limit else "")
 
 
-def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]]:
+def _align(baseline: SeriesFile, candidate: SeriesFile) -> tuple[_Axis, list[dict[str, Any]]]:
     """Choose the time axis and list what differs between the two runs' set-ups."""
     mismatches: list[dict[str, Any]] = []
     described_b = _sampling_description(baseline.config)
@@ -622,7 +447,7 @@ def _align(baseline: _Run, candidate: _Run) -> tuple[_Axis, list[dict[str, Any]]
     return _Axis(mode, schedule_b, schedule_c, end), mismatches
 
 
-def _config_mismatches(baseline: _Run, candidate: _Run) -> list[dict[str, Any]]:
+def _config_mismatches(baseline: SeriesFile, candidate: SeriesFile) -> list[dict[str, Any]]:
     mismatches: list[dict[str, Any]] = []
     if baseline.modules_selected != candidate.modules_selected:
         only_b = baseline.modules_selected - candidate.modules_selected
@@ -744,7 +569,7 @@ def _detrended_spread(times: Sequence[int], values: Sequence[float]) -> float:
 
 
 def _noise(
-    series: _Series,
+    series: SeriesRow,
     metric: str,
     times: Sequence[int],
     values: Sequence[float],
@@ -823,7 +648,7 @@ def _series_name(key: SeriesKey | TensorKey) -> str:
     return f"`{module}` call {call} {signal}{metric} ({path})"
 
 
-def _difference_text(series: _Series, baseline: float, candidate: float) -> str:
+def _difference_text(series: SeriesRow, baseline: float, candidate: float) -> str:
     if series.log_scale:
         ratio = max(candidate, TINY) / max(baseline, TINY)
         return f"{number_text(baseline)} -> {number_text(candidate)} ({number_text(ratio)}x)"
@@ -837,7 +662,7 @@ def _downsample(rows: list[list[Any]], limit: int) -> list[list[Any]]:
     return [rows[round(i * step)] for i in range(limit)]
 
 
-def _points(series: _Series, axis: _Axis, side: str) -> dict[int, float]:
+def _points(series: SeriesRow, axis: _Axis, side: str) -> dict[int, float]:
     """A series' kept points by axis key, through the compared end."""
     points = {}
     for sample, value in zip(series.samples, series.values, strict=True):
@@ -852,7 +677,7 @@ def _same(a: float, b: float) -> bool:
 
 
 def _first_difference(
-    baseline: _Run, candidate: _Run, keys: Sequence[SeriesKey], axis: _Axis
+    baseline: SeriesFile, candidate: SeriesFile, keys: Sequence[SeriesKey], axis: _Axis
 ) -> int | None:
     """The first axis key at which any common series differs between the runs, when
     every common series agreed exactly at the ``MIN_IDENTICAL_POINTS`` or more compared
@@ -879,8 +704,8 @@ def _first_difference(
 
 def _compare_values(
     key: SeriesKey,
-    base: _Series,
-    cand: _Series,
+    base: SeriesRow,
+    cand: SeriesRow,
     axis: _Axis,
     threshold: float,
     warmup: tuple[int | None, int | None],
@@ -981,7 +806,7 @@ def _compare_values(
     )
 
 
-def _value_interpretation(entry: dict[str, Any], base: _Series, threshold: float) -> str:
+def _value_interpretation(entry: dict[str, Any], base: SeriesRow, threshold: float) -> str:
     name = _series_name(
         (
             entry["module"],
@@ -1072,7 +897,7 @@ def _value_experiment(event: _Event, when: str, neighbour: tuple[str, str | None
     )
 
 
-def _presence(series: Iterable[tuple[SeriesKey, _Series]]) -> dict[TensorKey, dict[str, Any]]:
+def _presence(series: Iterable[tuple[SeriesKey, SeriesRow]]) -> dict[TensorKey, dict[str, Any]]:
     """Per tensor (module, call, signal, path): observed span, count, metrics, position."""
     out: dict[TensorKey, dict[str, Any]] = {}
     for key, s in series:
@@ -1153,7 +978,7 @@ def _stop_event(
 def _one_run_entries(
     only: dict[TensorKey, dict[str, Any]],
     side: str,
-    other: _Run,
+    other: SeriesFile,
     axis: _Axis,
 ) -> tuple[list[dict[str, Any]], list[_Event]]:
     entries: list[dict[str, Any]] = []
@@ -1214,7 +1039,9 @@ def _one_run_entries(
     return entries, events
 
 
-def _non_finite_event(key: SeriesKey, base: _Series, cand: _Series, axis: _Axis) -> _Event | None:
+def _non_finite_event(
+    key: SeriesKey, base: SeriesRow, cand: SeriesRow, axis: _Axis
+) -> _Event | None:
     first_b = base.first_nonzero_sample
     first_c = cand.first_nonzero_sample
     key_b = axis.key("baseline", first_b) if first_b is not None else None
@@ -1403,7 +1230,7 @@ class _Comparison:
     threshold: float
 
 
-def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
+def _compare(baseline: SeriesFile, candidate: SeriesFile, threshold: float) -> _Comparison:
     axis, mismatches = _align(baseline, candidate)
     mismatches += _config_mismatches(baseline, candidate)
     notes = []
@@ -1614,7 +1441,7 @@ def _compare(baseline: _Run, candidate: _Run, threshold: float) -> _Comparison:
     )
 
 
-def _run_entry(run: _Run) -> dict[str, Any]:
+def _run_entry(run: SeriesFile) -> dict[str, Any]:
     return {
         "path": str(run.path),
         "samples_seen": run.samples_seen,

@@ -9,7 +9,6 @@ category. The same run gives the same report but for ``generated_at`` and ``run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import platform
 import re
@@ -24,12 +23,12 @@ from ._document import (
     bounded_text,
     clean,
     longest_fitting_prefix,
-    round_or_reason,
     round_robin,
     shrink_to_fit,
-    utf8_length,
 )
-from ._jsonio import SCHEMA, SERIES_SCHEMA, dumps_report
+from ._jsonio import SCHEMA, dumps_report
+from ._series_file import SERIES_SCHEMA, SeriesSummary
+from ._series_file import build_series_summary as _build_series_summary
 from .events import (
     QUIET_ROWS_PER_CATEGORY,
     Facet,
@@ -50,7 +49,7 @@ from .find import (
     run_rules,
 )
 from .find.base import MODEL, ONSET_TOLERANCE_SAMPLES, is_early, step_size
-from .series import GRAD_OUTPUT, LOG_SCALE_METRICS, forward_positions
+from .series import GRAD_OUTPUT, LOG_SCALE_METRICS
 from .track import SeriesPoint, bounded_exp
 
 if TYPE_CHECKING:
@@ -71,9 +70,6 @@ __all__ = [
 ]
 
 DETAILS_SCHEMA = "torchinstruments.details/1"
-#: Metrics carried by the per-series summary (``series.json``).
-SUMMARY_METRICS = ("rms", "rms_to_root", "max_abs", "zero_fraction", "nonfinite_fraction")
-
 LLM_PROMPT = """\
 You are analysing passive telemetry from one PyTorch training run (torchinstruments).
 The report lists events: each is one change at one module and onset, written once, with
@@ -1297,116 +1293,10 @@ def build_details(observer: RunSnapshot) -> dict[str, Any]:
     )
 
 
-def _summary_row(series: Any, metric: str, tracker: Any, position: int) -> dict[str, Any]:
-    """One JSON-safe row of ``series.json``, rounded as :func:`_clean` would round it
-    (built directly: a 2,000-module model has tens of thousands of rows)."""
-    first_nonzero = tracker.first_nonzero
-    low, high = tracker.min, tracker.max
-    return {
-        "module": bounded_text(display_module(series.module)),
-        "call_index": series.call_index,
-        "signal": series.signal,
-        "tensor_path": bounded_text(series.tensor_path),
-        "metric": metric,
-        "forward_position": position,
-        "count": tracker.count,
-        "points": [[sample, round_or_reason(value)] for sample, value in tracker.history()],
-        "ema_fast": round_or_reason(tracker.level(tracker.ema_fast)),
-        "baseline": round_or_reason(tracker.level(tracker.baseline_mean)),
-        "baseline_std": round_or_reason(tracker.baseline_std),
-        "residual_spread": round_or_reason(tracker.spread),
-        "volatility": round_or_reason(tracker.volatility),
-        "log_scale": tracker.log_scale,
-        "min": {"sample": low.sample, "value": round_or_reason(low.value)},
-        "max": {"sample": high.sample, "value": round_or_reason(high.value)},
-        "first_nonzero_sample": first_nonzero.sample if first_nonzero else None,
-        "nonzero_samples": tracker.nonzero_count,
-    }
-
-
-def build_series_summary(observer: RunSnapshot, max_bytes: int) -> dict[str, Any]:
-    """A compact per-series summary that two runs can be compared on (``series.json``).
-
-    For each series of :data:`SUMMARY_METRICS`: its values at the sample indices of its
-    bounded history (the same indices in two runs with the same schedule), the fast EMA at
-    the end, the warm-up baseline and its standard deviation, volatility, min and max, and
-    how many samples had a non-zero value (non-finite counts for ``nonfinite_fraction``).
-    Series are kept in forward call order until ``max_bytes`` of compact JSON; the rest
-    are counted under ``omitted``. No raw tensors. ``sample_forwards`` maps every sample
-    to its training forward, as runs ``[first sample, first forward, step, samples]``
-    (:class:`~torchinstruments.sampling.SampleForwards`; ``complete`` False once more
-    runs were needed than it keeps).
-    """
-    positions = forward_positions(observer.series.values())
-
-    def position(s: Any) -> int:
-        return positions.get((s.module, s.call_index, s.tensor_path), s.forward_position)
-
-    ordered = sorted(
-        observer.series.values(),
-        key=lambda s: (position(s), s.module, s.call_index, s.signal, s.tensor_path),
+def build_series_summary(observer: RunSnapshot, max_bytes: int) -> SeriesSummary:
+    """``series.json`` for the run of ``observer`` (see
+    :func:`torchinstruments._series_file.build_series_summary`), with the report's
+    ``run`` and ``config`` sections; at most ``max_bytes`` bytes as written."""
+    return _build_series_summary(
+        observer, max_bytes, run=_run_section(observer), config=_config_section(observer)
     )
-    pairs = [
-        (series, metric, tracker)
-        for series in ordered
-        for metric in SUMMARY_METRICS
-        if (tracker := series.trackers.get(metric)) is not None and tracker.count
-    ]
-    # One encoder for every row: json.dumps with options builds a new one per call.
-    encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-    # The names of the selected modules take at most half of max_bytes: the first
-    # ones in selection order, the rest counted under modules_selected_omitted.
-    names: list[str] = []
-    room = max_bytes // 2
-    for name in observer.names:
-        text = bounded_text(name)
-        room -= utf8_length(encode(text)) + 1
-        if room < 0:
-            break
-        names.append(text)
-    header = clean(
-        {
-            "schema": SERIES_SCHEMA,
-            "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "run": _run_section(observer),
-            "config": _config_section(observer),
-            "modules_selected": names,
-            "modules_selected_omitted": len(observer.names) - len(names),
-            "sample_forwards": {
-                "runs": observer.sample_forwards.runs,
-                "complete": observer.sample_forwards.complete,
-            },
-        }
-    )
-    header_text = encode(header)
-    if utf8_length(header_text) > max_bytes - 64:
-        # A tiny bound: the schedule's runs (up to 1,024) and the settings go first.
-        header["sample_forwards"] = {"runs": [], "complete": False}
-        header["config"] = {}
-        header_text = encode(header)
-    budget = max_bytes - utf8_length(header_text) - 64
-    kept: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for series, metric, tracker in pairs:
-        row = _summary_row(series, metric, tracker, position(series))
-        text = encode(row)
-        size = utf8_length(text) + 1
-        if size > budget:
-            break  # rows past the budget are counted, not built
-        budget -= size
-        kept.append(row)
-        texts.append(text)
-    omitted = len(pairs) - len(kept)
-    summary = SeriesSummary({**header, "series": kept, "omitted": omitted})
-    # The rows are encoded already (to keep within max_bytes): the file is assembled from
-    # them, as json.dumps of the dict with the same separators would write it.
-    summary.json_text = f'{header_text[:-1]},"series":[{",".join(texts)}],"omitted":{omitted}}}'
-    return summary
-
-
-class SeriesSummary(dict[str, Any]):
-    """The ``series.json`` object, with its compact JSON text (``json_text``) when built
-    by :func:`build_series_summary`: writers use it rather than encoding every row again
-    (the rows are encoded once to keep the file within its byte bound)."""
-
-    json_text: str | None = None
