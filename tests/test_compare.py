@@ -20,10 +20,10 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.__main__ import main as cli_main
+from torchinstruments._compare_align import _Schedule
 from torchinstruments._series_file import parse_recorded
 from torchinstruments.compare import (
     COMPARISON_SCHEMA,
-    _Schedule,
     noise_floor,
     render_comparison_markdown,
     sustained_departure,
