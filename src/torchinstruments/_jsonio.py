@@ -36,6 +36,7 @@ from .errors import ReportReadError
 __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_INT",
+    "MAX_REPORT_FILE_BYTES",
     "SCHEMA",
     "atomic_write",
     "dumps_report",
@@ -54,6 +55,9 @@ SCHEMA = "torchinstruments.report/2"
 MAX_JSON_DEPTH = 64
 #: Largest integer magnitude accepted when reading: ``2**63 - 1`` (a signed 64-bit int).
 MAX_JSON_INT = 2**63 - 1
+#: A ``report.json`` or ``global-report.json`` larger than this (bytes) is unreadable: no
+#: writer of ours produces one (their bound is at most ``ReportConfig.max_bytes``).
+MAX_REPORT_FILE_BYTES = 16 * 1024 * 1024
 #: Longest message of a read error, in characters.
 _MAX_MESSAGE_CHARS = 500
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._jsonio import SCHEMA, int_or_none, one_line, read_json_object
+from ._jsonio import MAX_REPORT_FILE_BYTES, SCHEMA, int_or_none, one_line, read_json_object
 from .errors import ReportReadError
-from .merge import GLOBAL_REPORT_NAME, GLOBAL_SCHEMA, MAX_SOURCE_BYTES
+from .merge import GLOBAL_REPORT_NAME, GLOBAL_SCHEMA
 
 __all__ = [
     "MAX_NOTABLE_SHOWN",
@@ -375,7 +375,9 @@ def render_global_text(report: dict[str, Any], path: str | os.PathLike[str]) -> 
 
 
 def _read(path: Path, schema: str, what: str) -> dict[str, Any]:
-    return read_json_object(path, what=what, max_bytes=MAX_SOURCE_BYTES, schema=schema, required={})
+    return read_json_object(
+        path, what=what, max_bytes=MAX_REPORT_FILE_BYTES, schema=schema, required={}
+    )
 
 
 def show_directory(path: str | os.PathLike[str]) -> str:
