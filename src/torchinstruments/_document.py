@@ -102,7 +102,7 @@ def bounded_text(text: str, limit: int = MAX_NAME_CHARS) -> str:
 
     Example:
         >>> bounded_text("a" * 300, 20)
-        'aaaaaaaaaa…1c2b7a5f'
+        'aaaaaaaaaaa…003ef1ba'
     """
     if len(text) <= limit:
         return text
