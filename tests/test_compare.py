@@ -20,10 +20,10 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.__main__ import main as cli_main
+from torchinstruments._compare_align import _Schedule
+from torchinstruments._series_file import parse_recorded
 from torchinstruments.compare import (
     COMPARISON_SCHEMA,
-    _parse_recorded,
-    _Schedule,
     noise_floor,
     render_comparison_markdown,
     sustained_departure,
@@ -331,7 +331,7 @@ def test_recorded_sample_forwards_round_trip_and_reject_bad_input() -> None:
         bounded.append(forward)
     assert not bounded.complete and bounded.runs == runs[:2] and bounded.samples == 5
     assert runs == [[0, 0, 1, 3], [3, 4, 2, 2], [5, 7, 1, 3], [8, 12, 4, 2], [10, 100, 0, 1]]
-    recorded = _parse_recorded({"runs": runs, "complete": True})
+    recorded = parse_recorded({"runs": runs, "complete": True})
     assert recorded is not None
     assert [recorded.forward(k) for k in range(len(forwards))] == forwards
     assert [recorded.sample(f) for f in forwards] == list(range(len(forwards)))
@@ -346,7 +346,7 @@ def test_recorded_sample_forwards_round_trip_and_reject_bad_input() -> None:
         {"runs": "x", "complete": True},
         None,
     ):
-        assert _parse_recorded(bad) is None, bad
+        assert parse_recorded(bad) is None, bad
 
 
 @pytest.mark.parametrize("policy", [DefaultSampling(), DefaultSampling(samples_per_stage=3)])

@@ -12,6 +12,8 @@ from torchinstruments.sampling import (
     DefaultSampling,
     EveryNSampling,
     SamplingPolicy,
+    TimeBudgetSampling,
+    policy_from_description,
     resolve_sampling,
 )
 
@@ -267,3 +269,67 @@ def test_resolve_rejects_other_objects(bad, type_name):
 def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         resolve_sampling("every")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        EveryNSampling(3),
+        DefaultSampling(),
+        DefaultSampling(samples_per_stage=2, max_interval_forwards=5),
+    ],
+)
+def test_policies_rebuild_from_their_description(policy: EveryNSampling | DefaultSampling) -> None:
+    rebuilt = policy_from_description(policy.describe())
+    assert rebuilt is not None and rebuilt.describe() == policy.describe()
+    sampled = [f for f in range(2_000) if policy.should_sample(f)]
+    assert [rebuilt.forward_of(k) for k in range(len(sampled))] == sampled
+    assert [rebuilt.sample_at(f) for f in sampled] == list(range(len(sampled)))
+    assert all(rebuilt.sample_at(f) is None for f in range(2_000) if f not in set(sampled))
+    assert rebuilt.samples_in(2_000) == len(sampled)
+    assert rebuilt.samples_in(0) == 0
+
+
+def test_default_sampling_maps_samples_exactly() -> None:
+    policy = DefaultSampling.from_description(
+        DefaultSampling(samples_per_stage=2, max_interval_forwards=4).describe()
+    )
+    assert policy is not None
+    # [0, 1, 2, 4, 6, 10, 14] as in the class's example, then every 4th.
+    assert [policy.forward_of(k) for k in range(8)] == [0, 1, 2, 4, 6, 10, 14, 18]
+    assert policy.sample_at(10) == 5 and policy.sample_at(12) is None
+    assert policy.samples_in(15) == 7
+
+
+def test_time_budget_rebuilds_with_only_its_dense_start_mapped() -> None:
+    described = TimeBudgetSampling(0.05, dense_forwards=4).describe()
+    policy = policy_from_description(described)
+    assert isinstance(policy, TimeBudgetSampling)
+    assert (policy.max_fraction, policy.dense_forwards, policy.max_interval_forwards) == (
+        0.05,
+        4,
+        1_000,
+    )
+    assert [policy.forward_of(k) for k in range(6)] == [0, 1, 2, 3, None, None]
+    assert policy.sample_at(3) == 3 and policy.sample_at(4) is None
+    assert policy.samples_in(100) is None
+
+
+@pytest.mark.parametrize(
+    "description",
+    [
+        None,
+        "every_n",
+        {"policy": "custom"},
+        {"policy": "every_n", "interval_forwards": 0},
+        {"policy": "every_n", "interval_forwards": True},
+        {"policy": "every_n", "interval_forwards": "3"},
+        {"policy": "default", "samples_per_stage": 6, "max_interval_forwards": 256},
+        {**DefaultSampling().describe(), "samples_per_stage": 5},  # stages of another
+        {**DefaultSampling().describe(), "stages": [{"from_forward": 0}]},
+        {"policy": "time_budget", "dense_forwards": 4},  # no max_fraction
+        {**TimeBudgetSampling().describe(), "dense_forwards": -1},
+    ],
+)
+def test_descriptions_no_policy_gives_rebuild_as_none(description: object) -> None:
+    assert policy_from_description(description) is None

@@ -10,12 +10,13 @@ Its whole state is declared in :class:`~._state.ForwardState` (``_state.py``): t
 :class:`~._state.Phase` in ``state`` and the fields that decide what the next forward
 does; the context adds only its settings and collaborators. It also decides
 when a flush or a report write falls due (one check per forward) and asks the observer
-to do it. See ``docs/architecture.md``.
+to do it; that cadence, sample opening and the sentinel's hits are methods of its base
+class, ``_context_cadence._ContextCadence``, on the same object. See
+``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 import weakref
@@ -25,12 +26,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from ._context_cadence import (
+    DEVICE_FLUSH_INTERVAL_FORWARDS,
+    MAX_SAMPLES_AWAITING_BACKWARD,
+    _ContextCadence,
+)
 from ._parking import root_calls_on_stack
-from ._records import ROOT_INDEX
 from ._sentinel import ROOT_SENTINEL_INTERVAL, next_root_sentinel, root_sentinel_due
-from ._staging import MAX_PENDING_RECORDS
-from ._state import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP, ForwardState
-from .capture import _graph_task_id, compiled_frames, in_backward, passive
+from ._state import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP
+from .capture import _graph_task_id, compiled_frames, in_backward
 
 if TYPE_CHECKING:
     from ._calls import CallCapture
@@ -43,14 +47,12 @@ if TYPE_CHECKING:
     from .observer import Observer
     from .sampling import SampleForwards, SamplingPolicy
 
-__all__ = ["ForwardContext"]
+__all__ = [
+    "DEVICE_FLUSH_INTERVAL_FORWARDS",
+    "MAX_SAMPLES_AWAITING_BACKWARD",
+    "ForwardContext",
+]
 
-#: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
-#: forwards than this before one backward loses loss-scale and repeat tracking).
-MAX_SAMPLES_AWAITING_BACKWARD = 256
-#: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
-#: are read at a flush, so a non-finite hit forces samples at most this much later.
-DEVICE_FLUSH_INTERVAL_FORWARDS = 32
 #: torch.jit.is_tracing without its Python wrapper (called once per root forward).
 _is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 #: Grad-mode and inference-mode checks, bound once (called once per root forward).
@@ -66,7 +68,7 @@ transform_level: Callable[[], object] = getattr(
 )
 
 
-class ForwardContext(ForwardState):
+class ForwardContext(_ContextCadence):
     """Where one observer stands in the training loop; the object its hooks call.
 
     Shared across threads on purpose: worker threads inside a root forward belong to
@@ -455,121 +457,7 @@ class ForwardContext(ForwardState):
             self._root_sentinel(output)
         self.exit_root()
 
-    def _root_sentinel(self, output: object) -> None:
-        """Check the root output of an unsampled training forward for non-finite values
-        (one training forward in :attr:`ROOT_SENTINEL_INTERVAL`, see there)."""
-        try:
-            with passive():
-                if type(output) is Tensor and output.is_floating_point():
-                    # The common case, kept short: one forward in 8 between samples.
-                    forward = self.forwards_seen - 1
-                    if self.sentinel.check(
-                        ROOT_INDEX, 0, "output", output, forward, self.samples_observed
-                    ):
-                        self.on_nonfinite(forward, ROOT_INDEX, 0, "output", self.samples_observed)
-                else:
-                    self.sentinel_output(ROOT_INDEX, 0, output)
-        except Exception as error:  # never break training
-            self.errors.record("sentinel", "", error)
-
-    def sentinel_output(self, index: int, call: int, output: object) -> None:
-        """Check every tensor of ``output`` (call ``call`` of module ``index``) in the
-        open unsampled training forward."""
-        forward = self.forwards_seen - 1
-        next_sample = self.samples_observed
-        for path in self.sentinel.check_output(index, call, output, forward, next_sample):
-            self.on_nonfinite(forward, index, call, path, next_sample)
-
-    def on_nonfinite(
-        self, forward: int, index: int, call: int, path: str, next_sample: int
-    ) -> None:
-        """A sentinel saw a non-finite value in unsampled training forward ``forward``
-        (``next_sample`` is the index the next sample takes): count it and sample the
-        next :attr:`FORCED_SAMPLES_AFTER_NONFINITE` forwards."""
-        self._forced_samples = self.FORCED_SAMPLES_AFTER_NONFINITE
-        self._quiet_until = 0  # the next forwards are sampled
-        self._quiet_sentinel = -1
-        self.sentinel.note_hit(forward, index, call, path, next_sample)
-
-    def open_sample(self, decision: bool | None = None) -> None:
-        """Count a training forward (or a direct call that opens a sample) and open a
-        sample if the policy (or a sentinel hit before) asks for one."""
-        index = self.forwards_seen
-        self.forwards_seen += 1
-        if decision is None:  # user policies may return ints
-            decision = bool(self.policy.should_sample(index))
-        sampled = decision
-        if self._forced_samples > 0:
-            self._forced_samples -= 1
-            sampled = True
-        self.sample_open = sampled
-        if sampled:
-            self.sample = self.errors.sample = self.samples_observed
-            self.samples_observed += 1
-            if self.samples_observed == self._warmup_samples:
-                # The first rewrite falls due at the end of warm-up (at the next
-                # maybe_flush), not only rewrite_interval_s after injection.
-                self.last_write = -math.inf
-            self.sample_forwards.append(index)
-            if self.compiled is not None:
-                self.compiled.begin_sample(self)
-            if self.caller_step is not None:
-                self.store.note_step(self.sample, self.caller_step)
-            awaiting = self.awaiting_backward
-            awaiting[self.sample] = None
-            if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
-                del awaiting[next(iter(awaiting))]
-            self.call_counts = {}
-            self.position = 0
-            self.no_grad_calls = {}
-            self.sample_outputs = {}
-
-    def backward_started(self, sample: int) -> None:
-        """The first output gradient of ``sample`` arrived."""
-        self.awaiting_backward.pop(sample, None)
-        if self.implicit_opener is not None and sample == self.sample:
-            self.implicit_backward_seen = True
-
     # ------------------------------------------------------------------ cadence
-    def maybe_flush(self) -> None:
-        """Ask the observer for a flush if one is due (pending records and a forward
-        count that is a multiple of the interval, or too many records, or a sink that
-        wants every sample at once), and for a report write if one is due."""
-        buffer = self.buffer
-        pending = buffer.waiting()
-        interval = (
-            DEVICE_FLUSH_INTERVAL_FORWARDS
-            if buffer.producer_streams
-            else self.FLUSH_INTERVAL_FORWARDS
-        )
-        owner = self._owner()
-        if owner is None:
-            return
-        if pending and self.prompt_sinks:
-            owner.flush_statistics(block=True)  # the previous samples, complete by now
-        elif pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % interval == 0):
-            owner.flush_statistics(block=False)
-        if time.monotonic() - self.last_write >= self.rewrite_interval_s:
-            owner.write_report(block=False)
-
-    def _write(self) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner.write_report(block=False)
-
-    def detach(self) -> None:
-        """Close what is open; hooks that compiled code or stale references still call
-        return at once from now on."""
-        self._quiet_until = 0
-        self._quiet_sentinel = -1
-        self._open_ended = False
-        self.parking.restore_root_post()
-        self.parking.restore(reset=False)
-        self.parking.parkable.clear()
-        self.attached = False
-        self.state = SKIP
-        self._state_stack.clear()
-        self.no_grad_calls.clear()
 
 
 def _training_context(module: nn.Module) -> bool:

@@ -27,34 +27,37 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from .errors import ReportReadError
 
 __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_JSON_INT",
+    "MAX_REPORT_FILE_BYTES",
     "SCHEMA",
-    "SERIES_SCHEMA",
     "atomic_write",
     "dumps_report",
+    "float_or_none",
+    "int_or_none",
+    "is_int",
     "json_depth",
-    "longest_fitting_prefix",
     "one_line",
     "read_json_object",
 ]
 
 #: Schema of ``report.json``.
 SCHEMA = "torchinstruments.report/2"
-#: Schema of ``series.json``.
-SERIES_SCHEMA = "torchinstruments.series/1"
 #: Deepest nesting of arrays and objects accepted when reading (our reports nest about
 #: ten levels; Python's parser recurses once per level).
 MAX_JSON_DEPTH = 64
 #: Largest integer magnitude accepted when reading: ``2**63 - 1`` (a signed 64-bit int).
 MAX_JSON_INT = 2**63 - 1
+#: A ``report.json`` or ``global-report.json`` larger than this (bytes) is unreadable: no
+#: writer of ours produces one (their bound is at most ``ReportConfig.max_bytes``).
+MAX_REPORT_FILE_BYTES = 16 * 1024 * 1024
 #: Longest message of a read error, in characters.
 _MAX_MESSAGE_CHARS = 500
 
@@ -68,24 +71,26 @@ def dumps_report(report: dict[str, Any]) -> bytes:
     return (json.dumps(report, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
 
 
-def longest_fitting_prefix(
-    build: Callable[[int], dict[str, Any]], count: int, max_bytes: int
-) -> dict[str, Any]:
-    """``build(k)`` for the largest ``k <= count`` whose :func:`dumps_report` bytes fit
-    ``max_bytes`` (binary search; ``build(0)`` if none does). ``build`` must grow with k."""
-    best = build(count)
-    if len(dumps_report(best)) <= max_bytes:
-        return best
-    low, high = 0, count
-    best = build(0)
-    while low < high:
-        middle = (low + high + 1) // 2
-        candidate = build(middle)
-        if len(dumps_report(candidate)) <= max_bytes:
-            low, best = middle, candidate
-        else:
-            high = middle - 1
-    return best
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether a parsed JSON field is an integer (``true`` and ``false`` are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_or_none(value: object) -> int | None:
+    """A parsed JSON field as an int, or None when it is not an integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def float_or_none(value: object) -> float | None:
+    """A parsed JSON field as a finite float (an integer converted), or None when it is
+    not a number, a boolean, or does not fit a finite float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def atomic_write(path: Path, data: bytes) -> None:

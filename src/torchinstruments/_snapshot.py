@@ -32,6 +32,7 @@ __all__ = [
     "Counters",
     "RunSnapshot",
     "SeriesKey",
+    "module_kinds",
     "modules_replaced",
     "take_snapshot",
 ]
@@ -213,7 +214,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         modules_called=frozenset(capture.modules_called),
         parents_adopted=dict(observer.parents_adopted),
         modules_replaced=tuple(modules_replaced(observer)),
-        module_kinds=dict(observer.module_kinds()),
+        module_kinds=module_kinds(observer),
         root_forward_seen=ctx.root_forward_seen,
         report_config=observer.report_config,
         track_config=observer.track_config,
@@ -269,3 +270,17 @@ def modules_replaced(observer: Observer) -> list[str]:
         if current is not observer.module(index):
             replaced.append(name)
     return replaced
+
+
+def module_kinds(observer: Observer) -> dict[str, str]:
+    """Class name (``Linear``, ``LayerNorm``, ...) per selected module name, for the
+    modules still alive (the report words its advice by the kind of module)."""
+    kinds = {}
+    for index, name in enumerate(observer.names):
+        try:
+            module = observer.module(index)
+        except IndexError:  # a parent being adopted: its name is listed, not its module
+            break
+        if module is not None:
+            kinds[name] = type(module).__name__
+    return kinds

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._document import DEFAULT_MAX_BYTES
 from ._validate import require_float, require_int
 
 __all__ = ["ReportConfig", "TrackConfig"]
@@ -55,7 +56,7 @@ class ReportConfig:
         20
     """
 
-    max_bytes: int = 256_000
+    max_bytes: int = DEFAULT_MAX_BYTES
     top_k_per_category: int = 20
     max_error_entries: int = 20
     rewrite_interval_s: float = 60.0

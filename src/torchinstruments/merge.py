@@ -14,26 +14,49 @@ were present, missing, unreadable or truncated.
 Rank outliers (see :func:`merge_rank_reports` for the rules) compare each rank with the
 other ranks: a series value far from the other ranks' median, measured in their spread,
 or a notable finding that most other ranks lack (a non-finite value, a drift, ...).
+
+This module merges and bounds; its parts: ``_merge_read`` (rank directories, the
+per-rank summaries), ``_merge_stats`` (leave-one-out median and MAD, rank ranges),
+``_merge_outliers`` (the two outlier rules, shared findings) and ``_merge_render``
+(``global-index.md``).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
-from array import array
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ._jsonio import SCHEMA as RANK_SCHEMA
-from ._jsonio import atomic_write, dumps_report, read_json_object
+from ._document import DEFAULT_MAX_BYTES, longest_fitting_prefix
+from ._jsonio import atomic_write, dumps_report
+from ._merge_outliers import (
+    _KIND_ORDER,
+    _common_findings,
+    _finding_outliers,
+    _outlier_ranks,
+    _outlier_sort_key,
+    _series_outliers,
+)
+from ._merge_read import MAX_KEYS_COMPARED, MAX_SOURCE_BYTES, _Accumulator, _discover, _iter_reports
+from ._merge_render import render_global_markdown
+from ._merge_stats import (
+    _count_ranges,
+    _missing_ranges,
+    leave_one_out_median_mad,
+    rank_ranges,
+    spread_floor,
+)
+from ._metrics import (
+    MAD_TO_STD,
+    RANK_DEFAULT_SPREAD_FLOOR,
+    RANK_LOG_SPREAD_FLOOR,
+    rank_spread_floors,
+)
 from ._validate import require_float, require_int
-from .distributed import parse_rank_directory
 from .errors import ConfigError, ReportReadError
-from .series import LOG_SCALE_METRICS
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -54,30 +77,9 @@ __all__ = [
 GLOBAL_SCHEMA = "torchinstruments.global-report/1"
 GLOBAL_REPORT_NAME = "global-report.json"
 GLOBAL_INDEX_NAME = "global-index.md"
-#: Default bound on ``global-report.json`` as written, in bytes (as ``ReportConfig``).
-DEFAULT_MAX_BYTES = 256_000
 #: Departure, in spreads, beyond which a rank's series value is an outlier.
 OUTLIER_THRESHOLD = 5.0
-#: Scales a median absolute deviation to a standard deviation for normal data.
-MAD_TO_STD = 1.4826
-#: Most distinct series (and, separately, findings) compared across ranks; more are
-#: counted under ``coverage.series_dropped`` / ``coverage.findings_dropped``.
-MAX_KEYS_COMPARED = 20_000
-#: A rank report larger than this (bytes) is unreadable: no writer of ours produces one.
-MAX_SOURCE_BYTES = 16 * 1024 * 1024
 
-#: Smallest spread per metric, in compared units (natural log for scale metrics).
-_SPREAD_FLOORS = {"zero_fraction": 0.02, "nonfinite_fraction": 0.02, "excess_kurtosis": 1.0}
-#: Smallest spread of log-scale metrics: 0.1 in natural log, about 10% relative.
-_LOG_SPREAD_FLOOR = 0.1
-#: Smallest spread of metrics not listed above (absolute units).
-_DEFAULT_SPREAD_FLOOR = 0.1
-#: Log-scale metrics: the report's scale metrics plus the GradScaler loss scale.
-_LOG_METRICS = frozenset(LOG_SCALE_METRICS | {"loss_scale"})
-#: Values of log-scale metrics are clamped to this before the log (a dead signal is 0).
-_TINY = 1e-30
-
-_KIND_ORDER = {"non_finite": 0, "series_value": 1, "rank_specific_finding": 2}
 _SECTIONS = (
     "present",
     "missing",
@@ -90,611 +92,6 @@ _SECTIONS = (
     "common_findings",
     "per_rank",
 )
-
-SeriesKey = tuple[str, int | None, str, str | None, str]
-FindingKey = tuple[str, str, int | None, str, str | None, str]
-
-GLOBAL_PROMPT = """\
-You are analysing passive telemetry merged from the ranks of one distributed PyTorch
-training run (torchinstruments). Each rank wrote its own report; this global report
-compares them. Cite rank, module, call index, signal, tensor path, metric and values.
-Treat a rank outlier as a measurement about that rank (its data shard, its device, its
-inputs), not as a property of the model. Missing, unreadable or truncated ranks limit
-what can be concluded: say so. End with the narrowest experiment that would confirm or
-refute your leading hypothesis (for example, swap the data shards of two ranks).
-"""
-
-
-# ---------------------------------------------------------------------- pure statistics
-def _median_without(sorted_values: Sequence[float], skip: int) -> float:
-    """Median of ``sorted_values`` with the element at position ``skip`` left out."""
-    count = len(sorted_values) - 1
-
-    def at(position: int) -> float:
-        return sorted_values[position if position < skip else position + 1]
-
-    if count % 2:
-        return at(count // 2)
-    return (at(count // 2 - 1) + at(count // 2)) / 2
-
-
-def _sorted_positions(values: Sequence[float]) -> tuple[list[float], list[int]]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    positions = [0] * len(values)
-    for position, index in enumerate(order):
-        positions[index] = position
-    return [values[i] for i in order], positions
-
-
-def leave_one_out_median_mad(values: Sequence[float]) -> list[tuple[float, float]]:
-    """For each value: the median of the other values and their median absolute deviation.
-
-    Exact, in O(n log n): leaving one value out moves the median to one of at most three
-    order statistics, so the deviations are sorted at most three times.
-
-    Args:
-        values: at least two finite numbers (one per rank).
-
-    Returns:
-        ``[(median_i, mad_i), ...]`` where ``median_i`` is the median of all values but
-        ``values[i]`` and ``mad_i`` the median of ``|values[j] - median_i|`` over ``j != i``.
-
-    Raises:
-        ConfigError: fewer than two values.
-
-    Example:
-        >>> leave_one_out_median_mad([1.0, 2.0, 10.0])
-        [(6.0, 4.0), (5.5, 4.5), (1.5, 0.5)]
-    """
-    if len(values) < 2:
-        raise ConfigError(
-            f"leave_one_out_median_mad: values must hold at least 2 numbers, got {len(values)}"
-        )
-    sorted_values, positions = _sorted_positions(values)
-    by_median: dict[float, tuple[list[float], list[int]]] = {}
-    result: list[tuple[float, float]] = []
-    for index, value_position in enumerate(positions):
-        median = _median_without(sorted_values, value_position)
-        deviations = by_median.get(median)
-        if deviations is None:
-            deviations = _sorted_positions([abs(v - median) for v in values])
-            by_median[median] = deviations
-        result.append((median, _median_without(deviations[0], deviations[1][index])))
-    return result
-
-
-def spread_floor(metric: str) -> float:
-    """Smallest spread used when comparing ``metric`` across ranks, in compared units.
-
-    Args:
-        metric: a metric name from a report finding (``rms``, ``zero_fraction``, ...).
-
-    Returns:
-        0.1 (natural log, about 10%) for scale metrics, which are compared as logs; 0.02
-        for ``zero_fraction`` and ``nonfinite_fraction``; 1.0 for ``excess_kurtosis``;
-        0.1 for anything else. Different ranks see different batches, so a single
-        sample's value varies between ranks even in a healthy run; the floor keeps that
-        sampling noise from being called an outlier when the other ranks happen to agree
-        closely.
-
-    Example:
-        >>> spread_floor("rms"), spread_floor("zero_fraction")
-        (0.1, 0.02)
-    """
-    if metric in _LOG_METRICS:
-        return _LOG_SPREAD_FLOOR
-    return _SPREAD_FLOORS.get(metric, _DEFAULT_SPREAD_FLOOR)
-
-
-def _compared(metric: str, value: float) -> float:
-    return math.log(max(value, _TINY)) if metric in _LOG_METRICS else value
-
-
-def rank_ranges(ranks: Sequence[int]) -> list[str]:
-    """Compress sorted ranks into ranges: ``[0, 1, 2, 5, 7, 8]`` -> ``["0-2", "5", "7-8"]``.
-
-    Args:
-        ranks: ranks in increasing order, without repeats.
-
-    Returns:
-        One string per run of consecutive ranks.
-
-    Example:
-        >>> rank_ranges([0, 1, 2, 5, 7, 8])
-        ['0-2', '5', '7-8']
-    """
-    out: list[str] = []
-    start = previous = None
-    for rank in ranks:
-        if start is not None and previous is not None and rank == previous + 1:
-            previous = rank
-            continue
-        if start is not None:
-            out.append(str(start) if start == previous else f"{start}-{previous}")
-        start = previous = rank
-    if start is not None:
-        out.append(str(start) if start == previous else f"{start}-{previous}")
-    return out
-
-
-def _missing_ranges(accounted: set[int], world: int) -> tuple[int, list[str]]:
-    """How many ranks of ``0 .. world - 1`` are not in ``accounted``, and their ranges.
-
-    Works on the gaps between accounted ranks, so its cost does not grow with ``world``.
-
-    Example:
-        >>> _missing_ranges({0, 2, 3}, 10**12)
-        (999999999997, ['1', '4-999999999999'])
-    """
-    count, ranges, start = 0, [], 0
-    for rank in [*sorted(r for r in accounted if r < world), world]:
-        if rank > start:
-            ranges.append(str(start) if rank - 1 == start else f"{start}-{rank - 1}")
-            count += rank - start
-        start = rank + 1
-    return count, ranges
-
-
-def _number(value: float) -> float | None:
-    """JSON-safe float with six significant digits (None where it does not exist)."""
-    return float(f"{value:.6g}") if math.isfinite(value) else None
-
-
-# ---------------------------------------------------------------------- reading
-def _discover(directory: Path) -> tuple[dict[int, Path], list[str], list[dict[str, Any]]]:
-    """``rank-NNN`` directories under ``directory``, by rank, naming conflicts, and the
-    ``rank-NNN`` symbolic links, refused (never followed: nothing outside ``directory``
-    is read)."""
-    found: dict[int, Path] = {}
-    notes: list[str] = []
-    links: list[dict[str, Any]] = []
-    with os.scandir(directory) as entries:
-        listed = sorted(
-            (entry.name, entry.is_symlink())
-            for entry in entries
-            if entry.is_symlink() or entry.is_dir(follow_symlinks=False)
-        )
-    for name, is_link in listed:
-        rank = parse_rank_directory(name)
-        if rank is None:
-            continue
-        if is_link:
-            reason = f"{name} is a symbolic link (not followed)"
-            links.append({"rank": rank, "path": str(directory / name), "reason": reason})
-            continue
-        if rank in found:
-            notes.append(
-                f"rank {rank} has two directories ({found[rank].name}, {name}); read the first"
-            )
-            continue
-        found[rank] = directory / name
-    return found, notes, links
-
-
-def _load(path: Path) -> dict[str, Any]:
-    """Parse one rank report; raise ``ReportReadError`` saying what is wrong with it."""
-    return read_json_object(
-        path,
-        what="a rank report",
-        max_bytes=MAX_SOURCE_BYTES,
-        schema=RANK_SCHEMA,
-        required={"run": dict, "coverage": dict, "findings": list},
-    )
-
-
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float_or_none(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
-
-
-def _point_value(point: object) -> tuple[float | None, int | None]:
-    if not isinstance(point, dict):
-        return None, None
-    return _float_or_none(point.get("value")), _int_or_none(point.get("sample"))
-
-
-@dataclass(slots=True)
-class _RankSummary:
-    """What is kept of one readable rank report (a few scalars)."""
-
-    rank: int
-    path: str
-    reported_rank: int | None
-    world_size: int | None
-    samples_seen: int | None
-    forwards_seen: int | None
-    notable_findings: int | None
-    findings_returned: int
-    errors_total: int | None
-    limits_hit: tuple[str, ...]
-    headline: str | None
-    first_non_finite: dict[str, Any] | None
-
-    def entry(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "path": self.path,
-            "world_size": self.world_size,
-            "samples_seen": self.samples_seen,
-            "forwards_seen": self.forwards_seen,
-            "notable_findings": self.notable_findings,
-            "findings_returned": self.findings_returned,
-            "errors_total": self.errors_total,
-            "limits_hit": list(self.limits_hit),
-            "first_non_finite": self.first_non_finite,
-            "headline": self.headline,
-        }
-
-
-@dataclass(slots=True)
-class _SeriesValues:
-    """Latest value (and its sample) of one series on each rank that listed it."""
-
-    ranks: array[int] = field(default_factory=lambda: array("i"))
-    values: array[float] = field(default_factory=lambda: array("d"))
-    samples: array[int] = field(default_factory=lambda: array("q"))
-
-
-@dataclass(slots=True)
-class _FindingAcross:
-    """One (category, series) finding on each rank that listed it."""
-
-    basis: str
-    ranks: array[int] = field(default_factory=lambda: array("i"))
-    notable: array[int] = field(default_factory=lambda: array("b"))
-    values: array[float] = field(default_factory=lambda: array("d"))
-    onsets: array[int] = field(default_factory=lambda: array("q"))
-
-
-class _Accumulator:
-    """Small summaries of the rank reports read so far (one report at a time)."""
-
-    def __init__(self) -> None:
-        self.summaries: list[_RankSummary] = []
-        self.series: dict[SeriesKey, _SeriesValues] = {}
-        self.findings: dict[FindingKey, _FindingAcross] = {}
-        #: Per category: ranks whose report lists every candidate of it (nothing omitted).
-        self.complete: dict[str, set[int]] = {}
-        self.series_dropped = 0
-        self.findings_dropped = 0
-
-    def add(self, rank: int, path: str, report: dict[str, Any]) -> None:
-        run, coverage = report["run"], report["coverage"]
-        raw_summary = report.get("summary")
-        summary: dict[str, Any] = raw_summary if isinstance(raw_summary, dict) else {}
-        headline = summary.get("headline")
-        limits = coverage.get("limits_hit")
-        limits_hit = tuple(str(x) for x in limits) if isinstance(limits, list) else ()
-        first_nf = summary.get("first_non_finite")
-        findings = [f for f in report["findings"] if isinstance(f, dict)]
-        self.summaries.append(
-            _RankSummary(
-                rank=rank,
-                path=path,
-                reported_rank=_int_or_none(run.get("rank")),
-                world_size=_int_or_none(run.get("world_size")),
-                samples_seen=_int_or_none(run.get("samples_seen")),
-                forwards_seen=_int_or_none(run.get("forwards_seen")),
-                notable_findings=_int_or_none(summary.get("notable_findings")),
-                findings_returned=len(findings),
-                errors_total=_int_or_none(coverage.get("errors_total")),
-                limits_hit=limits_hit,
-                headline=headline if isinstance(headline, str) else None,
-                first_non_finite=first_nf if isinstance(first_nf, dict) else None,
-            )
-        )
-        omitted = coverage.get("findings_omitted")
-        if isinstance(omitted, dict):
-            for category, counts in omitted.items():
-                # Complete: no finding left out by top-k or bytes (rows below the noise
-                # floor past the few listed, "not_notable", are not evidence).
-                left_out = (
-                    (counts.get(k) for k in ("by_top_k", "by_bytes"))
-                    if isinstance(counts, dict)
-                    else ()
-                )
-                if isinstance(counts, dict) and not any(_int_or_none(v) for v in left_out):
-                    self.complete.setdefault(str(category), set()).add(rank)
-        seen_series: set[SeriesKey] = set()
-        seen_findings: set[FindingKey] = set()
-        for finding in findings:
-            self._add_finding(rank, finding, seen_series, seen_findings)
-
-    def _add_finding(
-        self,
-        rank: int,
-        finding: dict[str, Any],
-        seen_series: set[SeriesKey],
-        seen_findings: set[FindingKey],
-    ) -> None:
-        category, module = finding.get("category"), finding.get("module")
-        signal, metric = finding.get("signal"), finding.get("metric")
-        if not all(isinstance(x, str) for x in (category, module, signal, metric)):
-            return
-        path = finding.get("tensor_path")
-        key: SeriesKey = (
-            str(module),
-            _int_or_none(finding.get("call_index")),
-            str(signal),
-            path if isinstance(path, str) else None,
-            str(metric),
-        )
-        latest, sample = _point_value(finding.get("latest"))
-        if latest is not None and key not in seen_series:
-            seen_series.add(key)
-            values = self.series.get(key)
-            if values is None and len(self.series) >= MAX_KEYS_COMPARED:
-                self.series_dropped += 1
-            else:
-                if values is None:
-                    values = self.series[key] = _SeriesValues()
-                values.ranks.append(rank)
-                values.values.append(latest)
-                values.samples.append(sample if sample is not None else -1)
-        finding_key: FindingKey = (str(category), *key)
-        if finding_key in seen_findings:
-            return
-        seen_findings.add(finding_key)
-        ranking = finding.get("ranking")
-        ranking = ranking if isinstance(ranking, dict) else {}
-        across = self.findings.get(finding_key)
-        if across is None:
-            if len(self.findings) >= MAX_KEYS_COMPARED:
-                self.findings_dropped += 1
-                return
-            across = self.findings[finding_key] = _FindingAcross(basis=str(ranking.get("basis")))
-        evidence = finding.get("evidence")
-        onset = (
-            _int_or_none(evidence.get("first_nonfinite_sample"))
-            if isinstance(evidence, dict)
-            else None
-        )
-        value = _float_or_none(ranking.get("value"))
-        across.ranks.append(rank)
-        across.notable.append(1 if finding.get("notable") is True else 0)
-        across.values.append(value if value is not None else math.nan)
-        across.onsets.append(onset if onset is not None else -1)
-
-
-# ---------------------------------------------------------------------- outliers
-def _series_fields(key: SeriesKey) -> dict[str, Any]:
-    module, call_index, signal, tensor_path, metric = key
-    return {
-        "module": module,
-        "call_index": call_index,
-        "signal": signal,
-        "tensor_path": tensor_path,
-        "metric": metric,
-    }
-
-
-def _where(key: SeriesKey) -> str:
-    module, call_index, signal, tensor_path, metric = key
-    call = "" if call_index is None else f"call {call_index}"
-    detail = ", ".join(x for x in (call, tensor_path or "") if x)
-    return f"{module}" + (f" ({detail})" if detail else "") + f" {signal}.{metric}"
-
-
-def _series_outliers(
-    accumulator: _Accumulator, threshold: float
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Series-value outliers (three or more ranks) and two-rank disagreements."""
-    outliers: list[dict[str, Any]] = []
-    disagreements: list[dict[str, Any]] = []
-    for key, held in accumulator.series.items():
-        count = len(held.ranks)
-        if count < 2:
-            continue
-        metric = key[4]
-        floor = spread_floor(metric)
-        log_scale = metric in _LOG_METRICS
-        compared = [_compared(metric, v) for v in held.values]
-        if count == 2:
-            gap = abs(compared[0] - compared[1]) / floor
-            if gap > threshold:
-                disagreements.append(
-                    {
-                        **_series_fields(key),
-                        "ranks": list(held.ranks),
-                        "values": [_number(v) for v in held.values],
-                        "samples": list(held.samples),
-                        "departure": _number(gap),
-                        "interpretation": (
-                            f"{_where(key)}: rank {held.ranks[0]} has {held.values[0]:.4g} and "
-                            f"rank {held.ranks[1]} has {held.values[1]:.4g}, {gap:.1f} floor "
-                            f"spreads apart; with two ranks their values alone cannot name the odd "
-                            f"one."
-                        ),
-                    }
-                )
-            continue
-        for index, (median, mad) in enumerate(leave_one_out_median_mad(compared)):
-            spread = max(MAD_TO_STD * mad, floor)
-            departure = abs(compared[index] - median) / spread
-            if departure <= threshold:
-                continue
-            rank, value = held.ranks[index], held.values[index]
-            median_value = math.exp(median) if log_scale else median
-            factor = math.exp(compared[index] - median) if log_scale else None
-            relation = (
-                f"{factor:.3g}x the other ranks' median {median_value:.4g}"
-                if factor is not None
-                else f"against the other ranks' median {median_value:.4g}"
-            )
-            outliers.append(
-                {
-                    "kind": "series_value",
-                    "rank": rank,
-                    **_series_fields(key),
-                    "value": _number(value),
-                    "sample": held.samples[index],
-                    "others_median": _number(median_value),
-                    "others_spread": _number(spread),
-                    "spread_units": "natural log" if log_scale else metric,
-                    "departure": _number(departure),
-                    "ranks_compared": count,
-                    "interpretation": (
-                        f"On rank {rank}, {_where(key)} was {value:.4g} at sample "
-                        f"{held.samples[index]}: {relation}, {departure:.1f} spreads away "
-                        f"(spread {spread:.3g}{' in natural log' if log_scale else ''}; "
-                        f"threshold {threshold:g})."
-                    ),
-                }
-            )
-    return outliers, disagreements
-
-
-def _finding_outliers(accumulator: _Accumulator) -> list[dict[str, Any]]:
-    """Notable findings that more than half of the comparable other ranks lack."""
-    outliers: list[dict[str, Any]] = []
-    readable_count = len(accumulator.summaries)
-    for finding_key, across in accumulator.findings.items():
-        notable = [i for i, flag in enumerate(across.notable) if flag]
-        if not notable or readable_count < 2:
-            continue
-        category, key = finding_key[0], finding_key[1:]
-        complete = accumulator.complete.get(category, set())
-        listed = set(across.ranks)
-        # Comparable: every other rank that lists this finding, or whose report lists
-        # every candidate of this category (so not listing it means it has none).
-        comparable_total = len(listed) + len(complete - listed)
-        others_values = [
-            across.values[i]
-            for i in range(len(across.ranks))
-            if not across.notable[i] and math.isfinite(across.values[i])
-        ]
-        for index in notable:
-            rank = across.ranks[index]
-            comparable = comparable_total - 1
-            lacking = comparable - (len(notable) - 1)
-            if comparable < 1 or 2 * lacking <= comparable:
-                continue
-            value = across.values[index]
-            kind = "non_finite" if category == "non_finite" else "rank_specific_finding"
-            onset = across.onsets[index]
-            entry: dict[str, Any] = {
-                "kind": kind,
-                "rank": rank,
-                "category": category,
-                **_series_fields(key),  # type: ignore[arg-type]
-                "ranking": {"basis": across.basis, "value": _number(value)},
-                "notable_on_ranks": len(notable),
-                "lacking_on_ranks": lacking,
-                "ranks_compared": comparable,
-            }
-            if kind == "non_finite" and onset >= 0:
-                entry["first_nonfinite_sample"] = onset
-            elif others_values:
-                entry["others_median_ranking_value"] = _number(statistics.median(others_values))
-            what = (
-                f"non-finite values from sample {onset}"
-                if kind == "non_finite" and onset >= 0
-                else f"a notable {category} finding ({across.basis} = {value:.4g})"
-            )
-            entry["interpretation"] = (
-                f"On rank {rank}, {_where(key)} has {what}; {lacking} of the {comparable} "
-                f"other ranks that could show it lack it."
-            )
-            outliers.append(entry)
-    return outliers
-
-
-def _strength(entry: dict[str, Any]) -> float:
-    if entry["kind"] == "series_value":
-        return float(entry["departure"] or 0.0)
-    return float(entry["lacking_on_ranks"]) / max(float(entry["ranks_compared"]), 1.0)
-
-
-def _outlier_sort_key(entry: dict[str, Any]) -> tuple[Any, ...]:
-    return (
-        _KIND_ORDER[entry["kind"]],
-        -_strength(entry),
-        entry["rank"],
-        entry.get("category", ""),
-        entry["module"],
-        entry["call_index"] if entry["call_index"] is not None else -1,
-        entry["signal"],
-        entry["tensor_path"] or "",
-        entry["metric"],
-    )
-
-
-def _outlier_ranks(outliers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per outlier rank: counts per kind, its strongest outlier, what to try."""
-    counts: dict[int, dict[str, int]] = {}
-    strongest: dict[int, str] = {}
-    for entry in outliers:  # already sorted: the first entry of a rank is its strongest
-        rank = entry["rank"]
-        if rank not in counts:
-            counts[rank] = dict.fromkeys(_KIND_ORDER, 0)
-            strongest[rank] = entry["interpretation"]
-        counts[rank][entry["kind"]] += 1
-    order = sorted(
-        counts,
-        key=lambda r: (
-            -counts[r]["non_finite"],
-            -(counts[r]["series_value"] + counts[r]["rank_specific_finding"]),
-            r,
-        ),
-    )
-    return [
-        {
-            "rank": rank,
-            **counts[rank],
-            "strongest": strongest[rank],
-            "next_experiment": (
-                f"Compare rank {rank}'s inputs with another rank's at the same samples (data "
-                f"shard, preprocessing, device); then swap the two ranks' data shards, same "
-                f"seed: if the outlier follows the shard, the data is the cause, if it stays on "
-                f"rank {rank}, its device or process is."
-            ),
-        }
-        for rank in order
-    ]
-
-
-def _common_findings(accumulator: _Accumulator) -> list[dict[str, Any]]:
-    """Per (category, series): on how many ranks it was listed and notable, strongest where."""
-    rows = []
-    for finding_key, across in accumulator.findings.items():
-        best = max(
-            range(len(across.ranks)),
-            key=lambda i: (
-                across.values[i] if math.isfinite(across.values[i]) else -math.inf,
-                -across.ranks[i],
-            ),
-        )
-        rows.append(
-            (
-                -sum(across.notable),
-                -len(across.ranks),
-                finding_key[0],
-                -across.values[best] if math.isfinite(across.values[best]) else math.inf,
-                finding_key,
-                across,
-                best,
-            )
-        )
-    rows.sort(key=lambda row: (*row[:4], tuple("" if x is None else str(x) for x in row[4])))
-    out = []
-    for _, _, category, _, finding_key, across, best in rows:
-        out.append(
-            {
-                "category": category,
-                **_series_fields(finding_key[1:]),  # type: ignore[arg-type]
-                "listed_on_ranks": len(across.ranks),
-                "notable_on_ranks": sum(across.notable),
-                "basis": across.basis,
-                "strongest": {"rank": across.ranks[best], "value": _number(across.values[best])},
-            }
-        )
-    return out
 
 
 # ---------------------------------------------------------------------- assembling
@@ -762,14 +159,6 @@ def _headline(merged: _Merged, outlier_ranks: Sequence[dict[str, Any]]) -> str:
     return f"{status} Rank outliers: rank {names}{more}. Strongest: {top['strongest']}"
 
 
-def _count_ranges(ranges: Sequence[str]) -> int:
-    total = 0
-    for text in ranges:
-        low, _, high = text.partition("-")
-        total += (int(high) if high else int(low)) - int(low) + 1
-    return total
-
-
 def _assemble(merged: _Merged, keep: int, generated_at: str) -> dict[str, Any]:
     full = merged.sections()
     cut = {name: items[:keep] for name, items in full.items()}
@@ -822,9 +211,9 @@ def _assemble(merged: _Merged, keep: int, generated_at: str) -> dict[str, Any]:
             ),
             "threshold": merged.threshold,
             "spread_floors": {
-                "scale metrics (natural log)": _LOG_SPREAD_FLOOR,
-                **_SPREAD_FLOORS,
-                "other": _DEFAULT_SPREAD_FLOOR,
+                "scale metrics (natural log)": RANK_LOG_SPREAD_FLOOR,
+                **rank_spread_floors(),
+                "other": RANK_DEFAULT_SPREAD_FLOOR,
             },
         },
         "outlier_ranks": cut["outlier_ranks"],
@@ -850,185 +239,18 @@ def _bounded(merged: _Merged, max_bytes: int) -> dict[str, Any]:
     """The largest per-section prefix (same length for every list) that fits ``max_bytes``."""
     generated_at = datetime.now(UTC).isoformat(timespec="seconds")
     longest = max((len(items) for items in merged.sections().values()), default=0)
-    best = _assemble(merged, longest, generated_at)
-    if len(dumps_report(best)) <= max_bytes:
-        return best
-    low, high = 0, longest - 1
-    best = _assemble(merged, 0, generated_at)
-    if len(dumps_report(best)) > max_bytes:
+    best = longest_fitting_prefix(
+        lambda keep: _assemble(merged, keep, generated_at), longest, max_bytes
+    )
+    if len(dumps_report(best)) > max_bytes:  # not even with every list empty
         raise ConfigError(
             f"merge_rank_reports: max_bytes must leave room for the report skeleton, "
             f"got {max_bytes} < {len(dumps_report(best))} bytes"
         )
-    while low < high:
-        middle = (low + high + 1) // 2
-        candidate = _assemble(merged, middle, generated_at)
-        if len(dumps_report(candidate)) <= max_bytes:
-            low, best = middle, candidate
-        else:
-            high = middle - 1
     return best
 
 
-# ---------------------------------------------------------------------- markdown
-def render_global_markdown(report: dict[str, Any]) -> str:
-    """Render a global report dict as ``global-index.md`` for people.
-
-    Args:
-        report: a dict as written to ``global-report.json``.
-
-    Returns:
-        Markdown text: ranks present, missing, unreadable and truncated; rank outliers;
-        the findings most ranks share; one line per rank; a prompt for an LLM.
-    """
-    ranks, summary, coverage = report["ranks"], report["summary"], report["coverage"]
-    world = ranks["world_size"] if ranks["world_size"] is not None else "unknown"
-    lines = [
-        "# torchinstruments global report",
-        "",
-        f"Merged from `{report['source_directory']}`; world size {world} "
-        f"(from {ranks['world_size_source']}); generated {report['generated_at']}.",
-        "",
-        "## Summary",
-        "",
-        summary["headline"],
-        "",
-        "## Ranks",
-        "",
-        f"- Present ({ranks['present_count']}): {', '.join(ranks['present']) or 'none'}.",
-        f"- Missing, no `rank-NNN/report.json` ({ranks['missing_count']}): "
-        f"{', '.join(ranks['missing']) or 'none'}.",
-        f"- Unreadable ({ranks['unreadable_count']}): "
-        + ("; ".join(f"rank {u['rank']}: {u['reason']}" for u in ranks["unreadable"]) or "none")
-        + ".",
-        f"- Truncated sources, whose own limits removed evidence ({ranks['truncated_count']}): "
-        + (
-            "; ".join(
-                f"ranks {', '.join(t['ranks'])} ({', '.join(t['limits_hit'])})"
-                for t in ranks["truncated"]
-            )
-            or "none"
-        )
-        + ".",
-    ]
-    lines += [f"- Note: {note}" for note in ranks["notes"]]
-    lines.append("")
-    if report["outlier_ranks"]:
-        lines += ["## Rank outliers", ""]
-        for entry in report["outlier_ranks"]:
-            lines += [
-                f"### Rank {entry['rank']}",
-                "",
-                f"{entry['non_finite']} non-finite, {entry['series_value']} series-value and "
-                f"{entry['rank_specific_finding']} rank-specific-finding outliers. Strongest: "
-                f"{entry['strongest']}",
-                "",
-                f"- Next experiment: {entry['next_experiment']}",
-                "",
-            ]
-        lines += [
-            "| kind | rank | category | series | departure, or other ranks lacking it |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for entry in report["outliers"][:40]:
-            where = (
-                f"`{entry['module']}` call {entry['call_index']} "
-                f"{entry['signal']}.{entry['metric']}"
-            )
-            strength = (
-                f"{entry['departure']} spreads"
-                if entry["kind"] == "series_value"
-                else f"{entry['lacking_on_ranks']} of {entry['ranks_compared']}"
-            )
-            lines.append(
-                f"| {entry['kind']} | {entry['rank']} | {entry.get('category', '')} | {where} "
-                f"| {strength} |"
-            )
-        lines.append("")
-    if report["disagreements"]:
-        lines += ["## Two-rank disagreements (values alone cannot name the odd rank)", ""]
-        for entry in report["disagreements"][:20]:
-            lines.append(f"- {entry['interpretation']}")
-        lines.append("")
-    if report["common_findings"]:
-        lines += [
-            "## Findings across ranks",
-            "",
-            "| category | series | notable on | listed on | strongest (rank: value) |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for entry in report["common_findings"][:30]:
-            strongest = entry["strongest"]
-            lines.append(
-                f"| {entry['category']} | `{entry['module']}` call {entry['call_index']} "
-                f"{entry['signal']}.{entry['metric']} | {entry['notable_on_ranks']} "
-                f"| {entry['listed_on_ranks']} | {strongest['rank']}: {strongest['value']} |"
-            )
-        lines.append("")
-    if report["per_rank"]:
-        lines += [
-            "## Per rank",
-            "",
-            "| rank | samples | notable findings | hook errors | limits hit |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for entry in report["per_rank"]:
-            lines.append(
-                f"| {entry['rank']} | {entry['samples_seen']} | {entry['notable_findings']} "
-                f"| {entry['errors_total']} | {', '.join(entry['limits_hit']) or 'none'} |"
-            )
-        lines.append("")
-    omitted = {k: v for k, v in coverage["omitted_by_bytes"].items() if v}
-    lines += [
-        "## Coverage and limits",
-        "",
-        f"- Rank reports read: {coverage['rank_reports_read']}; series compared: "
-        f"{coverage['series_compared']} ({coverage['series_dropped']} dropped); findings "
-        f"compared: {coverage['findings_compared']} ({coverage['findings_dropped']} dropped).",
-        f"- Left out to fit the byte bound: {omitted or 'nothing'}.",
-        "",
-        "## Outlier rule",
-        "",
-        f"- Series value: {report['outlier_rule']['series_value']} "
-        f"(threshold {report['outlier_rule']['threshold']}).",
-        f"- Rank-specific finding: {report['outlier_rule']['rank_specific_finding']}.",
-        "",
-        "## Prompt for an LLM",
-        "",
-        "Send `global-report.json` (and the `rank-NNN/report.json` of any outlier rank) with "
-        "this prompt:",
-        "",
-        "```text",
-        GLOBAL_PROMPT.rstrip(),
-        "```",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------------- entry point
-def _iter_reports(
-    sources: dict[int, Path], unreadable: list[dict[str, Any]], missing_files: list[int]
-) -> Iterator[tuple[int, Path, dict[str, Any]]]:
-    """Yield ``(rank, path, report)`` per readable report, one parsed report at a time.
-
-    Ranks without ``report.json`` go to ``missing_files``; unreadable ones to
-    ``unreadable`` with the reason.
-    """
-    for rank in sorted(sources):
-        path = sources[rank] / "report.json"
-        if not os.path.lexists(path):
-            missing_files.append(rank)
-            continue
-        try:
-            report = _load(path)
-        except ReportReadError as error:
-            unreadable.append(
-                {"rank": rank, "path": str(path), "reason": str(error).removeprefix(f"{path}: ")}
-            )
-            continue
-        yield rank, path, report
-        del report  # before the next parse: one rank report in memory at a time
 
 
 def merge_rank_reports(

@@ -396,16 +396,6 @@ class Observer:
         """A frozen view of this observer for the report (see :func:`take_snapshot`)."""
         return take_snapshot(self)
 
-    def module_kinds(self) -> dict[str, str]:
-        """Class name (``Linear``, ``LayerNorm``, ...) per selected module name, for the
-        modules still alive (the report words its advice by the kind of module)."""
-        kinds = {}
-        for name, ref in zip(self.names, self._modules, strict=False):
-            module = ref()
-            if module is not None:
-                kinds[name] = type(module).__name__
-        return kinds
-
     def forked(self, parent_pid: int) -> None:
         """Called in a child process forked while this observer was attached.
 

@@ -23,6 +23,7 @@ __all__ = [
     "SampleForwards",
     "SamplingPolicy",
     "TimeBudgetSampling",
+    "policy_from_description",
     "resolve_sampling",
 ]
 
@@ -78,6 +79,34 @@ class EveryNSampling:
 
     def describe(self) -> dict[str, object]:
         return {"policy": "every_n", "interval_forwards": self.n}
+
+    @classmethod
+    def from_description(cls, description: object) -> EveryNSampling | None:
+        """The policy whose :meth:`describe` gave ``description``, or None when no
+        ``EveryNSampling`` describes itself so.
+
+        Example:
+            >>> EveryNSampling.from_description({"policy": "every_n", "interval_forwards": 3})
+            EveryNSampling(3)
+        """
+        if not isinstance(description, dict) or description.get("policy") != "every_n":
+            return None
+        n = description.get("interval_forwards")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 62:
+            return None
+        return cls(n)
+
+    def forward_of(self, sample: int) -> int:
+        """The training forward of sample ``sample`` (0-based, >= 0)."""
+        return sample * self.n
+
+    def sample_at(self, forward_index: int) -> int | None:
+        """The sample taken at ``forward_index`` (>= 0), or None if it is not sampled."""
+        return forward_index // self.n if forward_index % self.n == 0 else None
+
+    def samples_in(self, forwards: int) -> int:
+        """Samples taken in the first ``forwards`` training forwards (>= 0)."""
+        return -(-forwards // self.n)
 
     def __repr__(self) -> str:
         return f"EveryNSampling({self.n})"
@@ -176,6 +205,60 @@ class DefaultSampling:
             ],
         }
 
+    @classmethod
+    def from_description(cls, description: object) -> DefaultSampling | None:
+        """The policy whose :meth:`describe` gave ``description``, or None when no
+        ``DefaultSampling`` describes itself so (its stages included).
+
+        Example:
+            >>> DefaultSampling.from_description(DefaultSampling().describe())
+            DefaultSampling(samples_per_stage=6, max_interval_forwards=256)
+        """
+        if not isinstance(description, dict) or description.get("policy") != "default":
+            return None
+        per_stage = description.get("samples_per_stage")
+        largest = description.get("max_interval_forwards")
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (per_stage, largest)
+        ):
+            return None
+        assert isinstance(per_stage, int) and isinstance(largest, int)
+        # The stages grow with log2(largest): a number a JSON file can hold has at most
+        # 63 of them, checked before they are built.
+        stages = description.get("stages")
+        if not isinstance(stages, list) or not 1 <= len(stages) <= 64:
+            return None
+        policy = cls(samples_per_stage=per_stage, max_interval_forwards=largest)
+        return policy if policy.describe()["stages"] == stages else None
+
+    def forward_of(self, sample: int) -> int:
+        """The training forward of sample ``sample`` (0-based, >= 0)."""
+        stage = min(sample // self.samples_per_stage, len(self._stage_starts) - 1)
+        start, interval = self._stage_starts[stage]
+        return start + (sample - stage * self.samples_per_stage) * interval
+
+    def sample_at(self, forward_index: int) -> int | None:
+        """The sample taken at ``forward_index`` (>= 0), or None if it is not sampled."""
+        stage = 0
+        for index, (start, _) in enumerate(self._stage_starts):
+            if forward_index >= start:
+                stage = index
+        start, interval = self._stage_starts[stage]
+        if (forward_index - start) % interval:
+            return None
+        return stage * self.samples_per_stage + (forward_index - start) // interval
+
+    def samples_in(self, forwards: int) -> int:
+        """Samples taken in the first ``forwards`` training forwards (>= 0)."""
+        total = 0
+        last = len(self._stage_starts) - 1
+        for index, (start, interval) in enumerate(self._stage_starts):
+            if forwards <= start:
+                break
+            count = -(-(forwards - start) // interval)
+            total += count if index == last else min(count, self.samples_per_stage)
+        return total
+
     def __repr__(self) -> str:
         return (
             f"DefaultSampling(samples_per_stage={self.samples_per_stage}, "
@@ -268,8 +351,68 @@ class TimeBudgetSampling:
             "telemetry_seconds": round(self._cost_s, 6),
         }
 
+    @classmethod
+    def from_description(cls, description: object) -> TimeBudgetSampling | None:
+        """A policy with the settings of ``description`` (its measured cost starts at
+        zero), or None when no ``TimeBudgetSampling`` describes itself so. Only its
+        dense start maps samples to forwards (:meth:`forward_of`)."""
+        if not isinstance(description, dict) or description.get("policy") != "time_budget":
+            return None
+        try:
+            return cls(
+                description.get("max_fraction"),  # type: ignore[arg-type]
+                dense_forwards=description.get("dense_forwards"),  # type: ignore[arg-type]
+                max_interval_forwards=description.get("max_interval_forwards"),  # type: ignore[arg-type]
+            )
+        except ConfigError:
+            return None
+
+    def forward_of(self, sample: int) -> int | None:
+        """The training forward of sample ``sample`` within the dense start, else None
+        (later samples depend on measured times)."""
+        return sample if sample < self.dense_forwards else None
+
+    def sample_at(self, forward_index: int) -> int | None:
+        """The sample taken at ``forward_index`` within the dense start, else None."""
+        return forward_index if forward_index < self.dense_forwards else None
+
+    def samples_in(self, forwards: int) -> None:
+        """Unknown: samples after the dense start depend on measured times."""
+        del forwards
+
     def __repr__(self) -> str:
         return f"TimeBudgetSampling(max_fraction={self.max_fraction})"
+
+
+_DESCRIBED = {
+    "every_n": EveryNSampling,
+    "default": DefaultSampling,
+    "time_budget": TimeBudgetSampling,
+}
+
+
+def policy_from_description(
+    description: object,
+) -> EveryNSampling | DefaultSampling | TimeBudgetSampling | None:
+    """Rebuild a built-in policy from its :meth:`describe` output (as a report or
+    ``series.json`` stores it under ``config.sampling``).
+
+    Each policy checks the description itself (``from_description``); the rebuilt one
+    maps samples to training forwards with ``forward_of``, ``sample_at`` and
+    ``samples_in``.
+
+    Returns:
+        The policy, or None for a custom policy, a malformed description or one that
+        no built-in policy gives.
+
+    Example:
+        >>> policy_from_description(EveryNSampling(4).describe()).forward_of(3)
+        12
+    """
+    if not isinstance(description, dict):
+        return None
+    kind = _DESCRIBED.get(description.get("policy"))  # type: ignore[arg-type]
+    return kind.from_description(description) if kind is not None else None
 
 
 def resolve_sampling(sampling: object) -> SamplingPolicy:

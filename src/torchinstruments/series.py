@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ._metrics import LOG_SCALE_METRICS, METRICS, RMS_TO_ROOT
 from .config import TrackConfig
 from .track import SeriesTracker
 
 __all__ = [
     "ACTIVATION",
     "GRAD_OUTPUT",
+    "LOG_SCALE_METRICS",
     "RMS_TO_ROOT",
     "SIGNALS",
     "TensorSeries",
@@ -34,26 +36,9 @@ MAX_WINDOW_POINTS = 56
 ACTIVATION = "activation"
 GRAD_OUTPUT = "grad_output"
 SIGNALS = (ACTIVATION, GRAD_OUTPUT)
-#: Derived gradient metric: a module's output-gradient RMS divided by the root output's
-#: output-gradient RMS (the loss gradient) in the same sample. Loss scaling, loss
-#: reduction and the natural shrinking of the loss gradient cancel in it.
-RMS_TO_ROOT = "rms_to_root"
-
-#: Metrics tracked in log space (relative change matters, not absolute).
-LOG_SCALE_METRICS = frozenset({"rms", "mean_abs", "max_abs", "tail_ratio", RMS_TO_ROOT})
-
-#: Smallest baseline standard deviation per metric, in tracked units. Log-scale metrics:
-#: 0.02 (2% relative); fractions: 0.005 absolute; excess kurtosis: 0.1 absolute.
-_NOISE_FLOORS = {
-    "rms": 0.02,
-    "mean_abs": 0.02,
-    "max_abs": 0.02,
-    "tail_ratio": 0.02,
-    "excess_kurtosis": 0.1,
-    "zero_fraction": 0.005,
-    "nonfinite_fraction": 0.005,
-    RMS_TO_ROOT: 0.02,
-}
+#: Metric properties (log scale, noise floors) are in ``_metrics.METRICS``;
+#: ``RMS_TO_ROOT`` and ``LOG_SCALE_METRICS`` are named here too, for the series' users.
+_TRACKER_FLOORS = {m: p.tracker_floor for m, p in METRICS.items() if p.tracker_floor is not None}
 
 
 @dataclass(slots=True)
@@ -113,7 +98,7 @@ class TensorSeries:
                 tracker = SeriesTracker(
                     config,
                     log_scale=metric in LOG_SCALE_METRICS,
-                    noise_floor=_NOISE_FLOORS[metric],
+                    noise_floor=_TRACKER_FLOORS[metric],
                 )
                 trackers[metric] = tracker
             tracker.update(sample, value, forward)

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._jsonio import SCHEMA, one_line, read_json_object
+from ._jsonio import MAX_REPORT_FILE_BYTES, SCHEMA, int_or_none, one_line, read_json_object
 from .errors import ReportReadError
-from .merge import GLOBAL_REPORT_NAME, GLOBAL_SCHEMA, MAX_SOURCE_BYTES
+from .merge import GLOBAL_REPORT_NAME, GLOBAL_SCHEMA
 
 __all__ = [
     "MAX_NOTABLE_SHOWN",
@@ -64,10 +64,6 @@ def _list(value: object) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _wrapped(text: str, indent: str, lines: int = 2) -> list[str]:
     """``text`` wrapped to :data:`WIDTH` with ``indent``, at most ``lines`` lines."""
     return textwrap.wrap(
@@ -88,7 +84,7 @@ def _point(point: object) -> str:
 def _series_name(entry: dict[str, Any]) -> str:
     """``module`` call N signal.metric (path), as far as the entry says."""
     module = _text(entry.get("module"), 120)
-    call = _int(entry.get("call_index"))
+    call = int_or_none(entry.get("call_index"))
     signal, metric = _text(entry.get("signal"), 40), entry.get("metric")
     path = entry.get("tensor_path")
     where = f"`{module}`" + (f" call {call}" if call is not None else "")
@@ -119,9 +115,9 @@ def _finding_lines(number: int, finding: dict[str, Any]) -> list[str]:
     category = _text(finding.get("category"), 60)
     lines = [f"{number:>3}. {category} #{_text(finding.get('rank'))}: {_series_name(finding)}"]
     facts = []
-    change = _int(finding.get("change_sample"))
+    change = int_or_none(finding.get("change_sample"))
     if change is not None:
-        forward = _int(finding.get("change_forward"))
+        forward = int_or_none(finding.get("change_forward"))
         at_forward = f" (training forward {forward})" if forward is not None else ""
         facts.append(f"change at sample {change}{at_forward}")
     facts.append(f"first {_point(finding.get('first'))}, latest {_point(finding.get('latest'))}")
@@ -137,9 +133,9 @@ def _event_lines(number: int, event: dict[str, Any]) -> list[str]:
     lines = [f"{number:>3}. {_text(event.get('id'), 20)} {shape}: {_series_name(event)}"]
     facts = []
     onset = _dict(event.get("onset"))
-    sample = _int(onset.get("sample"))
+    sample = int_or_none(onset.get("sample"))
     if sample is not None:
-        forward = _int(onset.get("forward"))
+        forward = int_or_none(onset.get("forward"))
         facts.append(
             f"onset at sample {sample}"
             + (f" (training forward {forward})" if forward is not None else "")
@@ -188,7 +184,7 @@ def _limits_line(coverage: dict[str, Any]) -> str:
 
 
 def _sum_counts(value: object) -> int | None:
-    counts = [_int(v) for v in _dict(value).values()]
+    counts = [int_or_none(v) for v in _dict(value).values()]
     return sum(c for c in counts if c is not None) if counts else None
 
 
@@ -255,7 +251,7 @@ def render_report_text(report: dict[str, Any], path: str | os.PathLike[str]) -> 
         Lines of at most about :data:`WIDTH` characters, ending with a newline.
     """
     run, summary = _dict(report.get("run")), _dict(report.get("summary"))
-    world = _int(run.get("world_size"))
+    world = int_or_none(run.get("world_size"))
     where = (
         "single process"
         if world == 1
@@ -269,7 +265,7 @@ def render_report_text(report: dict[str, Any], path: str | os.PathLike[str]) -> 
     ]
     first = _dict(summary.get("first_non_finite"))
     if first:
-        sample = _int(first.get("sample"))
+        sample = int_or_none(first.get("sample"))
         when = (
             f"sample {sample}"
             if sample is not None
@@ -288,7 +284,7 @@ def render_report_text(report: dict[str, Any], path: str | os.PathLike[str]) -> 
 
 def _entry_lines(entry: dict[str, Any]) -> list[str]:
     """An outlier, a disagreement or a common finding in at most three lines."""
-    rank = _int(entry.get("rank"))
+    rank = int_or_none(entry.get("rank"))
     ranks = entry.get("ranks")
     if rank is not None:
         who = f"rank {rank}: "
@@ -299,7 +295,10 @@ def _entry_lines(entry: dict[str, Any]) -> list[str]:
     kind = entry.get("kind") or entry.get("category")
     head = f"{who}{_text(kind, 60)} " if kind is not None else who
     lines = _wrapped(head + _series_name(entry), "  ", 1)
-    listed, notable = _int(entry.get("listed_on_ranks")), _int(entry.get("notable_on_ranks"))
+    listed, notable = (
+        int_or_none(entry.get("listed_on_ranks")),
+        int_or_none(entry.get("notable_on_ranks")),
+    )
     if listed is not None:
         lines.append(f"    listed on {listed} rank(s), notable on {_text(notable)}")
     interpretation = entry.get("interpretation")
@@ -376,7 +375,9 @@ def render_global_text(report: dict[str, Any], path: str | os.PathLike[str]) -> 
 
 
 def _read(path: Path, schema: str, what: str) -> dict[str, Any]:
-    return read_json_object(path, what=what, max_bytes=MAX_SOURCE_BYTES, schema=schema, required={})
+    return read_json_object(
+        path, what=what, max_bytes=MAX_REPORT_FILE_BYTES, schema=schema, required={}
+    )
 
 
 def show_directory(path: str | os.PathLike[str]) -> str:

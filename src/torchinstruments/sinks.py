@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
 from ._jsonio import atomic_write
+from ._series_file import series_file_bytes
 from .report import dumps_report, render_markdown
 
 __all__ = [
@@ -258,10 +259,7 @@ class DirectorySink(_SinkBase):
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``series.json`` atomically (compact JSON, UTF-8)."""
-        data = getattr(summary, "json_text", None)
-        if not isinstance(data, str):
-            data = json.dumps(summary, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        atomic_write(self.series_path, data.encode())
+        atomic_write(self.series_path, series_file_bytes(summary))
 
     def write_details(self, details: dict[str, Any]) -> None:
         """Write ``details.json`` atomically (compact JSON, UTF-8)."""

@@ -1,0 +1,293 @@
+"""The texts of an event for ``events``: its interpretation and next experiment, by
+shape and module kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .find import RULES, Candidate, display_module, format_value, model_wide_texts
+from .find.base import ONSET_TOLERANCE_SAMPLES
+from .series import GRAD_OUTPUT, RMS_TO_ROOT
+from .track import bounded_exp
+
+if TYPE_CHECKING:
+    from ._snapshot import RunSnapshot
+from ._event_groups import Event, SameTensor
+from ._event_views import MOVED_SPREADS, cross_section
+
+_NORM = ("Norm",)
+_WEIGHTED = ("Linear", "Conv", "Embedding", "Bilinear")
+_NONLINEAR = ("ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "Mish", "Softplus", "ELU")
+_PASS = ("Dropout", "Identity")
+
+
+def module_kind(kind: str | None) -> str:
+    """The family of a module class name: ``normalization``, ``weighted`` (linear,
+    convolution, embedding), ``nonlinearity``, ``pass_through`` (dropout, identity),
+    ``attention`` or ``block`` (anything else: a container or custom module)."""
+    if not kind:
+        return "block"
+    if any(word in kind for word in _NORM):
+        return "normalization"
+    if any(kind.startswith(word) or word in kind for word in _WEIGHTED) or kind == "Conv1D":
+        return "weighted"
+    if any(word in kind for word in _NONLINEAR):
+        return "nonlinearity"
+    if any(word in kind for word in _PASS):
+        return "pass_through"
+    if "Attention" in kind:
+        return "attention"
+    return "block"
+
+
+_SIGNAL_WORDS = {"activation": "activations", "grad_output": "output gradients"}
+
+
+def _keep_fixed(text: str) -> str:
+    return f"{text} Keep seed, data order and precision fixed so the runs compare."
+
+
+def _when(sample: int | None, forward: int | None) -> str:
+    if sample is None:
+        return "an unknown sample"
+    return f"sample {sample}" + (f" (training forward {forward})" if forward is not None else "")
+
+
+def _trend_word(c: Candidate, previous: tuple[int, int, float] | None) -> str:
+    """``rising``, ``falling`` or ``flat``: the trend before the change, over the gap
+    from the previous observed sample (or one forward), against the residual spread."""
+    change = c.change
+    assert change is not None
+    gap = change.start_forward - previous[1] if previous is not None else 1
+    movement = change.slope_before * max(gap, 1)
+    if abs(movement) < 0.5 * change.std_before:
+        return "flat"
+    return "rising" if movement > 0 else "falling"
+
+
+def _stopped_near(
+    stopped: Sequence[dict[str, Any]], module: str, start: int
+) -> dict[str, Any] | None:
+    """The module that stopped being called just before ``start`` (its last sample
+    within ``ONSET_TOLERANCE_SAMPLES`` before it), sharing the longest name prefix with
+    ``module``; None if none did."""
+    near = [
+        m for m in stopped if start - ONSET_TOLERANCE_SAMPLES - 1 <= m["last_sample"] < start + 1
+    ]
+    if not near:
+        return None
+
+    def shared(m: dict[str, Any]) -> int:
+        a, b = str(m["module"]).split("."), module.split(".")
+        count = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            count += 1
+        return count
+
+    return max(near, key=shared)
+
+
+def _step_texts(
+    event: Event,
+    observer: RunSnapshot,
+    kinds: dict[str, str],
+    same: SameTensor,
+    stopped: Sequence[dict[str, Any]],
+) -> tuple[str, str]:
+    c = event.lead
+    change = c.change
+    assert change is not None
+    t = c.judged
+    s = c.series
+    measure = c.metric if t is c.tracker else RMS_TO_ROOT
+    module = display_module(s.module)
+    where = f"{module} (call {s.call_index}, {s.tensor_path}) {s.signal}.{measure}"
+    forward = observer.sample_forwards.forward(change.start_sample)
+    window = s.change_windows.get(measure, [])
+    previous = next((p for p in reversed(window) if p[0] < change.start_sample), None)
+    trend = _trend_word(c, previous)
+    before, after = t.level(change.level_before), t.level(change.level_after)
+    side = "above" if change.step > 0 else "below"
+    if t.log_scale and after > 0.0:
+        size = f"{format_value(bounded_exp(abs(change.step)))}x {side}"
+    else:
+        size = f"{format_value(abs(after - before))} {side}"
+    kind = "returned to its old trend afterwards (one sample's spike)"
+    if event.shape == "step":
+        kind = (
+            "held in the samples after it"
+            if change.confirmed
+            else "not yet confirmed by later samples"
+        )
+    text = (
+        f"{where} moved {size} its {trend} trend at {_when(change.start_sample, forward)}: "
+        f"{format_value(after)} where the trend forecast {format_value(before)} "
+        f"({format_value(abs(change.step_z))} residual spreads), and {kind}."
+    )
+    if previous is not None:
+        verb = "rose" if previous[2] < after else "fell" if previous[2] > after else "stayed"
+        text += (
+            f" The value itself {verb} from {format_value(previous[2])} at sample "
+            f"{previous[0]} to {format_value(after)}."
+        )
+    section = cross_section(c, observer, same)
+    if section:
+        known = [r for r in section if r["offset"] < 0 and r["in_spreads"] is not None]
+        moved_before = [r for r in known if abs(r["in_spreads"]) >= MOVED_SPREADS]
+        quiet_before = [r for r in known if abs(r["in_spreads"]) < MOVED_SPREADS]
+        if s.signal != GRAD_OUTPUT and quiet_before and not moved_before:
+            text += (
+                f" The modules before it in forward order did not move "
+                f"({', '.join(r['module'] for r in quiet_before[-2:])} within 3 spreads): "
+                "the change begins here."
+            )
+    echoes = {
+        (e.series.module, e.series.call_index)
+        for f in event.facets
+        if f.candidate.series.signal == s.signal
+        for e in f.candidate.echoes
+    }
+    if echoes:
+        text += f" {len(echoes)} module(s) after it in propagation order moved at the same samples."
+    other = sorted({f.candidate.series.signal for f in event.facets} - {s.signal})
+    if other:
+        facets = [f.category for f in event.facets if f.candidate.series.signal != s.signal]
+        text += (
+            f" The {' and '.join(_SIGNAL_WORDS.get(x, x) for x in other)} moved at the same "
+            "samples too "
+            f"({', '.join(facets)})."
+        )
+    when = _when(change.start_sample, forward)
+    family = module_kind(kinds.get(s.module))
+    gone = _stopped_near(stopped, module, change.start_sample)
+    if gone is not None:
+        text += (
+            f" {gone['module']} (call {gone['call_index']}) stopped being called after "
+            f"sample {gone['last_sample']}, just before this change."
+        )
+        if event.shape == "step" and s.signal != GRAD_OUTPUT:
+            experiment = (
+                f"Check why {gone['module']} no longer runs from {when} (removed, "
+                f"replaced or bypassed by a code path); restore it and check whether "
+                f"{module}'s {measure} returns to its trend."
+            )
+            return text, _keep_fixed(experiment)
+    if event.shape == "spike":
+        experiment = (
+            f"Look at the batch of {when}: a value that returns to its trend the next "
+            f"sample is one batch (an outlier input, a rare token or class), not a lasting "
+            f"change at {module}. Rerun that batch alone and check {module}'s input."
+        )
+        return text, _keep_fixed(experiment)
+    if s.signal == GRAD_OUTPUT:
+        experiment = (
+            f"The gradient reaching {module} changed at {when} while the loss gradient did "
+            f"not account for it: something after {module} in forward order changed its "
+            f"backward. Restore the modules after {module} one at a time, nearest first, "
+            f"and rerun to just past {when}."
+        )
+        return text, _keep_fixed(experiment)
+    zero = any(f.category == "zero_fraction_growth" for f in event.facets)
+    if (zero and change.step > 0) or measure == "zero_fraction":
+        experiment = (
+            f"Units at {module} stopped firing at {when}: check the scale and bias of "
+            f"its input (the module before it) and the learning rate at that point; "
+            f"restore them one at a time and check whether {module}'s zero_fraction "
+            "returns to its trend."
+        )
+    elif family == "normalization":
+        experiment = (
+            f"Check {module}'s normalization at {when}: whether it was removed, bypassed, "
+            "re-initialized or switched between train and eval; compare its weight, bias "
+            "and running statistics with a run without the change."
+        )
+    elif family == "weighted":
+        experiment = (
+            f"{module} is a {kinds.get(s.module)}: compare its weight norm just before and "
+            f"just after {when} (two checkpoints, or a rerun to just past it); a step in "
+            "its output with its input steady means its weights (or a scale applied to "
+            "them) changed there. Restore them at this module only."
+        )
+    elif family == "nonlinearity":
+        experiment = (
+            f"{module} is a {kinds.get(s.module)}, which has no weights: its output moves "
+            f"with its input. Check the module before it and any change to the "
+            f"nonlinearity itself at {when}."
+        )
+    elif family == "pass_through":
+        experiment = (
+            f"{module} is a {kinds.get(s.module)}: check its probability and train or "
+            f"eval mode at {when}, and the module before it."
+        )
+    else:
+        experiment = (
+            f"Rerun to just past {when} with {module}'s parts restored one at a time "
+            "(normalization, residual scale, weights), starting with the first whose "
+            "output moved in the cross-section."
+        )
+    return text, _keep_fixed(experiment)
+
+
+def _bend_experiment(c: Candidate, kinds: dict[str, str]) -> str:
+    """Next experiment of a break of trend: a slow cause at the module, by its kind."""
+    s = c.series
+    module = display_module(s.module)
+    change = c.change
+    assert change is not None
+    start = f"sample {change.start_sample} (training forward {change.start_forward})"
+    family = module_kind(kinds.get(s.module))
+    if s.signal == GRAD_OUTPUT:
+        cause = (
+            f"the modules after {module} in forward order: a gradient that bends while the "
+            "loss gradient does not comes from a backward that changes a little every step"
+        )
+    elif family == "weighted":
+        cause = (
+            f"{module}'s weights: log their norm and the norm of each update from just "
+            f"before {start} on; a norm that compounds points at its learning rate, its "
+            "weight decay or a scale applied to it every step"
+        )
+    elif family == "normalization":
+        cause = (
+            f"{module}'s affine parameters and running statistics: log them from just "
+            f"before {start} on (a momentum, an epsilon or a learning rate that changed)"
+        )
+    else:
+        cause = (
+            f"the module before {module} and {module}'s own parameters, logged from just "
+            f"before {start} on"
+        )
+    return _keep_fixed(
+        f"A course that bends instead of stepping has a slow cause, one that acts a little "
+        f"every step: look at {cause}. If many modules bend from about the same sample, "
+        "look at the learning rate and its schedule first."
+    )
+
+
+def event_texts(
+    event: Event,
+    observer: RunSnapshot,
+    kinds: dict[str, str],
+    same: SameTensor,
+    stopped: Sequence[dict[str, Any]] = (),
+) -> tuple[str, str]:
+    """Interpretation (what was measured, in words) and next experiment of an event,
+    from its shape and the kind of its module."""
+    c = event.lead
+    shape = event.shape
+    if shape == "model_wide":
+        return model_wide_texts(c, observer.sample_forwards.forward(c.onset))
+    if shape == "non_finite":
+        facet = next(f for f in event.facets if f.category == "non_finite")
+        rule = RULES["non_finite"]
+        return rule.interpretation(facet.candidate), rule.next_experiment(facet.candidate)
+    if shape in ("step", "spike"):
+        return _step_texts(event, observer, kinds, same, stopped)
+    rule = RULES[c.category]
+    if shape == "bend":
+        return rule.interpretation(c), _bend_experiment(c, kinds)
+    return rule.interpretation(c), rule.next_experiment(c)
