@@ -521,3 +521,15 @@ def test_lazy_package_keeps_every_public_name() -> None:
     assert set(torchinstruments.__all__) <= set(dir(torchinstruments))
     with pytest.raises(AttributeError, match="module 'torchinstruments' has no attribute 'nope'"):
         _ = torchinstruments.nope  # type: ignore[attr-defined]
+
+
+def test_a_directory_in_place_of_a_report_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "report.json").mkdir()
+    status, _, err = run_cli(["show", str(tmp_path)], capsys)
+    assert status == 1
+    assert err == (
+        f"torchinstruments show: error: {tmp_path / 'report.json'}: expected a report as a "
+        "regular file, got a directory\n"
+    )

@@ -343,3 +343,25 @@ def test_a_notable_step_carries_its_cross_section(tmp_path: Path) -> None:
     assert by_module["1"]["ratio"] == pytest.approx(4.0, rel=0.1)
     assert by_module["0"]["ratio"] == pytest.approx(1.0, abs=0.05)
     assert abs(by_module["0"]["in_spreads"]) < 3 < by_module["1"]["in_spreads"]
+
+
+def test_an_event_without_an_onset_is_told_over_the_whole_run() -> None:
+    from torchinstruments._report_markdown import _markdown_event
+
+    event = {
+        "id": "E2",
+        "shape": "volatility",
+        "module": "inp",
+        "call_index": 0,
+        "signal": "grad_output",
+        "metric": "rms",
+        "onset": {"sample": None, "forward": None, "after_forward": None},
+        "interpretation": "volatile",
+        "next_experiment": "lower the learning rate",
+        "findings": [{"category": "relative_volatility", "rank": 1, "metric": "rms"}],
+    }
+    heading = _markdown_event(event)[0]
+    assert heading == (
+        "### E2: volatility at `inp` (call 0), grad_output.rms, "
+        "over the whole run (no single onset)"
+    )

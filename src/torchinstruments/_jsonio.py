@@ -191,11 +191,14 @@ def _read_bounded(path: Path, what: str, max_bytes: int, missing_hint: str | Non
                 f"{path}: expected {what} as a regular file, got a symbolic link (not followed)"
             ) from error
         raise ReportReadError(f"{path}: cannot be read ({error.strerror or error})") from error
+    # Checked before fdopen, which refuses a directory with an error that names only
+    # the descriptor.
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(descriptor)
+        kind = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
+        raise ReportReadError(f"{path}: expected {what} as a regular file, got {kind}")
     with os.fdopen(descriptor, "rb") as stream:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode):
-            kind = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
-            raise ReportReadError(f"{path}: expected {what} as a regular file, got {kind}")
         # The stated size first (one read, one buffer), then more only if the file grew.
         chunks, total, want = [], 0, min(status.st_size, max_bytes) + 1
         while total <= max_bytes:

@@ -185,7 +185,11 @@ def _number_text(value: object) -> str:
 def _markdown_event(e: dict[str, Any]) -> list[str]:
     call = "" if e.get("call_index") is None else f" (call {e['call_index']})"
     onset = e.get("onset") or {}
-    when = f"sample {onset.get('sample')}"
+    when = (
+        f"sample {onset.get('sample')}"
+        if onset.get("sample") is not None
+        else "over the whole run (no single onset)"
+    )
     if onset.get("forward") is not None:
         when += f", training forward {onset['forward']}"
         if onset.get("after_forward") is not None:

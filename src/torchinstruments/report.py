@@ -516,20 +516,22 @@ def _headline(
     top = events[0]
     count = f"{notable} notable finding(s) in {len(events)} event(s)"
     onset = top.get("onset") or {}
-    when = f"sample {onset.get('sample')}" + (
-        f" (training forward {onset['forward']})" if onset.get("forward") is not None else ""
-    )
+    when = (
+        f"at sample {onset.get('sample')}"
+        if onset.get("sample") is not None
+        else "over the whole run (no single onset)"
+    ) + (f" (training forward {onset['forward']})" if onset.get("forward") is not None else "")
     categories = ", ".join(sorted({f["category"] for f in top.get("findings", [])}))
     if top["module"] == MODEL:
         share = (top.get("model_wide") or {}).get("share_of_modules")
         moved = f", {format_value(share * 100)}% of the observed modules" if share else ""
         return (
-            f"{count}; the first ({top['id']}) is a model-wide event at {when} (`{MODEL}`"
+            f"{count}; the first ({top['id']}) is a model-wide event {when} (`{MODEL}`"
             f"{moved}, {top['signal']}.{top['metric']}; {categories})." + tail
         )
     return (
         f"{count}; the first ({top['id']}) is a {top['shape'].replace('_', '-')} at "
-        f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']}) at "
+        f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']}) "
         f"{when} ({categories})." + tail
     )
 
