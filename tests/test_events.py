@@ -236,3 +236,17 @@ def test_the_onset_brackets_the_change_between_two_samples(
     assert onset == {"sample": 30, "forward": 60, "after_forward": 58}
     index = (directory / "index.md").read_text(encoding="utf-8")
     assert "sample 30, training forward 60 (after forward 58, the sample before)" in index
+
+
+def test_the_cross_section_row_of_the_module_states_the_event_numbers(tmp_path: Path) -> None:
+    """60 samples after the step, its sample is no longer among the latest values the
+    trackers keep: the module's own row still states the event's numbers (its
+    neighbours' rows compare the kept points around the onset)."""
+    report = stepped_run(tmp_path, sampling=1, steps=120)
+    event = report["events"][0]
+    (own,) = [row for row in event["cross_section"]["rows"] if row["offset"] == 0]
+    change = event["change"]
+    assert own["measured"] == "against_trend"
+    assert (own["before"], own["after"]) == (change["trend_forecast"], change["value"])
+    assert own["ratio"] == pytest.approx(change["ratio"], rel=1e-5)
+    assert own["in_spreads"] == pytest.approx(change["in_residual_spreads"], rel=1e-5)

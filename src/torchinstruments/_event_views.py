@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .find import Candidate, display_module
 from .series import CHANGE_CONTEXT_SAMPLES, RMS_TO_ROOT, TensorSeries, forward_positions
-from .track import SeriesTracker
+from .track import ChangePoint, SeriesTracker
 
 if TYPE_CHECKING:
     from ._snapshot import RunSnapshot
@@ -58,7 +58,8 @@ def cross_section(
     candidate's module, negative before it), with ``measured``: ``against_trend``. For
     a sample no longer among a neighbour's latest values, its row compares the kept
     points on each side of the sample (``measured``: ``between_kept_points``, with
-    their ``samples``; ``in_spreads`` in its current residual spread). None without a
+    their ``samples``; ``in_spreads`` in its current residual spread). The module's own
+    row (offset 0) is its change point's: the numbers the event states. None without a
     change point."""
     change = c.change
     if change is None:
@@ -85,7 +86,10 @@ def cross_section(
     start = max(0, index - CROSS_SECTION_NEIGHBOURS)
     for offset, s in enumerate(peers[start : index + CROSS_SECTION_NEIGHBOURS + 1], start - index):
         tracker = s.trackers[metric]
-        row = _trend_row(tracker, sample)
+        if s is origin and change.kind == "step":
+            row = _change_row(tracker, change)  # the event's own numbers, at any age
+        else:
+            row = _trend_row(tracker, sample)
         if row is None:
             row = _history_row(s, metric, tracker, sample)
         if row is None:
@@ -100,6 +104,20 @@ def cross_section(
             }
         )
     return rows
+
+
+def _change_row(tracker: SeriesTracker, change: ChangePoint) -> dict[str, Any]:
+    """The module's own row: its change point's forecast, value and step in spreads (the
+    numbers the event states)."""
+    before = tracker.level(change.level_before)
+    after = tracker.level(change.level_after)
+    row: dict[str, Any] = {"measured": "against_trend", "before": before, "after": after}
+    if tracker.log_scale:
+        row["ratio"] = after / before if before > 0 else None
+    else:
+        row["difference"] = after - before
+    row["in_spreads"] = change.step_z
+    return row
 
 
 def _trend_row(tracker: SeriesTracker, sample: int) -> dict[str, Any] | None:
