@@ -365,3 +365,17 @@ def test_an_event_without_an_onset_is_told_over_the_whole_run() -> None:
         "### E2: volatility at `inp` (call 0), grad_output.rms, "
         "over the whole run (no single onset)"
     )
+
+
+def test_the_headline_keeps_code_spans_as_they_are_and_escapes_the_text() -> None:
+    from torchinstruments._report_markdown import md_spans
+
+    headline = (
+        "1 notable finding(s) in 1 event(s); the first (E1) is a model-wide event at <x> "
+        "(`<model>`)"
+    )
+    assert md_spans(headline) == (
+        "1 notable finding(s) in 1 event(s); the first (E1) is a model-wide event at &lt;x> "
+        "(`<model>`)"
+    )
+    assert md_spans("a ``b`c`` d") == "a ``b`c`` d"

@@ -97,6 +97,29 @@ def md_text(value: object) -> str:
     return text
 
 
+_CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)")
+
+
+def md_spans(value: object) -> str:
+    """Text that holds code spans of our own making (the headline, whose module names
+    :func:`md_code` fenced): :func:`md_text` outside the spans, the spans as they are
+    (control characters shown as ``\\xNN``), so ``<model>`` reads ``<model>``.
+
+    Example:
+        >>> md_spans("a <b> `<model>` c")
+        'a &lt;b> `<model>` c'
+    """
+    text = str(value)
+    parts, last = [], 0
+    for match in _CODE_SPAN.finditer(text):
+        parts.append(md_text(text[last : match.start()]) if match.start() > last else "")
+        parts.append(_escape_controls(match.group(0)))
+        last = match.end()
+    tail = text[last:]
+    parts.append(md_text(tail) if tail else "")
+    return "".join(parts)
+
+
 def md_code(value: object, *, in_table: bool = False) -> str:
     """A user-derived string (a module name) as one Markdown code span: control
     characters shown as ``\\xNN``, fenced with one backtick more than the longest run
@@ -263,7 +286,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# torchinstruments report",
         "",
-        f"**{md_text(summary['headline'])}**",
+        f"**{md_spans(summary['headline'])}**",
         "",
         (
             "Single process"

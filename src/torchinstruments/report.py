@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._document import bounded_text, clean, longest_fitting_prefix, round_robin, shrink_to_fit
 from ._jsonio import SCHEMA, dumps_report
-from ._report_markdown import LLM_PROMPT, render_markdown, sparkline
+from ._report_markdown import LLM_PROMPT, md_code, render_markdown, sparkline
 from ._report_model_wide import _model_wide_findings, _special_parts
 from ._report_sections import (
     DETAILS_SCHEMA,
@@ -526,12 +526,12 @@ def _headline(
         share = (top.get("model_wide") or {}).get("share_of_modules")
         moved = f", {format_value(share * 100)}% of the observed modules" if share else ""
         return (
-            f"{count}; the first ({top['id']}) is a model-wide event {when} (`{MODEL}`"
+            f"{count}; the first ({top['id']}) is a model-wide event {when} ({md_code(MODEL)}"
             f"{moved}, {top['signal']}.{top['metric']}; {categories})." + tail
         )
     return (
         f"{count}; the first ({top['id']}) is a {top['shape'].replace('_', '-')} at "
-        f"`{top['module']}` (call {top['call_index']}, {top['signal']}.{top['metric']}) "
+        f"{md_code(top['module'])} (call {top['call_index']}, {top['signal']}.{top['metric']}) "
         f"{when} ({categories})." + tail
     )
 
