@@ -42,6 +42,7 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     assert event["onset"] == {
         "sample": finding["change_sample"],
         "forward": finding["change_forward"],
+        "after_forward": finding["change_forward"] - 1,  # the sample before it
     }
 
 
