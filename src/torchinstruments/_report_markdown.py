@@ -83,8 +83,8 @@ def _escape_controls(text: str) -> str:
 
 
 def md_text(value: object) -> str:
-    """A user-derived string as Markdown text on one line: control characters shown as
-    ``\\xNN`` (so it cannot start a line, a heading or a fence), ``<`` and ``&`` as
+    r"""A user-derived string as Markdown text on one line: control characters shown as
+    ``\xNN`` (so it cannot start a line, a heading or a fence), ``<`` and ``&`` as
     entities (no HTML), and a leading block marker (``#``, ``>``, ``-``, ...) escaped.
 
     Example:
