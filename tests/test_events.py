@@ -250,3 +250,24 @@ def test_the_cross_section_row_of_the_module_states_the_event_numbers(tmp_path: 
     assert (own["before"], own["after"]) == (change["trend_forecast"], change["value"])
     assert own["ratio"] == pytest.approx(change["ratio"], rel=1e-5)
     assert own["in_spreads"] == pytest.approx(change["in_residual_spreads"], rel=1e-5)
+
+
+def test_a_module_whose_output_turned_non_finite_has_not_stopped(tmp_path: Path) -> None:
+    """A NaN input at step 40 poisons the weights through the optimizer step: from then
+    on every output is entirely non-finite. The modules keep running (their rms is
+    undefined, their nonfinite_fraction is 1), so none is listed as stopped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for step in range(90):
+        x = torch.randn(32, 8)
+        if step == 40:
+            x[0, 0] = float("nan")
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["coverage"]["modules_stopped"] == []
+    assert any(e["shape"] == "non_finite" for e in report["events"])

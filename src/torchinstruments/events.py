@@ -278,12 +278,14 @@ def modules_stopped(observer: RunSnapshot) -> list[dict[str, Any]]:
     for s in observer.series.values():
         if s.module == "" or s.signal == GRAD_OUTPUT:
             continue
-        t = s.trackers.get("rms")
-        if t is None or t.latest is None:
+        # Every metric's tracker: a tensor that turned non-finite still has a finite
+        # nonfinite_fraction, while its rms is undefined from then on.
+        seen = [(t.latest.sample, t.count) for t in s.trackers.values() if t.latest is not None]
+        if not seen:
             continue
         key = (s.module, s.call_index)
         sample, count = latest.get(key, (-1, 0))
-        latest[key] = (max(sample, t.latest.sample), max(count, t.count))
+        latest[key] = (max(sample, *(p[0] for p in seen)), max(count, *(p[1] for p in seen)))
     gap = max(
         STOPPED_MIN_SAMPLES, math.ceil(STOPPED_MIN_SHARE * observer.counters.samples_observed)
     )
