@@ -120,20 +120,23 @@ def render_plot(event: dict[str, Any]) -> bytes:
     forwards = [point[1] for point in points]
     values = [point[2] for point in points]
     metric = str(history.get("metric") or event.get("metric"))
-    figure = Figure(figsize=(6.0, 2.8), dpi=100)
+    figure = Figure(figsize=(6.0, 4.2), dpi=100)
     axes = figure.add_subplot()
-    axes.plot(forwards, values, marker=".", linewidth=1.2, label=str(event["module"]))
+    shown = (event.get("model_wide") or {}).get("first_in_propagation_order")
+    label = f"{event['module']} (values of {shown})" if shown else str(event["module"])
+    axes.plot(forwards, values, marker=".", linewidth=1.2, label=label)
     log = metric in LOG_SCALE_METRICS and all(v > 0 for v in values)
     if log:
         axes.set_yscale("log")
-    for echo, (echo_forwards, echo_values) in _echo_lines(event, points, log)[:MAX_ECHO_LINES]:
+    lines = _echo_lines(event, points, log)[:MAX_ECHO_LINES]
+    for echo, (echo_forwards, echo_values) in lines:
         axes.plot(
             echo_forwards,
             echo_values,
             color="tab:gray",
             alpha=0.45,
             linewidth=0.8,
-            label=f"echo {echo} (scaled to meet before the onset)",
+            label=f"echo {echo}",
         )
     onset = event.get("onset") or {}
     if onset.get("forward") is not None:
@@ -145,10 +148,12 @@ def render_plot(event: dict[str, Any]) -> bytes:
         )
     call = "" if event.get("call_index") is None else f" call {event['call_index']}"
     axes.set_title(f"{event.get('id')} {event.get('shape')}: {event['module']}{call}", fontsize=9)
-    axes.set_xlabel("training forward")
+    echoes = " (echoes faint, scaled to meet it before the onset)" if lines else ""
+    axes.set_xlabel(f"training forward{echoes}", fontsize=8)
     axes.set_ylabel(f"{event['signal']}.{metric} ({'log' if log else 'linear'} scale)", fontsize=8)
-    axes.legend(fontsize=7, loc="best")
-    figure.tight_layout()
+    # Below the axes, so that it covers neither the event's line nor its echoes.
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.22), frameon=False)
+    figure.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.5)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     return buffer.getvalue()
