@@ -34,13 +34,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import overhead
-from torchinstruments import _calls, _context, inject_observer, remove_observer
+from torchinstruments import _calls, _context_cadence, inject_observer, remove_observer
 from torchinstruments import observer as observer_module
 from torchinstruments._context import DEVICE_FLUSH_INTERVAL_FORWARDS
 
 WORKLOADS = ("mlp", "cnn", "transformer", "residual_mlp")
 #: The observer's modules that hide its operators with ``capture.passive``.
-_PASSIVE_USERS = (_calls, _context, observer_module)
+_PASSIVE_USERS = (_calls, _context_cadence, observer_module)
 
 
 class _OperatorCount(TorchDispatchMode):
