@@ -106,18 +106,25 @@ def cross_section(
     return rows
 
 
-def _change_row(tracker: SeriesTracker, change: ChangePoint) -> dict[str, Any]:
-    """The module's own row: its change point's forecast, value and step in spreads (the
-    numbers the event states)."""
-    before = tracker.level(change.level_before)
-    after = tracker.level(change.level_after)
+def _against_trend(
+    tracker: SeriesTracker, forecast: float, value: float, in_spreads: float
+) -> dict[str, Any]:
+    """A row of a value against its trend's forecast (both in tracked units)."""
+    before = tracker.level(forecast)
+    after = tracker.level(value)
     row: dict[str, Any] = {"measured": "against_trend", "before": before, "after": after}
     if tracker.log_scale:
         row["ratio"] = after / before if before > 0 else None
     else:
         row["difference"] = after - before
-    row["in_spreads"] = change.step_z
+    row["in_spreads"] = in_spreads
     return row
+
+
+def _change_row(tracker: SeriesTracker, change: ChangePoint) -> dict[str, Any]:
+    """The module's own row: its change point's forecast, value and step in spreads (the
+    numbers the event states)."""
+    return _against_trend(tracker, change.level_before, change.level_after, change.step_z)
 
 
 def _trend_row(tracker: SeriesTracker, sample: int) -> dict[str, Any] | None:
@@ -126,15 +133,7 @@ def _trend_row(tracker: SeriesTracker, sample: int) -> dict[str, Any] | None:
     departure = tracker.departure_at(sample)
     if departure is None:
         return None
-    before = tracker.level(departure.forecast)
-    after = tracker.level(departure.value)
-    row: dict[str, Any] = {"measured": "against_trend", "before": before, "after": after}
-    if tracker.log_scale:
-        row["ratio"] = after / before if before > 0 else None
-    else:
-        row["difference"] = after - before
-    row["in_spreads"] = departure.z
-    return row
+    return _against_trend(tracker, departure.forecast, departure.value, departure.z)
 
 
 def _history_row(
