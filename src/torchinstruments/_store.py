@@ -41,8 +41,9 @@ MAX_ALIASED_ROWS = 4_096
 MAX_SAMPLE_STEPS = 4096
 #: Most samples whose loss scale is kept until their gradients arrive.
 MAX_LOSS_SCALES = 1_024
-#: Gradient values of these metrics are divided by the GradScaler loss scale.
-_SCALE_METRICS = ("rms", "mean_abs", "max_abs")
+#: Gradient values of these metrics are divided by the GradScaler loss scale (the metrics
+#: in the tensor's own units; fractions and shape statistics do not change with it).
+_LOSS_SCALED_METRICS = ("rms", "mean_abs", "max_abs")
 
 
 class SeriesStore:
@@ -181,7 +182,7 @@ class SeriesStore:
             if loss_scale is not None:
                 self.loss_scale.update(sample, loss_scale, forward)
                 for _, values in group:
-                    for metric in _SCALE_METRICS:
+                    for metric in _LOSS_SCALED_METRICS:
                         value = values[metric]
                         if value is not None:
                             values[metric] = value / loss_scale
