@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from ._event_views import onset_of
 from .find import format_value
 from .find.base import MODEL
 from .series import GRAD_OUTPUT
@@ -96,11 +97,7 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
                 "warmup_end_sample": tracker.warmup_end_sample,
                 "change_sample": change.start_sample,
                 "change_forward": observer.sample_forwards.forward(change.start_sample),
-                "change_after_forward": (
-                    observer.sample_forwards.forward(change.start_sample - 1)
-                    if change.start_sample > 0
-                    else None
-                ),
+                "onset": onset_of(change.start_sample, observer),
                 "change_in_residual_spreads": abs(change.step_z),
                 "ranking": {"basis": "abs_log_step_factor", "value": abs(change.step)},
                 "evidence": {
@@ -184,11 +181,7 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         "also_named": [],
         "metric": item["metric"],
         "direction": "up" if evidence["factor"] > 1 else "down",
-        "onset": {
-            "sample": item["change_sample"],
-            "forward": item["change_forward"],
-            "after_forward": item.get("change_after_forward"),
-        },
+        "onset": item["onset"],
         "warmup_complete": item["warmup_complete"],
         "early_in_run": False,
         "findings": [{"category": item["category"], "rank": item["rank"], "metric": "rms"}],
