@@ -28,6 +28,7 @@ from torchinstruments.track import (
     ChangePoint,
     SeriesPoint,
     SeriesTracker,
+    find_sustained_shift,
     fit_trend_break,
 )
 
@@ -829,3 +830,77 @@ def test_a_change_records_the_last_value_before_it() -> None:
         tracker.update(sample, value)
     (change,) = tracker.changes
     assert (change.start_sample, change.value_before, change.level_after) == (6, 1.0, 5.0)
+
+
+# ---------------------------------------------------------------- sustained shifts
+
+SHIFT_XS = [float(x) for x in range(13)]
+SHIFT_BEFORE = [0.0, 0.1, -0.1, 0.0, 0.1, -0.1, 0.0, 0.1]
+
+
+def test_sustained_shift_by_hand():
+    ys = [*SHIFT_BEFORE, 2.0, 2.1, 1.9, 2.0, 2.1]
+    shift = find_sustained_shift(SHIFT_XS, ys, least_step=1.0)
+    assert shift is not None
+    # Window before: the median of its 28 pairwise slopes is 0, its median 0, so the
+    # residuals are the values; their median absolute deviation is 0.1. The window after
+    # has median 2.0, against the median before (0.0) and the flat line alike.
+    assert (shift.index, shift.onset) == (8, 8)
+    assert shift.slope_before == 0.0
+    assert shift.reference == 0.0
+    assert shift.level_after == 2.0
+    assert shift.spread == pytest.approx(1.4826 * 0.1, abs=EXACT)
+    assert shift.error == pytest.approx(1.4826 * 0.1 * math.sqrt(1 / 8 + 1 / 5), abs=EXACT)
+    assert shift.z == pytest.approx(2.0 / shift.error, abs=EXACT)
+    # Past the largest step, nothing is considered.
+    assert find_sustained_shift(SHIFT_XS, ys, least_step=2.5) is None
+
+
+def test_sustained_shift_onset_is_the_first_value_past_halfway():
+    # The first value of the window after dips the other way: the new level begins at
+    # the next one.
+    ys = [*SHIFT_BEFORE, 2.0, -0.5, 2.0, 2.1, 1.9, 2.0, 2.1]
+    xs = [float(x) for x in range(len(ys))]
+    shift = find_sustained_shift(xs, ys, least_step=1.0, points_after=5)
+    assert shift is not None
+    assert shift.onset >= shift.index
+    dipped = [*SHIFT_BEFORE, -0.5, 2.0, 2.1, 1.9, 2.0]
+    start = find_sustained_shift(SHIFT_XS, dipped, least_step=1.0, points_after=5)
+    assert start is not None
+    assert (start.index, start.onset) == (8, 9)
+
+
+def test_a_line_or_a_series_that_stops_rising_is_not_a_sustained_shift():
+    rising = [0.5 * x for x in SHIFT_XS]  # along its own line: no departure from it
+    assert find_sustained_shift(SHIFT_XS, rising, least_step=0.1) is None
+    stopped = [0.5 * x for x in range(8)] + [3.5] * 5  # above the old median, below the line
+    assert find_sustained_shift(SHIFT_XS, stopped, least_step=0.1) is None
+
+
+def test_sustained_shift_rejects_bad_input():
+    with pytest.raises(ValueError, match="xs has 2 points, ys 3"):
+        find_sustained_shift([0.0, 1.0], [0.0, 1.0, 2.0], least_step=0.0)
+    with pytest.raises(ValueError, match="points_before must be >= 3"):
+        find_sustained_shift(SHIFT_XS, SHIFT_XS, least_step=0.0, points_before=2)
+
+
+def test_tracker_sustained_shift_is_a_change_point_from_the_history():
+    tracker = make(warmup=4, log_scale=True, noise_floor=0.01)
+    rng = random.Random(3)
+    values = [math.exp(rng.gauss(0.0, 0.6)) * (30.0 if i >= 20 else 1.0) for i in range(30)]
+    for sample, value in enumerate(values):
+        tracker.update(sample, value, 8 * sample)  # a sample every 8 training forwards
+    change = tracker.sustained_shift(math.log(4.0))
+    assert change is not None
+    assert change.kind == "shift"
+    assert change.start_sample == 20
+    assert change.start_forward == 20 * 8
+    # The best window after began at sample 19 (still the old level: the onset moved to
+    # the first value past halfway); the alarm is that window's last value.
+    assert change.alarm_sample == 19 + 4
+    assert change.confirmed and not change.transient
+    assert change.step == pytest.approx(change.level_after - change.level_before, abs=EXACT)
+    assert math.exp(change.step) > 10.0
+    assert change.step_z == pytest.approx(change.step / change.std_before, abs=EXACT)
+    assert tracker.sustained_shift(math.log(4.0)) is change  # cached until a new value
+    assert tracker.sustained_shift(math.log(100.0)) is None

@@ -11,6 +11,7 @@ from collections import deque
 from ._trend import (
     _LOG_OF_FLOOR,
     LOG_FLOOR,
+    SHIFT_POINTS_AFTER,
     TREND_ONSET_SPREADS,
     TREND_POINTS_AFTER,
     TREND_POINTS_BEFORE,
@@ -20,6 +21,7 @@ from ._trend import (
     _first_largest,
     _RunupEntry,
     bounded_exp,
+    find_sustained_shift,
     fit_trend_break,
 )
 from .config import TrackConfig
@@ -60,6 +62,7 @@ class _TrackerState:
         "_runup_pos",
         "_slope",
         "_spread",
+        "_sustained_shift",
         "_trend_break",
         "_vol_rate_ema",
         "_vol_sq_ema",
@@ -141,6 +144,7 @@ class _TrackerState:
     _history: list[tuple[int, float, int]]
     _history_stride: int
     _trend_break: tuple[int, ChangePoint | None]
+    _sustained_shift: tuple[int, float, ChangePoint | None]
     _history_last: int
     _constant: bool
 
@@ -371,6 +375,58 @@ class _TrackerViews(_TrackerState):
             kind="trend",
             slope_after=fit.slope_after,
             slope_change_t=fit.t,
+        )
+
+    def sustained_shift(self, least_step: float) -> ChangePoint | None:
+        """The largest sustained shift of level in the bounded history
+        (:func:`~torchinstruments.track.find_sustained_shift`: two windows of points
+        compared, for a series too noisy for one value to tell a step), as a
+        :class:`ChangePoint` of kind ``"shift"``, or None.
+
+        The windows lie from the end of warm-up on; ``least_step`` (tracked units) is the
+        least ``|step|`` considered. The change starts at the first point of the new
+        level (past halfway to it) and its alarm is the last point of the window after
+        it (when the new level had held long enough to tell); ``level_before`` is the
+        reference it is measured from, ``level_after`` the median after, and both
+        spreads the step's standard error, so that ``step_z`` is the step in standard
+        errors. Computed when asked, once per new value and ``least_step``.
+        """
+        cached = self._sustained_shift
+        if cached[0] == self.count and cached[1] == least_step:
+            return cached[2]
+        found = self._find_sustained_shift(least_step)
+        self._sustained_shift = (self.count, least_step, found)
+        return found
+
+    def _find_sustained_shift(self, least_step: float) -> ChangePoint | None:
+        start = self.warmup_end_sample
+        if start is None or self._constant or self.first is None:
+            return None
+        points = [(s, v, f) for s, v, f in self._history if s >= start]
+        if points and points[-1][0] != self._latest_sample:
+            points.append((self._latest_sample, self._latest_value, self._forward))
+        shift = find_sustained_shift(
+            [float(f) for _, _, f in points],
+            [self.transform(v) for _, v, _ in points],
+            least_step=least_step,
+            spread_floor=self._noise_floor,
+        )
+        if shift is None:
+            return None
+        first, last = points[shift.onset], points[shift.index + SHIFT_POINTS_AFTER - 1]
+        return ChangePoint(
+            start_sample=first[0],
+            alarm_sample=last[0],
+            level_before=shift.reference,
+            std_before=shift.error,
+            level_after=shift.level_after,
+            confirmed=True,
+            start_forward=first[2],
+            alarm_forward=last[2],
+            slope_before=shift.slope_before,
+            reference_count=min(self.count, first[0] - self.first.sample),
+            spread_after=shift.error,
+            kind="shift",
         )
 
     def level(self, tracked: float) -> float:

@@ -165,12 +165,15 @@ class ChangePoint:
         slope_before: the trend's slope before the change, per training forward.
         reference_count: values the series had seen before the alarm (how much its
             reference rests on).
-        kind: ``"step"`` (a CUSUM alarm: the level moved between two samples) or
+        kind: ``"step"`` (a CUSUM alarm: the level moved between two samples),
             ``"trend"`` (a break of the trend found by :func:`fit_trend_break`: from
             ``start_sample`` on, the series moves at another slope; ``level_before`` is
             then the earlier trend extrapolated to ``alarm_sample``, the latest point,
             ``level_after`` the fitted value there, and both spreads the fit's residual
-            spread).
+            spread), or ``"shift"`` (a sustained shift found by
+            :func:`find_sustained_shift` over two windows of the history: ``level_before``
+            is the reference it is measured from, ``level_after`` the median of the
+            window after, both spreads the step's standard error).
         slope_after: for a trend break, the slope from ``start_sample`` on, per training
             forward (tracked units); 0 for a step.
         slope_change_t: for a trend break, the t-statistic of the change of slope (its
@@ -435,3 +438,157 @@ def fit_trend_break(
         t=t,
         level_end=mean_y + coef_a + coef_s + departure,
     )
+
+
+#: Points of a sustained shift's window before it (:func:`find_sustained_shift`).
+SHIFT_POINTS_BEFORE = 8
+#: Points of a sustained shift's window from it on: the new level must hold this long.
+SHIFT_POINTS_AFTER = 5
+#: Median absolute deviation to standard deviation for normal values (1 / 0.6745).
+MAD_TO_STD_OF_MEDIAN = 1.4826
+
+
+class SustainedShift(NamedTuple):
+    """A level that moved and stayed, found by comparing two windows of a series'
+    points (see :func:`find_sustained_shift`). Units are the series' (tracked units).
+
+    Attributes:
+        index: the first point of the window after (an index into the points given).
+        onset: the first point of the new level: the first in the window after that
+            lies past halfway from ``reference`` to ``level_after``.
+        reference: the level the shift is measured from: the median of the window
+            before, or the window's own straight line carried over the window after,
+            whichever leaves the smaller step (see :func:`find_sustained_shift`).
+        level_after: the median of the window from ``index`` on.
+        spread: robust standard deviation of the window before about its line.
+        error: standard error of the step, ``spread * sqrt(1/n_before + 1/n_after)``.
+        slope_before: slope of the window before's line, per unit of ``x``.
+    """
+
+    index: int
+    onset: int
+    reference: float
+    level_after: float
+    spread: float
+    error: float
+    slope_before: float
+
+    @property
+    def step(self) -> float:
+        """``level_after - reference``."""
+        return self.level_after - self.reference
+
+    @property
+    def z(self) -> float:
+        """:attr:`step` over its standard error."""
+        return self.step / self.error
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return 0.5 * (ordered[middle - 1] + ordered[middle])
+
+
+def _shift_at(
+    xs: list[float], ys: list[float], index: int, before: int, after: int, spread_floor: float
+) -> SustainedShift | None:
+    """The shift at ``index`` between ``before`` points before it and ``after`` from it."""
+    bx, by = xs[index - before : index], ys[index - before : index]
+    ax, ay = xs[index : index + after], ys[index : index + after]
+    slopes = [
+        (by[j] - by[i]) / (bx[j] - bx[i])
+        for i in range(before)
+        for j in range(i + 1, before)
+        if bx[j] > bx[i]
+    ]
+    if not slopes:
+        return None
+    slope = _median(slopes)
+    intercept = _median([y - slope * x for x, y in zip(bx, by, strict=True)])
+    residuals = [y - (intercept + slope * x) for x, y in zip(bx, by, strict=True)]
+    centre = _median(residuals)
+    spread = MAD_TO_STD_OF_MEDIAN * _median([abs(r - centre) for r in residuals])
+    spread = max(spread, spread_floor)
+    if not spread > 0.0:
+        return None
+    level_after = _median(ay)
+    flat = level_after - _median(by)
+    along = _median([y - (intercept + slope * x) for x, y in zip(ax, ay, strict=True)])
+    if flat * along <= 0.0:
+        return None
+    step = flat if abs(flat) < abs(along) else along
+    reference = level_after - step
+    # The new level begins at its first value past halfway from the reference.
+    onset = next(
+        (index + k for k, y in enumerate(ay) if (y - reference) * step >= 0.5 * step * step),
+        index,
+    )
+    error = spread * math.sqrt(1.0 / before + 1.0 / after)
+    return SustainedShift(index, onset, reference, level_after, spread, error, slope)
+
+
+def find_sustained_shift(
+    xs: list[float],
+    ys: list[float],
+    *,
+    least_step: float,
+    points_before: int = SHIFT_POINTS_BEFORE,
+    points_after: int = SHIFT_POINTS_AFTER,
+    spread_floor: float = 0.0,
+) -> SustainedShift | None:
+    """The largest shift of level, in standard errors, between a window of
+    ``points_before`` points and the ``points_after`` points that follow it.
+
+    For a series too noisy for one value to tell a step (a trend that follows each
+    value absorbs a step of a few spreads within two samples), a window tells it: at
+    every point with enough points on both sides, the window before is fitted with a
+    straight line (Theil-Sen: the median of the slopes between pairs of points, Sen
+    1968), whose residuals give a robust spread (median absolute deviation about their
+    median, times ``MAD_TO_STD_OF_MEDIAN``); the step is the median of the
+    window after, measured both from the median of the window before (no slope) and
+    from the line carried over the window after (the median of the departures from
+    it). The two must point the same way and the smaller in size is the step (a
+    series that stops rising is not a step, nor is one that keeps rising along its
+    line); its standard error is that of a difference of two means of that spread. This
+    is a two-sample comparison of levels, in the spirit of Chow's test for a break
+    (Chow 1960), with medians so that one wild value does not make or hide a shift.
+
+    Args:
+        xs: increasing positions (training forwards).
+        ys: values at them (tracked units), as long as ``xs``.
+        least_step: least ``|step|`` considered (tracked units).
+        points_before, points_after: window sizes (at least 3 and 1).
+        spread_floor: least spread (the series' noise floor).
+
+    Returns:
+        Among the points whose step is at least ``least_step``, the one with the largest
+        ``|z|`` (the first of equals), or None.
+
+    Raises:
+        ValueError: when ``xs`` and ``ys`` differ in length, or a window is too small.
+
+    Example:
+        >>> xs = [float(x) for x in range(13)]
+        >>> ys = [0.0, 0.1, -0.1, 0.0, 0.1, -0.1, 0.0, 0.1, 2.0, 2.1, 1.9, 2.0, 2.1]
+        >>> shift = find_sustained_shift(xs, ys, least_step=1.0)
+        >>> shift.index, round(shift.step, 3), round(shift.z, 1)
+        (8, 2.0, 23.7)
+    """
+    if len(xs) != len(ys):
+        raise ValueError(f"find_sustained_shift: xs has {len(xs)} points, ys {len(ys)}")
+    if points_before < 3 or points_after < 1:
+        raise ValueError(
+            "find_sustained_shift: points_before must be >= 3 and points_after >= 1, "
+            f"got {points_before} and {points_after}"
+        )
+    best: SustainedShift | None = None
+    for index in range(points_before, len(xs) - points_after + 1):
+        shift = _shift_at(xs, ys, index, points_before, points_after, spread_floor)
+        if shift is None or abs(shift.step) < least_step:
+            continue
+        if best is None or abs(shift.z) > abs(best.z):
+            best = shift
+    return best

@@ -26,7 +26,10 @@ the sample where the departure began and re-anchors the trend on the new level; 
 
 A fault that bends the trend rather than stepping it is found when a report is built:
 :meth:`SeriesTracker.trend_break` fits a continuous broken line to the bounded history
-(:func:`fit_trend_break`); the rules judge whether the bend matters.
+(:func:`fit_trend_break`); the rules judge whether the bend matters. A level that moved
+and stayed in a series too noisy for one value to tell (the trend absorbs a step of a
+few spreads within two samples) is found the same way, by comparing two windows of the
+history (:meth:`SeriesTracker.sustained_shift`, :func:`find_sustained_shift`).
 
 The tracker's code is in three places: its state and its updates here, its change
 detection in ``_tracker_changes.py`` and what it answers (properties, history, the
@@ -54,9 +57,11 @@ from ._trend import (
     ChangePoint,
     Departure,
     SeriesPoint,
+    SustainedShift,
     TrendBreakFit,
     _RunupEntry,
     bounded_exp,
+    find_sustained_shift,
     fit_trend_break,
 )
 from .config import TrackConfig
@@ -74,8 +79,10 @@ __all__ = [
     "Departure",
     "SeriesPoint",
     "SeriesTracker",
+    "SustainedShift",
     "TrendBreakFit",
     "bounded_exp",
+    "find_sustained_shift",
     "fit_trend_break",
 ]
 
@@ -179,6 +186,7 @@ class SeriesTracker(_TrackerChanges, _TrackerViews):
         self._history: list[tuple[int, float, int]] = []
         self._history_stride = 1
         self._trend_break: tuple[int, ChangePoint | None] = (-1, None)
+        self._sustained_shift: tuple[int, float, ChangePoint | None] = (-1, 0.0, None)
         self._history_last = _NO_SAMPLE
         #: Every value so far was equal (see :meth:`_repeat`).
         self._constant = True

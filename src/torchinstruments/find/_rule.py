@@ -54,6 +54,14 @@ TAIL_RATIO_FACTOR_NOTABLE = 1.5
 TREND_ACCELERATION = 3.0
 TREND_T_NOTABLE = 6.0
 TREND_FACTOR_NOTABLE = 2.0
+#: A sustained shift (:meth:`~torchinstruments.track.SeriesTracker.sustained_shift`: the
+#: median of ``SHIFT_POINTS_AFTER`` values against the window before them, in a series
+#: too noisy for one value to tell a step) is notable when it is at least
+#: ``SHIFT_Z_NOTABLE`` standard errors and, for scale metrics, ``SHIFT_FACTOR_NOTABLE``
+#: (4x). Level shifts between such windows reach 2.2x in ordinary training (clean runs of
+#: GPT-2, ResNet-18 and ViT after warm-up, ``benchmarks/real_faults``): a shift found
+#: only over several values must be well past that.
+SHIFT_FACTOR_NOTABLE = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +319,36 @@ def _notable_trend(tracker: SeriesTracker, *, min_abs_step: float) -> ChangePoin
     if abs(change.step_z) < _least_z(change, tracker, SHIFT_Z_NOTABLE):
         return None
     return change
+
+
+def _notable_shift(tracker: SeriesTracker, *, min_abs_step: float) -> ChangePoint | None:
+    """The tracker's sustained shift of at least ``min_abs_step`` (tracked units) if it
+    is notable (``SHIFT_FACTOR_NOTABLE``), else None."""
+    change = tracker.sustained_shift(min_abs_step)
+    if change is None or abs(change.step_z) < _least_z(change, tracker, SHIFT_Z_NOTABLE):
+        return None
+    return change
+
+
+def _shift_text(c: Candidate, change: ChangePoint, measure: str) -> str:
+    """Interpretation of a sustained shift (``change.kind == "shift"``)."""
+    t = c.judged
+    verb = "moved up" if change.step > 0 else "moved down"
+    net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
+    after, before = t.level(change.level_after), t.level(change.level_before)
+    size = (
+        f"{format_value(bounded_exp(abs(change.step)))}x, "
+        if t.log_scale and after > 0.0 and before > 0.0
+        else ""
+    )
+    return (
+        f"{_where(c)} {verb}{net} from sample {change.start_sample} (training forward "
+        f"{change.start_forward}) and stayed there through sample {change.alarm_sample}: "
+        f"the median of its {measure} over those samples was {format_value(after)} where "
+        f"the samples before led to {format_value(before)} ({size}"
+        f"{format_value(abs(change.step_z))} standard errors). The series is too noisy "
+        f"for one sample to tell a step; the level held. Raw values went from {_span(c)}."
+    )
 
 
 def _per_100_forwards(tracker: SeriesTracker, slope: float) -> str:

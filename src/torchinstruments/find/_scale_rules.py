@@ -9,6 +9,7 @@ import math
 from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import SeriesTracker, bounded_exp
 from ._rule import (
+    SHIFT_FACTOR_NOTABLE,
     SHIFT_Z_NOTABLE,
     STEP_FACTOR_NOTABLE,
     TREND_FACTOR_NOTABLE,
@@ -21,8 +22,10 @@ from ._rule import (
     _large_tail_step,
     _least_z,
     _net,
+    _notable_shift,
     _notable_trend,
     _scale_evidence,
+    _shift_text,
     _span,
     _step_evidence,
     _trend_text,
@@ -53,7 +56,9 @@ class _ScaleRule(Rule):
     by the trend and is never notable on its own. The onset is the step's first sample.
     Without a notable step, a notable break of trend (``TREND_ACCELERATION``) is the
     finding, dated where the series left the earlier trend; its score is the departure
-    at the latest sample.
+    at the latest sample. Without either, a notable sustained shift
+    (``SHIFT_FACTOR_NOTABLE``: a level that moved at least 4x and held, in a series too
+    noisy for one value to tell) is the finding, dated at its first value.
     """
 
     def judge(
@@ -87,7 +92,12 @@ class _ScaleRule(Rule):
             evidence["net_of_loss_gradient"] = _scale_evidence(judged)
         change = _first_notable(
             judged, min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
-        ) or _notable_trend(judged, min_abs_step=math.log(TREND_FACTOR_NOTABLE))
+        )
+        change = (
+            change
+            or _notable_trend(judged, min_abs_step=math.log(TREND_FACTOR_NOTABLE))
+            or _notable_shift(judged, min_abs_step=math.log(SHIFT_FACTOR_NOTABLE))
+        )
         notable = change is not None
         if change is not None:
             evidence["first_notable_step"] = _step_evidence(change, judged)
@@ -129,6 +139,8 @@ class _ScaleRule(Rule):
             )
         if change.kind == "trend":
             return _trend_text(c, change, measure)
+        if change.kind == "shift":
+            return _shift_text(c, change, measure)
         verb = "stepped up" if change.step > 0 else "stepped down"
         net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
         text = (
