@@ -615,7 +615,7 @@ def test_a_large_shift_in_a_noisy_series_is_notable_where_it_began():
     change = notable(found["gradient_scale_change"])
     assert names(change) == ["a_first"]
     shift = change[0].change
-    assert shift is not None and shift.kind == "shift"
+    assert shift is not None and shift.kind == "sustained_shift"
     assert change[0].onset == STEP_AT
     assert abs(shift.step_z) >= 6.0
     assert math.exp(shift.step) >= 4.0

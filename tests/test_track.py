@@ -892,7 +892,7 @@ def test_tracker_sustained_shift_is_a_change_point_from_the_history():
         tracker.update(sample, value, 8 * sample)  # a sample every 8 training forwards
     change = tracker.sustained_shift(math.log(4.0))
     assert change is not None
-    assert change.kind == "shift"
+    assert change.kind == "sustained_shift"
     assert change.start_sample == 20
     assert change.start_forward == 20 * 8
     # The best window after began at sample 19 (still the old level: the onset moved to

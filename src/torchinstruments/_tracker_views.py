@@ -381,7 +381,7 @@ class _TrackerViews(_TrackerState):
         """The largest sustained shift of level in the bounded history
         (:func:`~torchinstruments.track.find_sustained_shift`: two windows of points
         compared, for a series too noisy for one value to tell a step), as a
-        :class:`ChangePoint` of kind ``"shift"``, or None.
+        :class:`ChangePoint` of kind ``"sustained_shift"``, or None.
 
         The windows lie from the end of warm-up on; ``least_step`` (tracked units) is the
         least ``|step|`` considered. The change starts at the first point of the new
@@ -426,7 +426,7 @@ class _TrackerViews(_TrackerState):
             slope_before=shift.slope_before,
             reference_count=min(self.count, first[0] - self.first.sample),
             spread_after=shift.error,
-            kind="shift",
+            kind="sustained_shift",
         )
 
     def level(self, tracked: float) -> float:

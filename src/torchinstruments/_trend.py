@@ -170,7 +170,7 @@ class ChangePoint:
             ``start_sample`` on, the series moves at another slope; ``level_before`` is
             then the earlier trend extrapolated to ``alarm_sample``, the latest point,
             ``level_after`` the fitted value there, and both spreads the fit's residual
-            spread), or ``"shift"`` (a sustained shift found by
+            spread), or ``"sustained_shift"`` (a sustained shift found by
             :func:`find_sustained_shift` over two windows of the history: ``level_before``
             is the reference it is measured from, ``level_after`` the median of the
             window after, both spreads the step's standard error).

@@ -330,10 +330,12 @@ def _notable_shift(tracker: SeriesTracker, *, min_abs_step: float) -> ChangePoin
     return change
 
 
-def _shift_text(c: Candidate, change: ChangePoint, measure: str) -> str:
-    """Interpretation of a sustained shift (``change.kind == "shift"``)."""
+def _change_levels(c: Candidate, change: ChangePoint) -> tuple[str, float, float, str]:
+    """What the texts of a break of trend and of a sustained shift share: the
+    parenthesised "net of the loss gradient" (or ""), the levels after and before in
+    the metric's units, and the step as a factor followed by ", " (log-scale metrics
+    with both levels positive; "" otherwise)."""
     t = c.judged
-    verb = "moved up" if change.step > 0 else "moved down"
     net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
     after, before = t.level(change.level_after), t.level(change.level_before)
     size = (
@@ -341,6 +343,13 @@ def _shift_text(c: Candidate, change: ChangePoint, measure: str) -> str:
         if t.log_scale and after > 0.0 and before > 0.0
         else ""
     )
+    return net, after, before, size
+
+
+def _shift_text(c: Candidate, change: ChangePoint, measure: str) -> str:
+    """Interpretation of a sustained shift (``change.kind == "sustained_shift"``)."""
+    verb = "moved up" if change.step > 0 else "moved down"
+    net, after, before, size = _change_levels(c, change)
     return (
         f"{_where(c)} {verb}{net} from sample {change.start_sample} (training forward "
         f"{change.start_forward}) and stayed there through sample {change.alarm_sample}: "
@@ -364,13 +373,7 @@ def _trend_text(c: Candidate, change: ChangePoint, measure: str) -> str:
     t = c.judged
     verb = "rise" if change.slope_after > 0 else "fall"
     faster = " faster" if change.slope_before * change.slope_after > 0 else ""
-    net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
-    after, before = t.level(change.level_after), t.level(change.level_before)
-    size = (
-        f"{format_value(bounded_exp(abs(change.step)))}x, "
-        if t.log_scale and after > 0.0 and before > 0.0
-        else ""
-    )
+    net, after, before, size = _change_levels(c, change)
     return (
         f"{_where(c)} began to {verb}{faster}{net} from sample {change.start_sample} "
         f"(training forward {change.start_forward}): its {measure} moved by "

@@ -139,7 +139,7 @@ class _ScaleRule(Rule):
             )
         if change.kind == "trend":
             return _trend_text(c, change, measure)
-        if change.kind == "shift":
+        if change.kind == "sustained_shift":
             return _shift_text(c, change, measure)
         verb = "stepped up" if change.step > 0 else "stepped down"
         net = f" ({_net(c.series).lstrip(', ')})" if _net(c.series) else ""
