@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from .scenarios import (
     RunResult,
     Scenario,
     early_findings,
+    run_named_scenario,
     run_scenario,
     sampled_after,
 )
@@ -82,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         help="torch CPU threads (default 1: stable when other processes share the cores)",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs at a time, each in its own process (default: the CPU cores this "
+        "process may use, divided by --threads)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="also compare each fault run with its family's same-seed control, and the two "
@@ -102,6 +113,8 @@ def _command(args: argparse.Namespace) -> str:
         parts += ["--seed", str(args.seed)]
     if args.threads != 1:
         parts += ["--threads", str(args.threads)]
+    if args.jobs is not None:
+        parts += ["--jobs", str(args.jobs)]
     if args.compare:
         parts.append("--compare")
     return " ".join(parts)
@@ -276,6 +289,48 @@ def _run_compare(results: list[RunResult], directory: Path) -> list[CompareResul
     return comparisons
 
 
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _run_all(
+    chosen: list[Scenario],
+    *,
+    steps: int,
+    seed: int,
+    output_dir_of: dict[str, Path | None],
+    threads: int,
+    jobs: int,
+    done: Any,
+) -> list[RunResult]:
+    """Run the scenarios, ``jobs`` at a time (in this process when 1), calling
+    ``done(result)`` as each finishes; return the results in the order of ``chosen``."""
+    if jobs == 1:
+        results = []
+        for scenario in chosen:
+            result = run_scenario(
+                scenario, steps=steps, seed=seed, output_dir=output_dir_of[scenario.name]
+            )
+            done(result)
+            results.append(result)
+        return results
+    by_name: dict[str, RunResult] = {}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures: list[Future[RunResult]] = [
+            pool.submit(run_named_scenario, s.name, steps, seed, output_dir_of[s.name], threads)
+            for s in chosen
+        ]
+        for future in as_completed(futures):
+            result = future.result()
+            done(result)
+            by_name[result.scenario.name] = result
+    return [by_name[s.name] for s in chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (see ``--help``); returns the process exit status (0)."""
     parser = _parser()
@@ -290,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else STEPS)
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     chosen = _chosen(args)
+    jobs = args.jobs if args.jobs is not None else max(1, _cores() // args.threads)
+    jobs = min(jobs, len(chosen)) or 1
     for s in chosen:
         step, first = s.fault_step(steps), s.first_faulty_forward(steps)
         if step is None or first is None:
@@ -304,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(
         f"real-model fault benchmark: {len(chosen)} run(s), {steps} steps each, default "
-        f"sampling, seed {args.seed}, {args.threads} thread(s)"
+        f"sampling, seed {args.seed}, {args.threads} thread(s) per run, {jobs} at a time"
     )
     for family in FAMILIES.values():
         print(f"  {family.name} [{family.loop}]: {family.description}")
@@ -315,20 +374,34 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     scores: list[ScenarioScore] = []
     comparisons: list[CompareResult] = []
+
+    def done(result: RunResult) -> None:
+        scenario = result.scenario
+        scored = score(scenario, result.report, result)
+        if scenario.control:
+            mark = f"control, {scored.notable} notable"
+        else:
+            early = len(early_findings(result.report, result.first_faulty_forward))
+            probe = result.probe
+            verdict = "probe ok" if probe is not None and probe.agrees else "probe DISAGREES"
+            mark = f"RR {scored.reciprocal_rank:.2f}, early {early}, {verdict}"
+        print(f"  ran {scenario.name} in {result.seconds:.1f} s ({mark})", flush=True)
+
     try:
-        for scenario in chosen:
-            output_dir = runs_dir / scenario.name if (keep or args.compare) and runs_dir else None
-            result = run_scenario(scenario, steps=steps, seed=args.seed, output_dir=output_dir)
-            results.append(result)
-            scores.append(score(scenario, result.report, result))
-            if scenario.control:
-                mark = f"control, {scores[-1].notable} notable"
-            else:
-                early = len(early_findings(result.report, result.first_faulty_forward))
-                probe = result.probe
-                verdict = "probe ok" if probe is not None and probe.agrees else "probe DISAGREES"
-                mark = f"RR {scores[-1].reciprocal_rank:.2f}, early {early}, {verdict}"
-            print(f"  ran {scenario.name} in {result.seconds:.1f} s ({mark})", flush=True)
+        output_dir_of = {
+            s.name: runs_dir / s.name if (keep or args.compare) and runs_dir else None
+            for s in chosen
+        }
+        results = _run_all(
+            chosen,
+            steps=steps,
+            seed=args.seed,
+            output_dir_of=output_dir_of,
+            threads=args.threads,
+            jobs=jobs,
+            done=done,
+        )
+        scores = [score(r.scenario, r.report, r) for r in results]
         if args.compare and runs_dir is not None:
             comparisons = _run_compare(results, runs_dir / "compare")
     finally:
@@ -381,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": steps,
             "seed": args.seed,
             "threads": args.threads,
+            "jobs": jobs,
             "sampling": "default",
             "seconds": elapsed,
             "totals": {

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchinstruments import DefaultSampling
@@ -67,6 +68,7 @@ __all__ = [
     "RunResult",
     "Scenario",
     "early_findings",
+    "run_named_scenario",
     "run_scenario",
     "sampled_after",
 ]
@@ -455,6 +457,17 @@ def run_scenario(
         return _run(scenario, steps, seed + scenario.seed_offset, output_dir, keep=True)
     with tempfile.TemporaryDirectory(prefix=f"real-faults-{scenario.name}-") as directory:
         return _run(scenario, steps, seed + scenario.seed_offset, Path(directory), keep=False)
+
+
+def run_named_scenario(
+    name: str, steps: int, seed: int, output_dir: Path | None, threads: int
+) -> RunResult:
+    """:func:`run_scenario` of the scenario called ``name`` with ``threads`` torch CPU
+    threads: what a worker process of ``python -m benchmarks.real_faults --jobs N`` runs
+    (an importable function, so that a spawned interpreter finds it)."""
+    torch.set_num_threads(threads)
+    scenario = next(s for s in SCENARIOS if s.name == name)
+    return run_scenario(scenario, steps=steps, seed=seed, output_dir=output_dir)
 
 
 def _run(scenario: Scenario, steps: int, seed: int, directory: Path, *, keep: bool) -> RunResult:
