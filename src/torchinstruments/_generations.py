@@ -71,8 +71,9 @@ def generation_number(name: str) -> int | None:
 
 
 def link_target(name: str) -> str:
-    """What the stable link ``name`` points to: ``.current/<name>``."""
-    return f"{CURRENT_LINK}/{name}"
+    """What the stable link ``name`` points to: ``.current/<name>`` (with the
+    platform's separator)."""
+    return os.path.join(CURRENT_LINK, name)
 
 
 def temporary_name(base: str) -> str:

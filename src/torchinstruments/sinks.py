@@ -238,7 +238,7 @@ def _write_new(path: Path, data: bytes) -> None:
 def _link_or_copy(source: Path, target: Path) -> None:
     """``target`` as a hard link to the file ``source``, or a copy where links fail."""
     try:
-        os.link(source, target, follow_symlinks=False)
+        os.link(source, target)  # a regular file (checked by the callers)
     except OSError:
         shutil.copyfile(source, target, follow_symlinks=False)
 
