@@ -292,7 +292,14 @@ def test_rank0_policy_leaves_rank1_without_hooks_or_files(tmp_path: Path) -> Non
     assert one["active"] is False and one["output_dir"] is None
     assert one["hooks"] == 0
     assert zero["hooks_after_remove"] == 0 and one["hooks_after_remove"] == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.md", "report.json", "series.json"]
+    generation = os.readlink(out / ".current")  # the files, linked (see DirectorySink)
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".current",
+        generation,
+        "index.md",
+        "report.json",
+        "series.json",
+    ]
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert (report["run"]["rank"], report["run"]["world_size"]) == (0, 2)
     assert report["run"]["rank_source"] == "process_group"
@@ -318,6 +325,8 @@ def test_all_policy_writes_rank_directories_bit_identically(
         assert result["identical"] is True
         assert result["collectives_added"] == {}
         assert sorted(p.name for p in directory.iterdir()) == [
+            ".current",
+            os.readlink(directory / ".current"),
             "index.md",
             "report.json",
             "series.json",

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pickle
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -1840,7 +1841,12 @@ def test_full_disk_is_retried_and_warned_once(tmp_path: Path, monkeypatch: Any) 
     assert_same_model(model, twin)
     report = read(tmp_path)
     assert report["coverage"]["errors_total"] >= 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.md", "report.json", "series.json"]
+    # Nothing stale is left: the links, and the one generation they name.
+    generation = os.readlink(tmp_path / ".current")
+    assert re.fullmatch(r"\.generation-\d{6}", generation), generation
+    names = ["index.md", "report.json", "series.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".current", generation, *names]
+    assert sorted(p.name for p in (tmp_path / generation).iterdir()) == names
 
 
 def same_directory_spellings(base: Path) -> Iterator[tuple[str, Path]]:

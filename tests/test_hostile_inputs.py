@@ -69,7 +69,10 @@ def real_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ranks = root / "ranks"
     for rank, name in enumerate(("a", "b")):
         (ranks / f"rank-{rank:03d}").mkdir(parents=True)
-        shutil.copy(runs[name] / "report.json", ranks / f"rank-{rank:03d}" / "report.json")
+        report = json.loads((runs[name] / "report.json").read_bytes())
+        # As ranks of one run state them (a single-process run states world size 1).
+        report["run"]["rank"], report["run"]["world_size"] = rank, 2
+        (ranks / f"rank-{rank:03d}" / "report.json").write_text(json.dumps(report, indent=2))
     assert cli_main(["merge", str(ranks), "--world-size", "2"]) == 0
     runs["ranks"] = ranks
     return runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,9 +223,17 @@ def test_report_is_rewritten_during_training_and_survives_a_kill(tmp_path: Path)
     report = json.loads(report_path.read_text(encoding="utf-8"))
     assert report["coverage"]["samples_observed"] > 0
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
-    assert all(
-        name.startswith(".report.json.") or name.startswith(".index.md.") for name in leftovers
-    )
+    # The link to the complete generation shown; at most the previous one (killed before
+    # deleting it), one being written, and the new link of a switch beside it.
+    generation = os.readlink(tmp_path / ".current")
+    assert sorted(p.name for p in (tmp_path / generation).iterdir()) == [
+        "index.md",
+        "report.json",
+        "series.json",
+    ]
+    ours = re.compile(r"\.current|\.generation-\d{6}|\.\.current\.[0-9a-f]{8}")
+    assert all(ours.fullmatch(name) for name in leftovers), leftovers
+    assert sum(name.startswith(".generation-") for name in leftovers) <= 3, leftovers
 
 
 def test_report_is_written_at_interpreter_exit(tmp_path: Path) -> None:

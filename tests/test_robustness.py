@@ -533,9 +533,8 @@ def test_reductions_are_invisible_to_user_subclasses_and_dispatch_modes(tmp_path
 
 def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> None:
     """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM):
-    report.json and index.md state the same report number (or index.md an earlier one
-    after a SIGKILL between their replacements, counted as torn), with and without
-    plots."""
+    report.json, index.md and series.json belong to the same report (a torn pair is a
+    failure), with and without plots."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kill_runs.py"
     arguments = ["--sigkill", "4", "--sigterm", "2", "--seed", "7", "--output-dir", str(tmp_path)]
     done = subprocess.run(

@@ -109,6 +109,10 @@ def _merge(args: argparse.Namespace) -> int:
     print(f"wrote {path}")
     print(f"wrote {path.with_name(GLOBAL_INDEX_NAME)}")
     print(one_line(str(report["summary"]["headline"]), 1000))
+    ranks = report.get("ranks")
+    if isinstance(ranks, dict) and ranks.get("separate_runs") is True:
+        note = one_line(str(ranks["notes"][0]), 1000)
+        print(f"{_PROGRAM} merge: warning: {note}", file=sys.stderr)
     return 0
 
 

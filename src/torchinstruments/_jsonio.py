@@ -6,7 +6,10 @@ write through this module without importing torch.
 Reading (:func:`read_json_object`) treats every file as untrusted input:
 
 - the file is opened without following a symbolic link (``O_NOFOLLOW``) and without
-  blocking (a FIFO cannot hang the reader), and must be a regular file;
+  blocking (a FIFO cannot hang the reader), and must be a regular file; the one links
+  followed are those of a directory writer's own layout (``report.json`` ->
+  ``.current/report.json``, ``.current`` -> ``.generation-NNNNNN`` beside it), which
+  cannot lead out of the directory;
 - at most ``max_bytes`` are read, whatever the size the file system states;
 - the nesting depth is checked on the bytes before parsing (at most
   :data:`MAX_JSON_DEPTH` levels of arrays and objects);
@@ -174,14 +177,55 @@ def _bounded_int(text: str) -> int:
     return value
 
 
+def _open_linked(path: Path, flags: int) -> int | None:
+    """A descriptor of the file that ``path`` names through the layout of
+    :mod:`~torchinstruments._generations` (``path`` a link ``.current/<name>``,
+    ``.current`` a link to a ``.generation-NNNNNN`` directory beside it), opened without
+    following any other link; None when ``path`` is not such a link.
+
+    A writer may switch generations and delete the old one between the two steps:
+    the links are read again then (three tries).
+    """
+    from ._generations import generation_of, link_target
+
+    for _ in range(3):
+        try:
+            if os.readlink(path) != link_target(path.name):
+                return None
+        except (OSError, ValueError):
+            return None
+        generation = generation_of(path.parent)
+        if generation is None:
+            return None
+        folder = path.parent / generation
+        try:
+            if os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY"):
+                directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    return os.open(path.name, flags, dir_fd=directory)
+                finally:
+                    os.close(directory)
+            if folder.is_symlink() or (folder / path.name).is_symlink():
+                return None
+            return os.open(folder / path.name, flags)
+        except FileNotFoundError:
+            continue  # switched meanwhile (or missing: reported as missing below)
+    raise FileNotFoundError(errno.ENOENT, "not found", str(path))
+
+
 def _read_bounded(path: Path, what: str, max_bytes: int, missing_hint: str | None) -> bytes:
-    """At most ``max_bytes`` of the regular file ``path``, not through a symbolic link."""
+    """At most ``max_bytes`` of the regular file ``path``, not through a symbolic link
+    (other than the links of a directory writer's own layout, see :func:`_open_linked`)."""
     no_follow = getattr(os, "O_NOFOLLOW", 0)
     flags = os.O_RDONLY | no_follow | getattr(os, "O_NONBLOCK", 0)
     try:
-        if not no_follow and path.is_symlink():  # no O_NOFOLLOW (Windows): check first
+        linked = _open_linked(path, flags) if path.is_symlink() else None
+        if linked is not None:
+            descriptor = linked
+        elif not no_follow and path.is_symlink():  # no O_NOFOLLOW (Windows): check first
             raise OSError(errno.ELOOP, "a symbolic link")
-        descriptor = os.open(path, flags)
+        else:
+            descriptor = os.open(path, flags)
     except FileNotFoundError as error:
         hint = f"; {missing_hint}" if missing_hint else ""
         raise ReportReadError(f"{path}: not found{hint}") from error
@@ -228,7 +272,8 @@ def read_json_object(
     """Parse one JSON object file, checking its size, depth, schema family and keys.
 
     Args:
-        path: the file; a symbolic link there is refused, not followed.
+        path: the file; a symbolic link there is refused, not followed, unless it is
+            one of a directory writer's own links (see :func:`_open_linked`).
         what: what the file should be, for messages ("a rank report").
         max_bytes: largest file accepted, in bytes; no more than ``max_bytes + 1`` bytes
             are read.

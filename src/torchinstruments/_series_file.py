@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from array import array
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._document import bounded_text, clean, round_or_reason, utf8_length
-from ._jsonio import float_or_none, is_int, read_json_object
+from ._jsonio import float_or_none, is_int, one_line, read_json_object
 from ._metrics import TINY
 from .errors import ReportReadError
 from .find import display_module
@@ -332,6 +333,33 @@ def _parse_row(path: Path, index: int, row: object) -> tuple[SeriesKey, SeriesRo
     )
 
 
+def _refuse_other_directories(root: Path, role: str) -> None:
+    """Say what ``root`` is when it holds no ``series.json`` but is a directory of
+    another kind: merged ranks (``global-report.json``) or ``rank-NNN/`` directories."""
+    ranks = sorted(
+        entry.name
+        for entry in os.scandir(root)
+        if entry.name.startswith("rank-") and entry.is_dir(follow_symlinks=False)
+    )
+    example = f"; compare one rank's directory instead, such as {root / ranks[0]}" if ranks else ""
+    if (root / "global-report.json").exists():
+        raise ReportReadError(
+            one_line(
+                f"{root}: expected the output directory of one observed run ({role}), holding "
+                f"{SERIES_NAME}; got a directory of merged ranks (global-report.json, written "
+                f"by `torchinstruments merge`), which compare cannot read{example}"
+            )
+        )
+    if ranks:
+        raise ReportReadError(
+            one_line(
+                f"{root}: expected the output directory of one observed run ({role}), holding "
+                f"{SERIES_NAME}; got a directory of {len(ranks)} rank directories "
+                f"(rank_policy='all'){example}"
+            )
+        )
+
+
 def read_series_file(root: Path, role: str) -> SeriesFile:
     """Read and reduce the ``series.json`` in the run directory ``root``; ``role``
     (``"baseline"``, ``"candidate"``) names the run in messages. Holds one parsed file
@@ -348,6 +376,8 @@ def read_series_file(root: Path, role: str) -> SeriesFile:
             f"{root}: expected the output directory of an observed run ({role}), "
             f"got {'a file' if root.exists() else 'nothing'} at that path"
         )
+    if not os.path.lexists(path):
+        _refuse_other_directories(root, role)
     raw = read_json_object(
         path,
         what="a series summary",

@@ -166,6 +166,10 @@ class RunSnapshot:
     report_number: int = 0
     #: The capture inside ``torch.compile``'d graphs (``coverage.compiled_capture``).
     compiled_capture: CompiledCaptureCounts = CompiledCaptureCounts()
+    #: How the directory writer puts its files in place (``coverage.file_write_mode``):
+    #: ``"linked_generations"``, ``"replace_each"``, or None (no directory writer, or
+    #: none has written yet).
+    file_write_mode: str | None = None
 
 
 def take_snapshot(observer: Observer) -> RunSnapshot:
@@ -234,6 +238,14 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         forwards_at_fork=observer.forwards_at_fork,
         report_number=observer.report_number,
         compiled_capture=_compiled_counts(observer),
+        file_write_mode=next(
+            (
+                mode
+                for target in (observer.writer, *observer.sinks)
+                if isinstance(mode := getattr(target, "write_mode", None), str)
+            ),
+            None,
+        ),
     )
 
 

@@ -94,12 +94,23 @@ _SECTIONS = (
 )
 
 
+#: The note (first in ``ranks.notes``) when every rank report states world size 1.
+SEPARATE_RUNS_NOTE = (
+    "the {count} reports look like separate runs, not ranks of one: each states world size 1"
+    " (a single-process run, rank 0); merged as ranks of one run all the same, numbered by"
+    " their directories (give the world size to merge them as ranks without this note). To"
+    " compare two runs, use `torchinstruments compare BASELINE CANDIDATE`"
+)
+
+
 # ---------------------------------------------------------------------- assembling
 @dataclass(slots=True)
 class _Merged:
     """Everything the global report is built from (small; lists are cut to fit)."""
 
     directory: str
+    #: Every rank report states world size 1: separate runs, not ranks of one.
+    separate_runs: bool
     world_size: int | None
     world_size_source: str
     present: list[int]
@@ -149,6 +160,10 @@ def _headline(merged: _Merged, outlier_ranks: Sequence[dict[str, Any]]) -> str:
     if truncated:
         parts.append(f"{truncated} truncated")
     status = ", ".join(parts) + "."
+    if merged.separate_runs:
+        status += (
+            " These look like separate runs, not ranks of one: every report states world size 1."
+        )
     if len(merged.present) < 2:
         return status + " Fewer than two readable rank reports: no rank can be compared."
     if not outlier_ranks:
@@ -179,6 +194,7 @@ def _assemble(merged: _Merged, keep: int, generated_at: str) -> dict[str, Any]:
         "ranks": {
             "world_size": merged.world_size,
             "world_size_source": merged.world_size_source,
+            "separate_runs": merged.separate_runs,
             "present_count": len(merged.present),
             "missing_count": merged.missing_count,
             "unreadable_count": len(merged.unreadable),
@@ -304,6 +320,10 @@ def merge_rank_reports(
         output_dir: where to write the two files. Default: ``directory``.
         world_size: the expected number of ranks. Default: the world size most rank
             reports state (``run.world_size``), else the highest rank directory plus one.
+            Where it is not given and every report (two or more) states world size 1,
+            they are single-process runs put in ``rank-NNN`` directories: they are merged
+            all the same, as many ranks as the directories say, and the global report
+            says so (``ranks.separate_runs``, the first of ``ranks.notes``, the headline).
         max_bytes: bound on ``global-report.json`` in bytes, at least 4,096. Default
             256,000 (as ``ReportConfig.max_bytes``).
         threshold: series-value departure, in spreads, beyond which a rank is an outlier.
@@ -363,8 +383,20 @@ def merge_rank_reports(
                 f"merged as rank {rank}"
             )
 
+    # Single-process runs put in rank-NNN directories: each states world size 1 (and
+    # rank 0), so the stated world size would be 1 with every directory beyond it.
+    separate = (
+        world_size is None
+        and len(accumulator.summaries) >= 2
+        and all(s.world_size == 1 and s.reported_rank in (0, None) for s in accumulator.summaries)
+    )
+    if separate:
+        notes[:] = [n for n in notes if "holds a report of rank" not in n]
+        notes.insert(0, SEPARATE_RUNS_NOTE.format(count=len(accumulator.summaries)))
     if world_size is not None:
         world, world_source = world_size, "argument"
+    elif separate:
+        world, world_source = max(sources) + 1, "rank directories"
     elif stated_world:
         world = max(stated_world, key=lambda w: (stated_world[w], w))
         world_source = "reports"
@@ -403,6 +435,7 @@ def merge_rank_reports(
     disagreements.sort(key=lambda e: (-(e["departure"] or 0.0), e["module"], e["metric"]))
     merged = _Merged(
         directory=str(source),
+        separate_runs=separate,
         world_size=world,
         world_size_source=world_source,
         present=present,

@@ -14,6 +14,7 @@ data flow and says which file owns what.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import time
 import weakref
@@ -424,6 +425,7 @@ class Observer:
 
     def _write_report(self, block: bool, flush: bool = True, files_only: bool = False) -> None:
         from .report import build_report, build_series_summary
+        from .sinks import DirectorySink
 
         self.context.last_write = time.monotonic()
         sinks = () if files_only else self.sinks
@@ -433,6 +435,12 @@ class Observer:
             if target is not None and getattr(target, "write_series_summary", False)
         ]
         summary = None
+        # Every file of this report goes into one generation, switched in at the end.
+        directories = [t for t in (self.writer, *sinks) if isinstance(t, DirectorySink)]
+        for directory in directories:
+            with contextlib.suppress(OSError):  # the write below meets it and counts it
+                directory.choose_write_mode()
+            directory.begin()
         try:
             if flush:
                 self.flush_statistics(block=block)
@@ -458,12 +466,7 @@ class Observer:
                 self.reports_written += 1
             except Exception as error:  # each file is written on its own: go on
                 self.record_error("write", "", error)
-                if not self._warned_write:
-                    self._warned_write = True
-                    warn(
-                        f"torchinstruments could not write its report ({error}); training "
-                        "continues, the error is counted and the next write is retried"
-                    )
+                self._warn_write(error)
         for sink in sinks:
             try:
                 sink.write(report)
@@ -489,3 +492,17 @@ class Observer:
                     target.write_details(details)
                 except Exception as error:
                     self.record_error("details", type(target).__name__, error)
+        for directory in directories:
+            try:
+                directory.commit()
+            except Exception as error:
+                self.record_error("write", "", error)
+                self._warn_write(error)
+
+    def _warn_write(self, error: Exception) -> None:
+        if not self._warned_write:
+            self._warned_write = True
+            warn(
+                f"torchinstruments could not write its report ({error}); training "
+                "continues, the error is counted and the next write is retried"
+            )

@@ -357,6 +357,7 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                     "errors_total": observer.counters.errors_total,
                     "limits_hit": _limits_hit(observer, omitted_bytes, omitted_top_k, replaced),
                     "compiled_capture": dataclasses.asdict(observer.compiled_capture),
+                    "file_write_mode": observer.file_write_mode,
                 },
                 "events": kept_events,
                 "findings": findings,
