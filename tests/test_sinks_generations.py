@@ -53,6 +53,7 @@ def visible(directory: Path) -> tuple[int, int, int] | None:
     assert match.group(2) == run["started_at"]
     assert int(match.group(1)) == run["report_number"], "index.md is another report"
     assert series["run"]["forwards_seen"] == run["forwards_seen"], "series.json is another"
+    assert series["run"]["report_number"] == run["report_number"], "series.json is another"
     assert series["run"]["samples_seen"] == run["samples_seen"]
     for picture in re.findall(r"\]\((plots/[^)]+\.png)\)", index):
         assert (directory / picture).is_file(), picture

@@ -435,6 +435,8 @@ class Observer:
             if target is not None and getattr(target, "write_series_summary", False)
         ]
         summary = None
+        # Numbered before anything is built, so series.json states the same number.
+        self.report_number += 1
         # Every file of this report goes into one generation, switched in at the end.
         directories = [t for t in (self.writer, *sinks) if isinstance(t, DirectorySink)]
         for directory in directories:
@@ -453,7 +455,6 @@ class Observer:
         except Exception as error:
             self.record_error("series_summary", "", error)
         try:
-            self.report_number += 1
             snapshot = self.snapshot()
             report = build_report(snapshot)  # statistics flushed above
         except Exception as error:
