@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import torchinstruments
+from tests.harness import ResidualNet, hook_counts, make_batches, read_report, train
 from torchinstruments import (
     ConfigError,
     MemorySink,
@@ -20,16 +21,6 @@ from torchinstruments import (
     observer_of,
     remove_observer,
 )
-
-from .conftest import ResidualNet, make_batches, read_report, train
-
-
-def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    keys = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return {
-        name: tuple(len(getattr(module, key)) for key in keys)
-        for name, module in model.named_modules()
-    }
 
 
 def test_exported_members_are_the_public_api() -> None:

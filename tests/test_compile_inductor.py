@@ -17,9 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from torchinstruments import inject_observer, remove_observer
-
-from .test_compile import (
+from tests.harness.scenarios import (
     assert_identical_training,
     assert_same_telemetry,
     example_batches,
@@ -27,6 +25,7 @@ from .test_compile import (
     fit_classifier,
     written_series,
 )
+from torchinstruments import inject_observer, remove_observer
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TORCHINSTRUMENTS_INDUCTOR_TESTS") != "1",

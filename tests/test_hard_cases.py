@@ -10,12 +10,10 @@ Behaviours that do not work yet are kept as ``xfail(strict=True)`` with the reas
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import gc
 import io
-import json
 import math
 import os
 import pickle
@@ -24,13 +22,41 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tests.harness import (
+    MLP,
+    MLP_NAMES,
+    Batch,
+    Reference,
+    Report,
+    Step,
+    act,
+    assert_same_model,
+    attach,
+    check_against_reference,
+    finish,
+    fit,
+    grad,
+    hook_counts,
+    instance_attributes,
+    live,
+    live_tensors,
+    make_batches,
+    mse_step,
+    observations,
+    pair,
+    read,
+    referenced_step,
+    series,
+    value,
+)
+from tests.harness.scenarios import CompileNet, check_cast_statistics
 from torchinstruments import (
     ConfigError,
     DefaultSampling,
@@ -43,247 +69,6 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.reduce import cpu_statistics, finish_statistics
-
-from .conftest import read_series
-
-# Every series of a small model is listed (each activation / gradient RMS series is a
-# candidate of a scale category), so findings can be read as the series values.
-WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
-
-Key = tuple[str, int, str, str]  # module, call index, signal, tensor path
-Report = dict[str, Any]
-Batch = tuple[Tensor, Tensor]
-
-
-# ---------------------------------------------------------------------------- helpers
-def batches(count: int, *, seed: int = 0, features: int = 6, rows: int = 16) -> list[Batch]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(rows, features, generator=generator),
-            torch.randn(rows, 1, generator=generator),
-        )
-        for _ in range(count)
-    ]
-
-
-def attach(model: nn.Module, directory: Path, **options: Any) -> Any:
-    options.setdefault("sampling", 1)
-    options.setdefault("report_config", WIDE)
-    return inject_observer(model, output_dir=directory, **options)
-
-
-def read(directory: Path) -> Report:
-    text = (directory / "report.json").read_text(encoding="utf-8")
-
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"report.json contains {constant}")
-
-    report = json.loads(text, parse_constant=refuse)
-    report["series_rows"] = read_series(directory)
-    return report
-
-
-def finish(model: nn.Module, directory: Path) -> Report:
-    remove_observer(model)
-    return read(directory)
-
-
-def series(report: Report, metric: str = "rms") -> dict[Key, dict[str, Any]]:
-    """The ``series.json`` rows of ``metric`` keyed by series (one entry per series)."""
-    found: dict[Key, dict[str, Any]] = {}
-    for finding in report["series_rows"]:
-        if finding["metric"] == metric:
-            key = (
-                finding["module"],
-                finding["call_index"],
-                finding["signal"],
-                finding["tensor_path"],
-            )
-            found.setdefault(key, finding)
-    return found
-
-
-def value(report: Report, key: Key, *, metric: str = "rms", point: str = "latest") -> float:
-    found = series(report, metric)
-    assert key in found, f"no {metric} series {key}; series: {sorted(found)}"
-    result = found[key][point]["value"]
-    assert isinstance(result, float | int), (key, found[key][point])
-    return float(result)
-
-
-def observations(report: Report) -> dict[Key, int]:
-    return {key: finding["observations"] for key, finding in series(report).items()}
-
-
-def act(module: str, call: int = 0, path: str = "output") -> Key:
-    return (module, call, "activation", path)
-
-
-def grad(module: str, call: int = 0, path: str = "output") -> Key:
-    return (module, call, "grad_output", path)
-
-
-def rms64(tensor: Tensor) -> float:
-    """RMS in float64, safe for any finite magnitude (complex: by magnitude)."""
-    data = tensor.detach()
-    data = data.abs() if data.is_complex() else data
-    data = data.to(torch.float64).reshape(-1)
-    data = data[torch.isfinite(data)]
-    peak = float(data.abs().max())
-    if peak == 0.0:
-        return 0.0
-    return peak * math.sqrt(float(((data / peak) ** 2).mean()))
-
-
-Step = Callable[[nn.Module, Tensor, Tensor], Tensor]
-
-
-def mse_step(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    return loss
-
-
-def fit(model: nn.Module, data: Sequence[Batch], step: Step = mse_step) -> list[float]:
-    """SGD with momentum; ``step`` runs forward and backward and returns the loss."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        losses.append(float(step(model, x, y).detach()))
-        optimizer.step()
-    return losses
-
-
-def assert_same_model(observed: nn.Module, twin: nn.Module) -> None:
-    a, b = observed.state_dict(), twin.state_dict()
-    assert list(a) == list(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs from the uninstrumented twin"
-
-
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
-
-
-def pair(factory: Callable[[], ModuleT], seed: int = 1) -> tuple[ModuleT, ModuleT]:
-    torch.manual_seed(seed)
-    model = factory()
-    return model, copy.deepcopy(model)
-
-
-class Reference:
-    """Hand-computed reference on an uninstrumented twin.
-
-    For every step (:meth:`start`) and every (module, call) of the named modules: the
-    float64 RMS of the output and of the first gradient the output receives (with
-    ``total_gradients``, of the sum of the gradients it receives over several backward
-    passes). Forwards run without gradients (eval, recomputation) are ignored.
-    """
-
-    def __init__(
-        self, model: nn.Module, names: Sequence[str], *, total_gradients: bool = False
-    ) -> None:
-        self.total_gradients = total_gradients
-        self.steps: list[dict[tuple[str, int], dict[str, float]]] = []
-        self._calls: dict[str, int] = {}
-        modules = dict(model.named_modules())
-        self._handles = [modules[name].register_forward_hook(self._hook(name)) for name in names]
-
-    def _hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled() or not self.steps:
-                return
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            entry = {"activation": rms64(output)}
-            self.steps[-1][(name, call)] = entry
-            if output.requires_grad:
-                total: list[Tensor] = []
-
-                def on_grad(gradient: Tensor) -> None:
-                    if not self.total_gradients:
-                        entry.setdefault("grad_output", rms64(gradient))
-                        return
-                    total.append(gradient.detach().double() + (total.pop() if total else 0))
-                    entry["grad_output"] = rms64(total[0])
-
-                output.register_hook(on_grad)
-
-        return hook
-
-    def start(self) -> None:
-        self.steps.append({})
-        self._calls = {}
-
-
-def referenced_step(reference: Reference, step: Step = mse_step) -> Step:
-    def run(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        reference.start()
-        return step(model, x, y)
-
-    return run
-
-
-def check_against_reference(report: Report, reference: Reference) -> int:
-    """Every reference value equals the report's first and latest value of its series."""
-    checked = 0
-    last = len(reference.steps) - 1
-    for point, step in (("first", 0), ("latest", last)):
-        for (name, call), entry in reference.steps[step].items():
-            module = name or "<root>"
-            for signal, expected in entry.items():
-                key = (module, call, signal, "output")
-                got = value(report, key, point=point)
-                assert got == pytest.approx(expected, rel=1e-4), (key, point, got, expected)
-                checked += 1
-    return checked
-
-
-def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    keys = (
-        "_forward_hooks",
-        "_forward_pre_hooks",
-        "_backward_hooks",
-        "_backward_pre_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-        "_state_dict_hooks",
-        "_load_state_dict_pre_hooks",
-    )
-    return {
-        name: tuple(len(getattr(module, key, {}) or {}) for key in keys)
-        for name, module in model.named_modules()
-    }
-
-
-def instance_attributes(model: nn.Module) -> dict[str, list[str]]:
-    return {name: sorted(module.__dict__) for name, module in model.named_modules()}
-
-
-def live(kind: str) -> int:
-    """Number of live objects whose class is named ``kind`` (after a collection)."""
-    gc.collect()
-    return sum(1 for obj in gc.get_objects() if type(obj).__name__ == kind)
-
-
-def live_tensors() -> int:
-    gc.collect()
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), Tensor))
-
-
-class MLP(nn.Module):
-    def __init__(self, features: int = 6) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(features, 12)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(12, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-MLP_NAMES = ("", "fc1", "act", "fc2")
 
 
 # ============================================================== 1. capture semantics
@@ -311,7 +96,7 @@ def test_inplace_ops_after_a_module_keep_its_own_output_gradient(tmp_path: Path)
     plain.act.inplace = False
     plain.inplace = False  # the same function without in-place ops, for the reference
     reference = Reference(plain, ["fc1", "act", "fc2", "fc3"])
-    data = batches(4)
+    data = make_batches(4, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data)
@@ -402,7 +187,7 @@ class TokenNet(nn.Module):
 
 def test_module_returning_its_parameter_gets_one_gradient_per_sample(tmp_path: Path) -> None:
     model, twin = pair(TokenNet)
-    data = batches(20)
+    data = make_batches(20, features=6)
     attach(model, tmp_path)
     losses = fit(model, data)
     hooks_during = len(model.token.token._backward_hooks or {})
@@ -454,7 +239,7 @@ def test_checkpointed_blocks_are_one_call_with_their_gradients(tmp_path: Path, m
     plain = copy.deepcopy(model)
     plain.mode = None
     reference = Reference(plain, CKPT_NAMES)
-    data = batches(5)
+    data = make_batches(5, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data)
@@ -504,7 +289,7 @@ def test_checkpointed_root_is_one_sample_per_step(tmp_path: Path, reentrant: boo
     model, twin = pair(MLP)
     plain = copy.deepcopy(model)
     reference = Reference(plain, MLP_NAMES)
-    data = batches(4)
+    data = make_batches(4, features=6)
     step = root_checkpoint_step(reentrant)
 
     attach(model, tmp_path)
@@ -563,7 +348,7 @@ def test_module_reused_inside_a_checkpoint_keeps_per_call_gradients(
     plain = copy.deepcopy(model)
     plain.mode = None
     reference = Reference(plain, ["inp", "cell", "head"])
-    data = batches(3)
+    data = make_batches(3, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data)
@@ -598,7 +383,7 @@ def test_reused_module_gets_call_indices_and_its_own_gradients(tmp_path: Path) -
     model, twin = pair(Recurrent)
     plain = copy.deepcopy(model)
     reference = Reference(plain, ["inp", "cell", "aux", "head"])
-    data = batches(6)
+    data = make_batches(6, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data)
@@ -632,7 +417,7 @@ def test_several_backward_passes_over_one_graph(tmp_path: Path) -> None:
     model, twin = pair(MLP)
     plain = copy.deepcopy(model)
     reference = Reference(plain, MLP_NAMES, total_gradients=True)
-    data = batches(4)
+    data = make_batches(4, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data, twice_backward_step)
@@ -674,7 +459,7 @@ class Fragile(nn.Module):
 @pytest.mark.parametrize("direct", [False, True], ids=["hooks", "capture_direct_forwards"])
 def test_forward_that_raises_half_way_leaves_no_stuck_state(tmp_path: Path, direct: bool) -> None:
     model, twin = pair(Fragile)
-    data = batches(6)
+    data = make_batches(6, features=6)
     failing = {2, 4}
 
     calls: dict[int, int] = {}  # per model: steps run so far
@@ -747,7 +532,7 @@ def test_direct_calls_without_wrappers_are_observed_once(tmp_path: Path, style: 
     model, twin = pair(Wrapper)
     plain = copy.deepcopy(model)
     reference = Reference(plain, ["encoder.0", "head"])
-    data = batches(5)
+    data = make_batches(5, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data, styled_step(style))
@@ -767,7 +552,7 @@ def test_capture_direct_forwards_observes_each_call_exactly_once(tmp_path: Path)
     plain = copy.deepcopy(model)
     reference = Reference(plain, WRAPPER_NAMES)
     styles = ["call", "forward", "submodules", "submodule_forwards"] * 2
-    data = batches(len(styles))
+    data = make_batches(len(styles), features=6)
     # Instance attributes that must come back as they were.
     previous = nn.Tanh.forward.__get__(model.encoder[1])
     model.encoder[1].forward = previous  # type: ignore[method-assign]
@@ -847,7 +632,7 @@ def test_worker_threads_inside_a_root_forward_are_attributed(tmp_path: Path) -> 
     model, twin = pair(Threaded)
     plain = copy.deepcopy(model)
     reference = Reference(plain, ["inp", "left", "right", "merge"])
-    data = batches(5)
+    data = make_batches(5, features=6)
 
     attach(model, tmp_path)
     losses = fit(model, data)
@@ -877,7 +662,7 @@ class DropNet(nn.Module):
 
 def test_evaluation_is_kept_out_of_the_training_series(tmp_path: Path) -> None:
     model, twin = pair(DropNet)
-    data = batches(6)
+    data = make_batches(6, features=6)
     probe = torch.randn(8, 6, generator=torch.Generator().manual_seed(9))
     evaluations: dict[int, list[Tensor]] = {id(model): [], id(twin): []}
 
@@ -923,29 +708,6 @@ def test_evaluation_is_kept_out_of_the_training_series(tmp_path: Path) -> None:
 
 
 # ============================================================================ 2. values
-class Cast(nn.Module):
-    def __init__(self, dtype: torch.dtype, scale: float) -> None:
-        super().__init__()
-        self.dtype = dtype
-        self.scale = scale
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.to(self.dtype) * self.scale
-
-
-class CastNet(nn.Module):
-    def __init__(self, dtype: torch.dtype, scale: float, loss_scale: float) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 32)
-        self.cast = Cast(dtype, scale)
-        self.loss_scale = loss_scale
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.cast(torch.tanh(self.fc(x)))
-        wide = torch.float64 if out.dtype == torch.float64 else torch.float32
-        return (out.to(wide) * self.loss_scale).sum()
-
-
 @pytest.mark.parametrize(
     ("dtype", "scale", "loss_scale"),
     [
@@ -963,45 +725,6 @@ def test_statistics_are_finite_and_exact_in_every_dtype(
     tmp_path: Path, dtype: torch.dtype, scale: float, loss_scale: float
 ) -> None:
     check_cast_statistics(tmp_path, dtype, scale, loss_scale)
-
-
-def check_cast_statistics(
-    directory: Path,
-    dtype: torch.dtype,
-    scale: float,
-    loss_scale: float,
-    device: torch.device | None = None,
-    guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-) -> None:
-    """Train ``CastNet`` 3 steps on ``device``, ``guard`` around the training; the first
-    and latest RMS of ``cast``'s activation and output gradient match float64 values."""
-    torch.manual_seed(0)
-    model = CastNet(dtype, scale, loss_scale).to(device)
-    outputs: list[Tensor] = []
-    gradients: list[Tensor] = []
-
-    def keep(module: nn.Module, args: Any, output: Tensor) -> None:
-        outputs.append(output)
-        output.register_hook(lambda g: gradients.append(g) and None)
-
-    handle = model.cast.register_forward_hook(keep)
-    attach(model, directory)
-    data = [(x.to(device), y.to(device)) for x, y in batches(3, features=6)]
-    with guard():
-        for x, _ in data:
-            model(x).backward()
-    report = finish(model, directory)
-    handle.remove()
-    assert report["coverage"]["errors_total"] == 0
-    assert torch.isfinite(outputs[-1]).all(), "test premise: finite activations"
-    for point, index in (("first", 0), ("latest", 2)):
-        assert value(report, act("cast"), point=point) == pytest.approx(
-            rms64(outputs[index]), rel=1e-4
-        )
-        assert value(report, grad("cast"), point=point) == pytest.approx(
-            rms64(gradients[index]), rel=1e-4
-        )
-    assert not [f for f in report["findings"] if f["category"] == "non_finite"]
 
 
 class ComplexNet(nn.Module):
@@ -1024,7 +747,7 @@ def test_complex_outputs_are_reduced_by_magnitude_or_skipped_and_counted(tmp_pat
     model, twin = pair(ComplexNet)
     plain = copy.deepcopy(model)
     reference = Reference(plain, ["spectrum"])
-    data = batches(4)
+    data = make_batches(4, features=6)
     attach(model, tmp_path)
     losses = fit(model, data)
     report = finish(model, tmp_path)
@@ -1124,7 +847,7 @@ def test_empty_integer_bool_sparse_and_meta_tensors_are_skipped_and_counted(
     tmp_path: Path,
 ) -> None:
     model, twin = pair(KindsNet)
-    data = batches(3)
+    data = make_batches(3, features=6)
     attach(model, tmp_path)
     losses = fit(model, data)
     report = finish(model, tmp_path)
@@ -1174,7 +897,7 @@ def test_repeated_inject_and_remove_leaves_nothing_behind(tmp_path: Path) -> Non
     hooks, attributes = hook_counts(model), instance_attributes(model)
     scale = torch.amp.GradScaler.scale
     exit_callbacks = live("AtExit")
-    data = batches(2)
+    data = make_batches(2, features=6)
     losses, twin_losses = [], []
     fit(model, data[:1])
     fit(twin, data[:1])
@@ -1212,7 +935,7 @@ def test_deep_copied_ema_model_trains_alongside_and_is_not_observed(
     tmp_path: Path, direct: bool
 ) -> None:
     model, twin = pair(MLP)
-    data = batches(5)
+    data = make_batches(5, features=6)
     attach(model, tmp_path, capture_direct_forwards=direct)
     ema = copy.deepcopy(model)
     twin_ema = copy.deepcopy(twin)
@@ -1335,7 +1058,7 @@ def test_jit_after_removal_works(tmp_path: Path) -> None:
 
 def test_dtype_and_device_moves_and_replaced_parameters(tmp_path: Path) -> None:
     model, twin = pair(MLP)
-    data = batches(9)
+    data = make_batches(9, features=6)
 
     def run(m: MLP) -> list[float]:
         losses = fit(m, data[:3])
@@ -1371,19 +1094,6 @@ def test_model_moved_to_meta_is_skipped_and_counted(tmp_path: Path) -> None:
     assert report["coverage"]["errors_total"] == 0
 
 
-class CompileNet(nn.Module):
-    """A class of its own: Dynamo caches compiled code per code object."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 12)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(12, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 @pytest.mark.parametrize(
     "order",
     [
@@ -1397,7 +1107,7 @@ class CompileNet(nn.Module):
 def test_torch_compile_before_and_after_injection(tmp_path: Path, order: str) -> None:
     torch._dynamo.reset()
     model, twin = pair(CompileNet)
-    data = batches(7)
+    data = make_batches(7, features=6)
     twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
     if order == "inject_then_compile":
         attach(model, tmp_path)
@@ -1424,7 +1134,7 @@ def test_data_parallel_wrapper_on_cpu(tmp_path: Path) -> None:
     """nn.DataParallel without GPUs runs the module directly: observed, names unprefixed."""
     model, twin = pair(MLP)
     wrapped, twin_wrapped = nn.DataParallel(model), nn.DataParallel(twin)
-    data = batches(4)
+    data = make_batches(4, features=6)
     hooks = hook_counts(wrapped)
     attach(wrapped, tmp_path)
     losses = fit(wrapped, data)
@@ -1450,7 +1160,7 @@ def test_distributed_data_parallel_single_process(tmp_path: Path) -> None:
         model, twin = pair(MLP)
         wrapped = nn.parallel.DistributedDataParallel(model)
         twin_wrapped = nn.parallel.DistributedDataParallel(twin)
-        data = batches(4)
+        data = make_batches(4, features=6)
         attach(wrapped, tmp_path / "stats")
         losses = fit(wrapped, data)
         report = finish(wrapped, tmp_path / "stats")
@@ -1486,7 +1196,7 @@ def amp_run(model: nn.Module, data: Sequence[Batch], *, scaled: bool) -> tuple[l
 
 
 def test_grad_scaler_with_bf16_autocast_reports_unscaled_gradients(tmp_path: Path) -> None:
-    data = batches(AMP_STEPS)
+    data = make_batches(AMP_STEPS, features=6)
     track = TrackConfig(warmup_samples=6)
     torch.manual_seed(1)
     unscaled = MLP()
@@ -1536,7 +1246,7 @@ def scaled_accumulation(style: str, scaled: bool) -> Callable[[nn.Module], list[
     """
 
     def run(model: nn.Module) -> list[float]:
-        data = batches(8)
+        data = make_batches(8, features=6)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
         losses = []
@@ -1690,7 +1400,7 @@ def test_gradient_accumulation_is_observed_whole(tmp_path: Path, style: str, mic
     run = accumulate_step(micro) if style == "backward_per_micro_batch" else summed_step(micro)
     model, twin = pair(MLP)
     plain = copy.deepcopy(model)
-    data = batches(2 * micro)
+    data = make_batches(2 * micro, features=6)
     reference = Reference(plain, MLP_NAMES)
     attach(model, tmp_path)
     losses = run(model, data)
@@ -1794,7 +1504,7 @@ def test_unwritable_output_directory_never_stops_training(tmp_path: Path) -> Non
     blocker.write_text("a file where a directory should be", encoding="utf-8")
     directory = blocker / "stats"  # cannot be created (root can write anywhere else)
     model, twin = pair(MLP)
-    data = batches(6)
+    data = make_batches(6, features=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = attach(model, directory, report_config=ReportConfig(rewrite_interval_s=1e-6))
@@ -1826,7 +1536,7 @@ def test_full_disk_is_retried_and_warned_once(tmp_path: Path, monkeypatch: Any) 
 
     monkeypatch.setattr(os, "replace", replace)
     model, twin = pair(MLP)
-    data = batches(4)
+    data = make_batches(4, features=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = attach(model, tmp_path, report_config=ReportConfig(rewrite_interval_s=1e-6))

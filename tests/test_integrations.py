@@ -15,10 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import REPO, read_report
 from torchinstruments import MetricLoggerSink, inject_observer, remove_observer
 from torchinstruments.sinks import scalar_tag
-
-from .conftest import read_report
 
 
 class Recorder:
@@ -131,7 +130,7 @@ class _RecordingLightningLogger:
 
 
 def test_lightning_example_uses_the_shipped_callback() -> None:
-    source = (Path(__file__).resolve().parents[1] / "examples" / "lightning_mnist.py").read_text()
+    source = (REPO / "examples" / "lightning_mnist.py").read_text()
     assert "from torchinstruments.integrations.lightning import TorchInstrumentsCallback" in source
     assert "class TorchInstrumentsCallback" not in source
 

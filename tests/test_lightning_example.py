@@ -26,7 +26,9 @@ pytest.importorskip("tensorboard")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
+
+ROOT = REPO
 EXAMPLE = ROOT / "examples" / "lightning_mnist.py"
 TRAIN_IMAGES, TEST_IMAGES = 768, 256
 MAX_STEPS = 48  # 4 epochs of 12 batches of 64
