@@ -21,8 +21,21 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tests.harness import REPO, train_on_noise
+from tests.harness import (
+    REPO,
+    act,
+    assert_same_model,
+    attach,
+    finish,
+    fit,
+    grad,
+    make_batches,
+    observations,
+    pair,
+    train_on_noise,
+)
 from tests.harness.scenarios import (
+    CompileNet,
     assert_identical_training,
     assert_same_telemetry,
     example_batches,
@@ -30,7 +43,10 @@ from tests.harness.scenarios import (
     fit_classifier,
     written_series,
 )
-from torchinstruments import inject_observer, remove_observer
+from torchinstruments import (
+    inject_observer,
+    remove_observer,
+)
 
 
 class CountingBackend:
@@ -263,3 +279,40 @@ def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
     assert observer is not None and observer.compiled_capture is not None
     traced = {observer.names[key[0]] for key in observer.compiled_capture.slot_keys}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.act", "lm_head"} <= traced
+
+
+# -------------------------------------------------- compile before and after injection
+@pytest.mark.parametrize(
+    "order",
+    [
+        "inject_then_compile",
+        "compile_then_inject",
+        pytest.param(
+            "compile_train_then_inject",
+        ),
+    ],
+)
+def test_torch_compile_before_and_after_injection(tmp_path: Path, order: str) -> None:
+    torch._dynamo.reset()
+    model, twin = pair(CompileNet)
+    data = make_batches(7, features=6)
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
+    if order == "inject_then_compile":
+        attach(model, tmp_path)
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    if order == "compile_train_then_inject":
+        fit(compiled, data[:1])
+        fit(twin_compiled, data[:1])
+    if order != "inject_then_compile":
+        attach(model, tmp_path)
+    losses = fit(compiled, data[1:5])
+    report = finish(model, tmp_path)
+    assert losses == fit(twin_compiled, data[1:5])
+    assert_same_model(model, twin)
+    assert fit(compiled, data[5:]) == fit(twin_compiled, data[5:])  # after removal
+    assert_same_model(model, twin)
+    torch._dynamo.reset()
+    seen = observations(report)
+    for name in ("fc1", "act", "fc2"):
+        assert seen.get(act(name)) == 4 and seen.get(grad(name)) == 4, (name, sorted(seen))
+    assert report["coverage"]["errors_total"] == 0

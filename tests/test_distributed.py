@@ -21,9 +21,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.harness import MLP, hook_total, parameters_equal, train
+from tests.harness import (
+    MLP,
+    act,
+    assert_same_model,
+    attach,
+    finish,
+    fit,
+    grad,
+    hook_counts,
+    hook_total,
+    make_batches,
+    observations,
+    pair,
+    parameters_equal,
+    train,
+)
 from tests.harness.ranks import STEPS, rank_batches, run_ranks, seeded_net
-from torchinstruments import ConfigError, inject_observer, remove_observer
+from torchinstruments import (
+    ConfigError,
+    inject_observer,
+    remove_observer,
+)
 from torchinstruments.distributed import detect_rank, parse_rank_directory, rank_directory_name
 
 pytestmark = pytest.mark.skipif(
@@ -261,3 +280,48 @@ def test_rank_directory_names_round_trip() -> None:
     assert parse_rank_directory("stats") is None
     with pytest.raises(ConfigError, match=r"rank must be an int >= 0, got -1"):
         rank_directory_name(-1)
+
+
+# ------------------------------------------------------------- single-process wrappers
+def test_data_parallel_wrapper_on_cpu(tmp_path: Path) -> None:
+    """nn.DataParallel without GPUs runs the module directly: observed, names unprefixed."""
+    model, twin = pair(MLP)
+    wrapped, twin_wrapped = nn.DataParallel(model), nn.DataParallel(twin)
+    data = make_batches(4, features=6)
+    hooks = hook_counts(wrapped)
+    attach(wrapped, tmp_path)
+    losses = fit(wrapped, data)
+    report = finish(wrapped, tmp_path)
+    assert losses == fit(twin_wrapped, data)
+    assert_same_model(wrapped, twin_wrapped)
+    seen = observations(report)
+    for name in ("fc1", "act", "fc2"):
+        assert seen[act(name)] == 4 and seen[grad(name)] == 4
+    assert not any(key[0].startswith("module.") for key in seen)
+    assert hook_counts(wrapped) == hooks
+
+
+def test_distributed_data_parallel_single_process(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable or already initialised")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model, twin = pair(MLP)
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        twin_wrapped = nn.parallel.DistributedDataParallel(twin)
+        data = make_batches(4, features=6)
+        attach(wrapped, tmp_path / "stats")
+        losses = fit(wrapped, data)
+        report = finish(wrapped, tmp_path / "stats")
+        assert losses == fit(twin_wrapped, data)
+        assert_same_model(model, twin)
+        seen = observations(report)
+        for name in ("fc1", "fc2"):
+            assert seen[act(name)] == 4 and seen[grad(name)] == 4
+        assert report["coverage"]["errors_total"] == 0
+    finally:
+        dist.destroy_process_group()

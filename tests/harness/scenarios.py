@@ -1,4 +1,4 @@
-"""Training scenarios that several test files run: on the CPU, on a device
+"""Models and training scenarios that several test files run: on the CPU, on a device
 (``tests/end_to_end/test_cuda.py``) or under another compiler backend
 (``tests/test_compiled_inductor.py``), each with the same checks.
 """
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.harness import (
     act,
@@ -97,6 +98,41 @@ def check_cast_statistics(
             rms64(gradients[index]), rel=1e-4
         )
     assert not [f for f in report["findings"] if f["category"] == "non_finite"]
+
+
+# ---------------------------------------------------------------------- checkpointing
+class Block(nn.Module):
+    """Linear(12, 12) -> Tanh -> Linear(12, 12): the block :class:`CheckpointNet`
+    checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 12)
+        self.act = nn.Tanh()
+        self.out = nn.Linear(12, 12)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.act(self.lin(x)))
+
+
+class CheckpointNet(nn.Module):
+    """Linear(6, 12) -> :class:`Block` -> Linear(12, 1); with ``mode`` ``"reentrant"`` or
+    ``"non_reentrant"`` the block runs under ``torch.utils.checkpoint``."""
+
+    def __init__(self, mode: str | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.block = Block()
+        self.head = nn.Linear(12, 1)
+        self.mode = mode  # None, "reentrant" or "non_reentrant"
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        if self.mode is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.mode == "reentrant")
+        return self.head(h)
 
 
 # ------------------------------------------------------------------------ torch.compile
