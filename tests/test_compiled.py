@@ -1,5 +1,5 @@
 """``torch.compile``: observed modules are reduced inside compiled graphs (``aot_eager``
-here; inductor in ``test_compile_inductor.py``), and injection and removal keep other
+here; inductor in ``test_compiled_inductor.py``), and injection and removal keep other
 models' compiled code.
 
 Each model class here is used by one test only: Dynamo caches compiled code per code

@@ -1,9 +1,9 @@
 """``torch.compile`` with inductor, which compiles C++ kernels on the CPU: minutes per
 model on a 2-core machine, so skipped unless asked for::
 
-    TORCHINSTRUMENTS_INDUCTOR_TESTS=1 uv run pytest tests/test_compile_inductor.py -q
+    TORCHINSTRUMENTS_INDUCTOR_TESTS=1 uv run pytest tests/test_compiled_inductor.py -q
 
-The same checks run with the ``aot_eager`` backend in ``tests/test_compile.py``.
+The same checks run with the ``aot_eager`` backend in ``tests/test_compiled.py``.
 """
 
 from __future__ import annotations
