@@ -5,8 +5,6 @@ passes, forwards that raise, direct calls, threads, evaluation and gradient accu
 Where training runs, it is compared with an uninstrumented twin (same seed, same data)
 and must be bit-identical; reported values are checked against a hand-computed float64
 reference on the twin (``tests.harness.Reference``).
-
-Behaviours that do not work yet are kept as ``xfail(strict=True)`` with the reason.
 """
 
 from __future__ import annotations

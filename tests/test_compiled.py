@@ -32,6 +32,7 @@ from tests.harness import (
     make_batches,
     observations,
     pair,
+    read_report,
     train_on_noise,
 )
 from tests.harness.scenarios import (
@@ -72,7 +73,7 @@ class CountingBackend:
 
 def remove_observer_and_read(model: nn.Module, directory: Path) -> dict[str, Any]:
     remove_observer(model)
-    return json.loads((directory / "report.json").read_text(encoding="utf-8"))
+    return read_report(directory)
 
 
 def samples_of(directory: Path, module: str) -> int:

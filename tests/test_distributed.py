@@ -35,6 +35,7 @@ from tests.harness import (
     observations,
     pair,
     parameters_equal,
+    read_report,
     train,
 )
 from tests.harness.ranks import STEPS, rank_batches, run_ranks, seeded_net
@@ -176,7 +177,7 @@ def test_rank0_policy_leaves_rank1_without_hooks_or_files(tmp_path: Path) -> Non
     assert one["hooks"] == 0
     assert zero["hooks_after_remove"] == 0 and one["hooks_after_remove"] == 0
     assert sorted(p.name for p in out.iterdir()) == ["index.md", "report.json", "series.json"]
-    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    report = read_report(out)
     assert (report["run"]["rank"], report["run"]["world_size"]) == (0, 2)
     assert report["run"]["rank_source"] == "process_group"
     assert report["coverage"]["samples_observed"] == STEPS
@@ -205,7 +206,7 @@ def test_all_policy_writes_rank_directories_bit_identically(
             "report.json",
             "series.json",
         ]
-        report = json.loads((directory / "report.json").read_text(encoding="utf-8"))
+        report = read_report(directory)
         assert (report["run"]["rank"], report["run"]["world_size"]) == (rank, 2)
         assert report["coverage"]["samples_observed"] == STEPS
         assert report["coverage"]["backward_samples_observed"] == STEPS
@@ -243,7 +244,7 @@ def test_rank_detection_from_environment_before_init(
     assert handle.output_dir == tmp_path / "rank-003"
     train(model, rank_batches(3)[:2])
     remove_observer(model)
-    report = json.loads((tmp_path / "rank-003" / "report.json").read_text(encoding="utf-8"))
+    report = read_report(tmp_path / "rank-003")
     assert (report["run"]["rank"], report["run"]["world_size"]) == (3, 4)
     assert report["run"]["rank_source"] == "environment"
 

@@ -6,7 +6,6 @@ sit at the trainer's own logging steps. ``accelerate`` is tested in both orders
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -244,7 +243,7 @@ def test_accelerate_in_both_orders(tmp_path: Path, order: str, mixed_precision: 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
-    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    report = read_report(tmp_path)
     assert report["errors"] == []
     assert report["run"]["samples_seen"] == 5
     assert report["coverage"]["backward_samples_observed"] == 5

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import ResidualNet, load_example, make_batches, train
+from tests.harness import ResidualNet, load_example, make_batches, read_report, train
 from tests.harness.ranks import rank_batches, run_ranks, seeded_net
 from torchinstruments import (
     ConfigError,
@@ -137,7 +137,7 @@ def real_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     inject_observer(model, output_dir=directory, sampling=1)
     train(model, make_batches(30))
     remove_observer(model)
-    return json.loads((directory / "report.json").read_text(encoding="utf-8"))
+    return read_report(directory)
 
 
 def as_rank(report: dict[str, Any], rank: int, world: int) -> dict[str, Any]:

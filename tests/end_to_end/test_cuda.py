@@ -8,7 +8,6 @@ a machine without a GPU.
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from tests.harness import (
     make_batches,
     observations,
     read_report,
+    reference_metrics,
     rms64,
     value,
 )
@@ -69,29 +69,6 @@ def on_device(data: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
 
 
 # ---------------------------------------------------------------- statistics values
-def reference_metrics(x: Tensor) -> dict[str, float | None]:
-    """The metrics of ``finish_statistics`` in float64 on the CPU, straight from the text."""
-    data = x.detach().cpu().to(torch.float64).reshape(-1)
-    finite = data[torch.isfinite(data)]
-    count = finite.numel()
-    nonfinite = (data.numel() - count) / data.numel()
-    if count == 0:
-        return {"nonfinite_fraction": nonfinite}
-    peak = float(finite.abs().max())
-    scaled = finite / peak if peak > 0 else finite
-    rms = peak * math.sqrt(float((scaled**2).mean())) if peak > 0 else 0.0
-    centred = scaled - scaled.mean()
-    m2, m4 = float((centred**2).mean()), float((centred**4).mean())
-    return {
-        "rms": rms,
-        "mean_abs": peak * float(scaled.abs().mean()) if peak > 0 else 0.0,
-        "max_abs": peak,
-        "excess_kurtosis": m4 / (m2 * m2) - 3.0 if m2 > 1e-10 else None,
-        "zero_fraction": float((finite == 0).sum()) / count,
-        "nonfinite_fraction": nonfinite,
-    }
-
-
 def _pattern(numel: int, nan_at: int | None) -> Tensor:
     base = torch.tensor([1.0, -1.0, 3.0, -3.0]).repeat(numel // 4)
     if nan_at is not None:

@@ -26,11 +26,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
 
 from torchinstruments import ReportConfig, inject_observer, remove_observer
+from torchinstruments.reduce import METRICS
 
 #: The repository's root (the folder holding ``src/``, ``tests/``, ``examples/``).
 REPO = Path(__file__).resolve().parents[2]
@@ -208,6 +210,39 @@ def rms64(tensor: Tensor) -> float:
     if peak == 0.0:
         return 0.0
     return peak * math.sqrt(float(((data / peak) ** 2).mean()))
+
+
+def reference_metrics(x: torch.Tensor) -> dict[str, float | None]:
+    """Every metric of ``torchinstruments.reduce.METRICS`` from its documented definition,
+    in float64 numpy on the tensor's exact values (copied to the CPU; complex tensors by
+    magnitude). A metric that is undefined for ``x`` is ``None``: all but
+    ``nonfinite_fraction`` without a finite value, ``tail_ratio`` when the RMS is 0,
+    ``excess_kurtosis`` below 4 finite values or for a variance of 1e-10 or less."""
+    if x.is_complex():
+        x = x.abs()
+    values = x.detach().cpu().to(torch.float64).reshape(-1).numpy()
+    finite = values[np.isfinite(values)]
+    out: dict[str, float | None] = dict.fromkeys(METRICS)
+    out["nonfinite_fraction"] = (values.size - finite.size) / values.size
+    if finite.size == 0:
+        return out
+    # Scale by the largest magnitude before squaring so that the float64 reference itself
+    # neither overflows (1e300) nor underflows (1e-300).
+    max_abs = float(np.max(np.abs(finite)))
+    scale = max_abs if max_abs > 0 else 1.0
+    scaled = finite / scale
+    rms = scale * math.sqrt(float(np.mean(scaled * scaled)))
+    out["rms"] = rms
+    out["mean_abs"] = scale * float(np.mean(np.abs(scaled)))
+    out["max_abs"] = max_abs
+    out["tail_ratio"] = max_abs / rms if rms > 0 else None
+    centred = scaled - scaled.mean()
+    m2 = float(np.mean(centred**2))
+    m4 = float(np.mean(centred**4))
+    if finite.size >= 4 and m2 > 1e-10:
+        out["excess_kurtosis"] = m4 / (m2 * m2) - 3.0
+    out["zero_fraction"] = float(np.count_nonzero(finite == 0)) / finite.size
+    return out
 
 
 class Reference:
