@@ -23,7 +23,7 @@ An edge goes from a module to each package module it names (``from .a import b``
 where ``x`` is not a module) and to the packages above that module (importing
 ``find.base`` runs ``find/__init__.py`` first), except the packages the importing
 module is itself inside (those run before it) and the root package, whose ``__init__``
-every import runs anyway. ``tests/test_import_graph.py`` fails on a cycle
+every import runs anyway. ``tests/end_to_end/test_import_graph.py`` fails on a cycle
 in either graph. Exit status 0 whatever the figures.
 """
 

@@ -19,12 +19,16 @@ cd "$(dirname "$0")/.."
 torch_version=${1:?usage: benchmarks/compat.sh TORCH_VERSION [PYTHON]}
 python=${2:-python3.11}
 CORE_TESTS=(
-    tests/test_api.py tests/test_cases.py tests/test_config.py tests/test_distributed.py
-    tests/test_findings.py tests/test_global_gradient.py tests/test_hard_cases.py
-    tests/test_histogram.py tests/test_hook_parking.py tests/test_import.py
-    tests/test_output_paths.py tests/test_reduce.py tests/test_report.py tests/test_safety.py
-    tests/test_sampling.py tests/test_sentinel.py tests/test_shared_outputs.py tests/test_sinks.py
-    tests/test_staging.py tests/test_time_budget.py tests/test_track.py
+    tests/test_amp.py tests/test_api.py tests/test_calls_shared_outputs.py tests/test_capture.py
+    tests/test_capture_output_paths.py tests/test_config.py tests/test_distributed.py
+    tests/test_find.py tests/test_histogram.py tests/test_observer.py tests/test_parking.py
+    tests/test_reduce.py tests/test_reduce_tensor_kinds.py tests/test_report.py
+    tests/test_report_model_wide.py tests/test_sampling.py tests/test_sampling_time_budget.py
+    tests/test_sentinel.py tests/test_sinks.py tests/test_sinks_directories.py
+    tests/test_staging.py tests/test_track.py
+    tests/end_to_end/test_cases.py tests/end_to_end/test_import.py tests/end_to_end/test_safety.py
+    # the one test of this file that was among the core tests before the files were split
+    tests/test_compiled.py::test_torch_compile_before_and_after_injection
 )
 
 workdir=$(mktemp -d)

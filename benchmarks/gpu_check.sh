@@ -19,7 +19,7 @@ wants() { [[ " $CHECKS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
 if wants tests; then
-    timeout "${TESTS_S:-180}" "$PY" -m pytest tests/test_cuda.py -q -p no:randomly \
+    timeout "${TESTS_S:-180}" "$PY" -m pytest tests/end_to_end/test_cuda.py -q -p no:randomly \
         -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
 fi
 if wants overhead; then

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import torchinstruments
+from tests.harness import (
+    MLP,
+    ResidualNet,
+    hook_counts,
+    instance_attributes,
+    make_batches,
+    read_report,
+    train,
+)
 from torchinstruments import (
     ConfigError,
     MemorySink,
@@ -20,16 +30,6 @@ from torchinstruments import (
     observer_of,
     remove_observer,
 )
-
-from .conftest import ResidualNet, make_batches, read_report, train
-
-
-def hook_counts(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    keys = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return {
-        name: tuple(len(getattr(module, key)) for key in keys)
-        for name, module in model.named_modules()
-    }
 
 
 def test_exported_members_are_the_public_api() -> None:
@@ -281,3 +281,55 @@ def test_side_calls_of_a_submodule_are_kept_out_of_root_training(tmp_path: Path)
     assert coverage["forwards_seen"] == 10
     assert coverage["calls_outside_root_skipped"] == 10
     assert report["summary"]["notable_findings"] == 0
+
+
+# ------------------------------------------------------------------- invalid arguments
+# (argument, given value, what the message must say is expected, how it must show the value)
+BAD_ARGUMENTS: list[Any] = [
+    ("sampling", -3, "an int >= 1", "-3"),
+    ("sampling", True, "an int >= 1", "True"),
+    ("rank_policy", "everyone", "one of", "'everyone'"),
+    ("rank_policy", None, "one of", "None"),
+    ("capture_direct_forwards", "yes", "a bool", "'yes'"),
+    ("write_files", 0, "a bool", "0"),
+    ("output_dir", None, "a non-empty path", "None"),
+    ("output_dir", 42, "a non-empty path", "42"),
+    ("include", 7, "glob pattern", "7"),
+    ("include", ["ok", 3], "glob pattern", "['ok', 3]"),
+    ("exclude", b"fc*", "glob pattern", "b'fc*'"),
+    ("module_types", "Linear", "nn.Module subclass", "'Linear'"),
+    ("module_types", [], "nn.Module subclass", "[]"),
+    ("sinks", [object()], "write", "<object object"),
+]
+TYPE_NAMES_ONLY = ()  # fixed; kept so the parametrisations read the same
+BAD_ARGUMENTS += [
+    pytest.param("sampling", 1.5, "an int >= 1", "1.5", marks=TYPE_NAMES_ONLY),
+    pytest.param("sampling", "often", "an int >= 1", "'often'", marks=TYPE_NAMES_ONLY),
+    pytest.param("report_config", 5, "ReportConfig", "5", marks=TYPE_NAMES_ONLY),
+    pytest.param("track_config", "fast", "TrackConfig", "'fast'", marks=TYPE_NAMES_ONLY),
+    pytest.param(
+        "sinks",
+        None,
+        "sink",
+        "None",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "given", "expected", "shown"), BAD_ARGUMENTS)
+def test_invalid_argument_names_argument_expected_and_given(
+    tmp_path: Path, name: str, given: object, expected: str, shown: str
+) -> None:
+    model = MLP()
+    hooks, attributes = hook_counts(model), instance_attributes(model)
+    options: dict[str, Any] = {"output_dir": tmp_path, name: given}
+    with pytest.raises(ConfigError) as caught:
+        inject_observer(model, **options)
+    message = str(caught.value)
+    named = name if name != "sinks" else "sink"  # "each sink needs ..." names it
+    assert named in message and expected in message, message
+    assert shown in message, f"given value {given!r} not shown in {message!r}"
+    # Nothing was attached and the directory is not taken.
+    assert hook_counts(model) == hooks and instance_attributes(model) == attributes
+    assert observer_of(model) is None
+    inject_observer(model, output_dir=tmp_path).remove()

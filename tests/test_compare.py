@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import REPO, ResidualNet, load_example, make_batches, train
 from torchinstruments import (
     ConfigError,
     EveryNSampling,
@@ -31,10 +32,7 @@ from torchinstruments.compare import (
 from torchinstruments.report import dumps_report
 from torchinstruments.sampling import DefaultSampling, SampleForwards
 
-from .conftest import ResidualNet, make_batches, train
-from .test_example import load_example
-
-DOCS_EXCERPTS = Path(__file__).resolve().parents[1] / "docs" / "excerpts.py"
+DOCS_EXCERPTS = REPO / "docs" / "excerpts.py"
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -43,7 +41,7 @@ def read(path: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    return load_example()
+    return load_example("basic_training.py", "basic_training_example")
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +160,7 @@ def test_cli_prints_where_it_wrote(
     assert (out / "comparison.json").is_file()
 
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "command-line.md"
+DOCS = REPO / "docs" / "command-line.md"
 
 
 def test_show_of_the_drop_norm_example_is_the_one_in_the_docs(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import pytest
 
+from torchinstruments import DefaultSampling, EveryNSampling
 from torchinstruments.config import ReportConfig, TrackConfig
 from torchinstruments.errors import ConfigError, TorchInstrumentsError
 
@@ -247,3 +249,24 @@ def test_config_error_hierarchy():
         TrackConfig(warmup_samples=0)
     with pytest.raises(TorchInstrumentsError):
         ReportConfig(max_bytes=0)
+
+
+# ---------------------------------------------------------------------- invalid fields
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: ReportConfig(max_bytes=100), "max_bytes"),
+        (lambda: ReportConfig(top_k_per_category=0), "top_k_per_category"),
+        (lambda: ReportConfig(rewrite_interval_s=float("nan")), "rewrite_interval_s"),
+        (lambda: TrackConfig(warmup_samples=1), "warmup_samples"),
+        (lambda: TrackConfig(fast_ema_alpha=1.5), "fast_ema_alpha"),
+        (lambda: TrackConfig(max_series=0), "max_series"),
+        (lambda: DefaultSampling(samples_per_stage=0), "samples_per_stage"),
+        (lambda: EveryNSampling(0), "n"),
+    ],
+)
+def test_invalid_config_fields_name_field_expected_and_given(
+    build: Callable[[], object], field: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"\.{field} must be .*, got "):
+        build()

@@ -1,8 +1,9 @@
 """Distributed training on real two-process gloo groups on the CPU.
 
-Each test forks its ranks (``torch._dynamo`` is imported first, so DDP's constructor does
-not import it in every child), joins them through a ``file://`` store and collects one
-JSON result per rank. A rank that hangs fails the test after ``GROUP_TIMEOUT_S``.
+Each test forks its ranks with ``tests.harness.ranks.run_ranks`` (``torch._dynamo`` is
+imported first, so DDP's constructor does not import it in every child), joins them
+through a ``file://`` store and collects one JSON result per rank. A rank that hangs
+fails the test after ``GROUP_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -10,24 +11,40 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import traceback
-import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch._dynamo  # imported once here, then inherited by the forked ranks
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchinstruments import ConfigError, inject_observer, remove_observer
+from tests.harness import (
+    MLP,
+    act,
+    assert_same_model,
+    attach,
+    finish,
+    fit,
+    grad,
+    hook_counts,
+    hook_total,
+    make_batches,
+    observations,
+    pair,
+    parameters_equal,
+    read_report,
+    train,
+)
+from tests.harness.ranks import STEPS, rank_batches, run_ranks, seeded_net
+from torchinstruments import (
+    ConfigError,
+    inject_observer,
+    remove_observer,
+)
 from torchinstruments.distributed import detect_rank, parse_rank_directory, rank_directory_name
 
 pytestmark = pytest.mark.skipif(
@@ -35,11 +52,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo and fork (Linux)",
 )
 
-#: Seconds a whole process group may take before the test fails as hung.
-GROUP_TIMEOUT_S = 45.0
-#: Gloo's own timeout inside the ranks, so a rank waiting for a dead peer gives up.
-GLOO_TIMEOUT_S = 30.0
-STEPS = 10
 COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
@@ -60,133 +72,6 @@ COLLECTIVES = (
     "scatter",
     "send",
 )
-
-
-# ---------------------------------------------------------------------- harness
-Worker = Callable[..., dict[str, Any]]
-
-
-def _rank_entry(
-    rank: int, worker: Worker, world: int, init_file: str, result_dir: str, args: tuple[Any, ...]
-) -> None:
-    """Runs in each forked rank: join the group, run ``worker``, write its result."""
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)  # forked children must not reuse the parent's OpenMP pool
-    result: dict[str, Any]
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=GLOO_TIMEOUT_S),
-        )
-        try:
-            result = worker(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-    except Exception:
-        result = {"error": traceback.format_exc(limit=6)}
-    with open(os.path.join(result_dir, f"rank{rank}.json"), "w", encoding="utf-8") as stream:
-        json.dump(result, stream)
-
-
-@contextmanager
-def _gloo_on_loopback() -> Generator[None]:
-    previous = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = previous or "lo"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-
-
-def run_ranks(
-    worker: Worker,
-    world: int,
-    work: Path,
-    *args: Any,
-    timeout_s: float = GROUP_TIMEOUT_S,
-) -> list[dict[str, Any]]:
-    """Run ``worker(rank, world, *args)`` in ``world`` forked gloo ranks; return results.
-
-    Fails the calling test when a rank hangs past ``timeout_s``, exits without a result
-    or raised (the rank's traceback is shown).
-    """
-    result_dir = work / "results"
-    result_dir.mkdir(parents=True)
-    init_file = work / "init"
-    with _gloo_on_loopback():
-        context = mp.start_processes(
-            _rank_entry,
-            args=(worker, world, str(init_file), str(result_dir), args),
-            nprocs=world,
-            join=False,
-            start_method="fork",
-        )
-        assert context is not None  # join=False returns the context
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=0.25):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the {world} ranks did not finish within {timeout_s} s (hung)")
-    results = []
-    for rank in range(world):
-        path = result_dir / f"rank{rank}.json"
-        assert path.is_file(), f"rank {rank} exited without writing a result"
-        result = json.loads(path.read_text(encoding="utf-8"))
-        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
-        results.append(result)
-    return results
-
-
-# ---------------------------------------------------------------------- model and training
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 12)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(12, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-def rank_batches(rank: int, scale: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(100 + rank)
-    return [
-        (scale * torch.randn(16, 6, generator=generator), torch.randn(16, 1, generator=generator))
-        for _ in range(STEPS)
-    ]
-
-
-def fit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for x, y in batches:
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def seeded_net() -> Net:
-    torch.manual_seed(1)
-    return Net()
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(
-        len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules()
-    )
-
-
-def parameters_equal(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 @contextmanager
@@ -222,7 +107,7 @@ def ddp_worker(
 ) -> dict[str, Any]:
     """Train an observed DDP model and an unobserved DDP twin on the same batches."""
     model, twin = seeded_net(), seeded_net()
-    baseline_hooks = hook_count(model)
+    baseline_hooks = hook_total(model)
     info = detect_rank()
     with count_collectives() as collectives:
         if inject_into == "ddp":
@@ -231,13 +116,13 @@ def ddp_worker(
         else:  # inject into the plain model, then wrap it
             handle = inject_observer(model, output_dir=out_dir, sampling=1, rank_policy=policy)
             wrapped = DistributedDataParallel(model)
-        hooks = hook_count(model) - baseline_hooks
+        hooks = hook_total(model) - baseline_hooks
         collectives_after_ddp = dict(collectives)
-        losses = fit(wrapped, rank_batches(rank))
+        losses = train(wrapped, rank_batches(rank))
         remove_observer(wrapped)
-        hooks_after_remove = hook_count(model) - baseline_hooks
+        hooks_after_remove = hook_total(model) - baseline_hooks
     added = {k: v - collectives_after_ddp.get(k, 0) for k, v in collectives.items()}
-    twin_losses = fit(DistributedDataParallel(twin), rank_batches(rank))
+    twin_losses = train(DistributedDataParallel(twin), rank_batches(rank))
     return {
         "rank_info": [info.rank, info.world_size, info.local_rank, info.source],
         "active": handle.active,
@@ -269,9 +154,9 @@ def fsdp_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 
     model, twin = build(), build()
     handle = inject_observer(model, output_dir=out_dir, sampling=1, rank_policy="all")
-    losses = fit(model, rank_batches(rank))
+    losses = train(model, rank_batches(rank))
     remove_observer(model)
-    twin_losses = fit(twin, rank_batches(rank))
+    twin_losses = train(twin, rank_batches(rank))
     mine, theirs = full(model), full(twin)
     return {
         "output_dir": str(handle.output_dir),
@@ -300,7 +185,7 @@ def test_rank0_policy_leaves_rank1_without_hooks_or_files(tmp_path: Path) -> Non
         "report.json",
         "series.json",
     ]
-    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    report = read_report(out)
     assert (report["run"]["rank"], report["run"]["world_size"]) == (0, 2)
     assert report["run"]["rank_source"] == "process_group"
     assert report["coverage"]["samples_observed"] == STEPS
@@ -331,7 +216,7 @@ def test_all_policy_writes_rank_directories_bit_identically(
             "report.json",
             "series.json",
         ]
-        report = json.loads((directory / "report.json").read_text(encoding="utf-8"))
+        report = read_report(directory)
         assert (report["run"]["rank"], report["run"]["world_size"]) == (rank, 2)
         assert report["coverage"]["samples_observed"] == STEPS
         assert report["coverage"]["backward_samples_observed"] == STEPS
@@ -364,21 +249,21 @@ def test_rank_detection_from_environment_before_init(
     monkeypatch.setenv("LOCAL_RANK", "1")
     info = detect_rank()
     assert (info.rank, info.world_size, info.local_rank, info.source) == (3, 4, 1, "environment")
-    model = Net()
+    model = MLP()
     handle = inject_observer(model, output_dir=tmp_path, sampling=1, rank_policy="all")
     assert handle.output_dir == tmp_path / "rank-003"
-    fit(model, rank_batches(3)[:2])
+    train(model, rank_batches(3)[:2])
     remove_observer(model)
-    report = json.loads((tmp_path / "rank-003" / "report.json").read_text(encoding="utf-8"))
+    report = read_report(tmp_path / "rank-003")
     assert (report["run"]["rank"], report["run"]["world_size"]) == (3, 4)
     assert report["run"]["rank_source"] == "environment"
 
     monkeypatch.setenv("RANK", "1")
-    unobserved = Net()
+    unobserved = MLP()
     handle = inject_observer(unobserved, output_dir=tmp_path / "rank0-policy", sampling=1)
     assert handle.active is False and handle.output_dir is None
-    assert hook_count(unobserved) == 0
-    fit(unobserved, rank_batches(1)[:2])
+    assert hook_total(unobserved) == 0
+    train(unobserved, rank_batches(1)[:2])
     remove_observer(unobserved)
     assert not (tmp_path / "rank0-policy").exists()
 
@@ -406,3 +291,48 @@ def test_rank_directory_names_round_trip() -> None:
     assert parse_rank_directory("stats") is None
     with pytest.raises(ConfigError, match=r"rank must be an int >= 0, got -1"):
         rank_directory_name(-1)
+
+
+# ------------------------------------------------------------- single-process wrappers
+def test_data_parallel_wrapper_on_cpu(tmp_path: Path) -> None:
+    """nn.DataParallel without GPUs runs the module directly: observed, names unprefixed."""
+    model, twin = pair(MLP)
+    wrapped, twin_wrapped = nn.DataParallel(model), nn.DataParallel(twin)
+    data = make_batches(4, features=6)
+    hooks = hook_counts(wrapped)
+    attach(wrapped, tmp_path)
+    losses = fit(wrapped, data)
+    report = finish(wrapped, tmp_path)
+    assert losses == fit(twin_wrapped, data)
+    assert_same_model(wrapped, twin_wrapped)
+    seen = observations(report)
+    for name in ("fc1", "act", "fc2"):
+        assert seen[act(name)] == 4 and seen[grad(name)] == 4
+    assert not any(key[0].startswith("module.") for key in seen)
+    assert hook_counts(wrapped) == hooks
+
+
+def test_distributed_data_parallel_single_process(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("torch.distributed unavailable or already initialised")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model, twin = pair(MLP)
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        twin_wrapped = nn.parallel.DistributedDataParallel(twin)
+        data = make_batches(4, features=6)
+        attach(wrapped, tmp_path / "stats")
+        losses = fit(wrapped, data)
+        report = finish(wrapped, tmp_path / "stats")
+        assert losses == fit(twin_wrapped, data)
+        assert_same_model(model, twin)
+        seen = observations(report)
+        for name in ("fc1", "fc2"):
+            assert seen[act(name)] == 4 and seen[grad(name)] == 4
+        assert report["coverage"]["errors_total"] == 0
+    finally:
+        dist.destroy_process_group()

@@ -11,10 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import event_of, read_report
 from torchinstruments import TrackConfig, inject_observer, remove_observer
 from torchinstruments.events import module_kind
-
-from .conftest import event_of, read_report
 
 
 class Gate(nn.Module):

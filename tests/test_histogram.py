@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from tests.harness import ResidualNet, make_batches, read_report, train
 from torchinstruments import (
     ConfigError,
     DirectorySink,
@@ -19,8 +20,6 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.histogram import Histogram, histogram_counts
-
-from .conftest import ResidualNet, make_batches, read_report, train
 
 
 def numpy_counts(values: np.ndarray, bins: int, low: float, high: float) -> list[float]:

@@ -6,7 +6,6 @@ sit at the trainer's own logging steps. ``accelerate`` is tested in both orders
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import REPO, read_report
 from torchinstruments import MetricLoggerSink, inject_observer, remove_observer
 from torchinstruments.sinks import scalar_tag
-
-from .conftest import read_report
 
 
 class Recorder:
@@ -131,7 +129,7 @@ class _RecordingLightningLogger:
 
 
 def test_lightning_example_uses_the_shipped_callback() -> None:
-    source = (Path(__file__).resolve().parents[1] / "examples" / "lightning_mnist.py").read_text()
+    source = (REPO / "examples" / "lightning_mnist.py").read_text()
     assert "from torchinstruments.integrations.lightning import TorchInstrumentsCallback" in source
     assert "class TorchInstrumentsCallback" not in source
 
@@ -245,7 +243,7 @@ def test_accelerate_in_both_orders(tmp_path: Path, order: str, mixed_precision: 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
-    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    report = read_report(tmp_path)
     assert report["errors"] == []
     assert report["run"]["samples_seen"] == 5
     assert report["coverage"]["backward_samples_observed"] == 5

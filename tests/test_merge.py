@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import random
@@ -12,12 +11,13 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
+from tests.harness import ResidualNet, load_example, make_batches, read_report, train
+from tests.harness.ranks import rank_batches, run_ranks, seeded_net
 from torchinstruments import (
     ConfigError,
     ReportReadError,
@@ -35,10 +35,6 @@ from torchinstruments.merge import (
 )
 from torchinstruments.report import SCHEMA, dumps_report
 
-from .conftest import ResidualNet, make_batches, train
-from .test_distributed import fit, rank_batches, run_ranks, seeded_net
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed_training.py"
 CATEGORIES = (
     "non_finite",
     "activation_scale_drift",
@@ -141,7 +137,7 @@ def real_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     inject_observer(model, output_dir=directory, sampling=1)
     train(model, make_batches(30))
     remove_observer(model)
-    return json.loads((directory / "report.json").read_text(encoding="utf-8"))
+    return read_report(directory)
 
 
 def as_rank(report: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -512,7 +508,7 @@ def rescaled_worker(rank: int, world: int, out_dir: str, bad_rank: int) -> dict[
     """DDP training with ``rank_policy="all"``; ``bad_rank`` gets inputs scaled by 10."""
     model = torch.nn.parallel.DistributedDataParallel(seeded_net())
     inject_observer(model, output_dir=out_dir, sampling=1, rank_policy="all")
-    fit(model, rank_batches(rank, scale=10.0 if rank == bad_rank else 1.0))
+    train(model, rank_batches(rank, scale=10.0 if rank == bad_rank else 1.0))
     remove_observer(model)
     return {}
 
@@ -536,15 +532,6 @@ def test_rank_fed_rescaled_inputs_is_the_named_outlier(tmp_path: Path) -> None:
     assert 5.0 < fc1[0]["value"] / fc1[0]["others_median"] < 20.0
 
 
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("distributed_training_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def example_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     example = sys.modules["distributed_training_example"]
     return {"status": example.main(["--output-dir", out_dir, "--rescale-rank", "1"])}
@@ -553,7 +540,8 @@ def example_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 def test_example_ranks_then_cli_merge_name_the_rescaled_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    load_example()  # loaded before forking, so the ranks inherit it
+    # Loaded before forking, so the ranks inherit it.
+    load_example("distributed_training.py", "distributed_training_example")
     out = tmp_path / "stats"
     results = run_ranks(example_worker, 2, tmp_path, str(out))
     assert [r["status"] for r in results] == [0, 0]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import torchinstruments.reduce as reduce_module
+from tests.harness import reference_metrics
 from torchinstruments.reduce import (
     METRICS,
     STAT_WIDTH,
@@ -36,35 +37,6 @@ def kurtosis_approx(expected: float | None) -> object:
     """``rel=1e-5`` on ``m4 / m2**2``, i.e. on ``expected + 3`` (see the module docstring)."""
     assert expected is not None
     return pytest.approx(expected, rel=REL, abs=REL * (abs(expected) + 3.0))
-
-
-def reference_metrics(x: torch.Tensor) -> dict[str, float | None]:
-    """The documented metric definitions, in float64 numpy, on the tensor's exact values."""
-    if x.is_complex():
-        x = x.abs()
-    values = x.detach().to(torch.float64).reshape(-1).numpy()
-    finite = values[np.isfinite(values)]
-    out: dict[str, float | None] = dict.fromkeys(METRICS)
-    out["nonfinite_fraction"] = (values.size - finite.size) / values.size
-    if finite.size == 0:
-        return out
-    # Scale by the largest magnitude before squaring so that the float64 reference itself
-    # neither overflows (1e300) nor underflows (1e-300).
-    max_abs = float(np.max(np.abs(finite)))
-    scale = max_abs if max_abs > 0 else 1.0
-    scaled = finite / scale
-    rms = scale * math.sqrt(float(np.mean(scaled * scaled)))
-    out["rms"] = rms
-    out["mean_abs"] = scale * float(np.mean(np.abs(scaled)))
-    out["max_abs"] = max_abs
-    out["tail_ratio"] = max_abs / rms if rms > 0 else None
-    centred = scaled - scaled.mean()
-    m2 = float(np.mean(centred**2))
-    m4 = float(np.mean(centred**4))
-    if finite.size >= 4 and m2 > 1e-10:
-        out["excess_kurtosis"] = m4 / (m2 * m2) - 3.0
-    out["zero_fraction"] = float(np.count_nonzero(finite == 0)) / finite.size
-    return out
 
 
 def assert_metrics_close(actual: dict[str, float | None], expected: dict[str, float | None]):

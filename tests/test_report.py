@@ -17,10 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import ResidualNet, make_batches, read_report, train
 from torchinstruments import ReportConfig, inject_observer, remove_observer
 from torchinstruments.report import dumps_report
-
-from .conftest import ResidualNet, make_batches, read_report, train
 
 
 def wide_model(blocks: int) -> nn.Module:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import event_of, read_report
+from tests.harness.scenarios import check_poisoned_report, inject, train_poisoned
 from torchinstruments import inject_observer, remove_observer
-
-from .conftest import event_of, read_report
 
 
 class Gate(nn.Module):
@@ -48,16 +46,6 @@ def run(model: Net, bad_forwards: set[int], forwards: int = 30) -> None:
         x = torch.randn(4, 4, generator=generator)
         model(x).sum().backward()
     model.gate.divisor.fill_(1.0)
-
-
-def inject(model: nn.Module, directory: Path, accelerator: bool, **options: Any) -> None:
-    """``inject_observer``; with ``accelerator`` the CPU takes the path CUDA takes
-    (sentinel sums read at the next flush, small tensors reduced in device batches)."""
-    handle = inject_observer(model, output_dir=directory, **options)
-    if accelerator:
-        observer = handle._observer
-        assert observer is not None
-        observer.buffer.device_path_types = frozenset({"cpu"})
 
 
 ACCELERATOR = pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
@@ -151,100 +139,6 @@ def test_sentinels_leave_training_unchanged(tmp_path: Path, full: bool) -> None:
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.equal(p.grad.nan_to_num(), q.grad.nan_to_num())
-
-
-class Poison(nn.Module):
-    """Multiplies by a gate buffer; setting the gate to NaN starts a fault here."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("gate", torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gate
-
-
-class PoisonNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(32, 64)
-        self.poison = Poison()
-        self.fc2 = nn.Linear(64, 64)
-        self.act = nn.ReLU()
-        self.head = nn.Linear(64, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.act(self.fc2(self.poison(self.fc1(x)))))
-
-
-#: Training forward at which ``Poison`` turns NaN: unsampled by the default schedule
-#: (its third stage samples every 4th forward, 18 to 38) and checked by the root
-#: sentinel (forwards 7, 8, 17, 26, 35, ...), so the values reach every module's
-#: parameters through the optimizer step before the next sample (sample 17, forward 38).
-POISONED_FORWARD = 35
-
-
-def train_poisoned(
-    directory: Path,
-    device: torch.device,
-    guard: Callable[[], AbstractContextManager[None]],
-    accelerator: bool = False,
-    **options: Any,
-) -> dict[str, Any]:
-    """Train ``PoisonNet`` 60 steps with SGD, poisoned from ``POISONED_FORWARD`` on."""
-    torch.manual_seed(0)
-    model = PoisonNet().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    inputs = torch.randn(60, 16, 32, device=device)
-    targets = torch.randn(60, 16, 1, device=device)
-    inject(model, directory, accelerator, **options)
-    with guard():
-        for step in range(60):
-            if step == POISONED_FORWARD:
-                model.poison.gate.fill_(float("nan"))  # a kernel launch on CUDA, no sync
-            loss = nn.functional.mse_loss(model(inputs[step]), targets[step])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-    remove_observer(model)
-    return read_report(directory)
-
-
-def check_poisoned_report(report: dict[str, Any], full_sentinel: bool, accelerator: bool) -> None:
-    """The non-finite finding names ``poison`` with the full sentinel; with the root
-    sentinel alone it says the origin is not located and how to locate it. On the CPU
-    path the hit forces the very next forward (36) to be sampled; on the accelerator
-    path the sentinel sum is read at the next flush, so the first sample after the hit
-    is the scheduled one (forward 38)."""
-    assert report["coverage"]["errors_total"] == 0
-    first = report["findings"][0]
-    assert first["category"] == "non_finite" and first["notable"]
-    earlier = first["evidence"]["earlier_between_samples"]
-    assert earlier["forward_index"] == POISONED_FORWARD
-    assert first["evidence"]["first_nonfinite_sample"] == 17
-    assert (first["change_sample"], first["change_forward"]) == (17, 38 if accelerator else 36)
-    if full_sentinel:
-        assert (first["module"], first["signal"]) == ("poison", "activation")
-        assert earlier == {
-            "source": "full_sentinel",
-            "forward_index": POISONED_FORWARD,
-            "module": "poison",
-            "call_index": 0,
-            "tensor_path": "output",
-            "this_series": True,
-        }
-        event = event_of(report, first)
-        assert "full sentinel saw them here first" in event["interpretation"]
-        # poison multiplies fc1's output by 1 at every sample: one series, named by both.
-        assert event["also_named"] == ["fc1"]
-    else:
-        # Every module is non-finite at the next sample (fc1 through its NaN weights);
-        # forward order cannot tell, and the report says so.
-        assert (first["module"], first["signal"]) == ("fc1", "activation")
-        assert earlier["source"] == "root_sentinel" and earlier["module"] == "<root>"
-        event = event_of(report, first)
-        assert "need not show where they started" in event["interpretation"]
-        assert "full_sentinel=True" in event["next_experiment"]
 
 
 @ACCELERATOR

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from tests.harness import ResidualNet, make_batches, read_report, read_series, train
 from torchinstruments import (
     ConfigError,
     MetricLoggerSink,
@@ -20,8 +21,6 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.sinks import scalar_tag
-
-from .conftest import ResidualNet, make_batches, read_report, read_series, train
 
 
 class RecordingLogger:

@@ -28,7 +28,7 @@ from torchinstruments.__main__ import main as cli_main
 from torchinstruments.errors import ReportReadError
 from torchinstruments.show import show_directory
 
-from .conftest import ResidualNet, make_batches, train
+from .harness import ResidualNet, make_batches, train
 
 _NUMBER = re.compile(r"^Report (\d+) of the run started (\S+) ", re.MULTILINE)
 

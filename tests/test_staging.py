@@ -14,10 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from tests.harness import read_report, read_series
 from torchinstruments import ReportConfig, inject_observer, remove_observer
 from torchinstruments._staging import STAGE_MAX_ELEMENTS, STAGE_MAX_NUMEL
-
-from .conftest import read_report, read_series
 
 WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
 

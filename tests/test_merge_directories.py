@@ -14,7 +14,7 @@ from torchinstruments import inject_observer, remove_observer
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments.merge import SEPARATE_RUNS_NOTE
 
-from .conftest import ResidualNet, make_batches, train
+from .harness import ResidualNet, make_batches, train
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
+
+REPO_ROOT = REPO
 SCRIPT = REPO_ROOT / "benchmarks" / "overhead.py"
 
 HEADERS = (

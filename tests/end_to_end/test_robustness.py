@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import REPO, ResidualNet, live_tensors, make_batches, read_report, train
 from torchinstruments import (
     ReportConfig,
     TrackConfig,
@@ -27,8 +28,6 @@ from torchinstruments import (
 )
 from torchinstruments.api import observer_of
 from torchinstruments.sampling import DefaultSampling, EveryNSampling
-
-from .conftest import ResidualNet, make_batches, read_report, train
 
 
 def test_unwritable_output_dir_never_raises_under_warnings_as_errors(tmp_path: Path) -> None:
@@ -405,13 +404,6 @@ def test_a_model_dropped_without_removal_is_collected(tmp_path: Path) -> None:
     assert read_report(tmp_path / "0")["coverage"]["forwards_seen"] == 0  # the first report
 
 
-def _live_tensors() -> int:
-    import gc
-
-    gc.collect()
-    return sum(1 for item in gc.get_objects() if isinstance(item, torch.Tensor))
-
-
 def test_forwards_never_followed_by_a_backward_retain_nothing(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     inject_observer(model, output_dir=tmp_path, sampling=1)
@@ -420,7 +412,7 @@ def test_forwards_never_followed_by_a_backward_retain_nothing(tmp_path: Path) ->
     for forward in range(1_000):
         model(x)  # train mode, grad enabled, output dropped
         if forward in (299, 649, 999):
-            counts.append(_live_tensors())
+            counts.append(live_tensors())
     remove_observer(model)
     # Staging buffers fill during the first few hundred forwards, then nothing grows.
     assert len(set(counts)) == 1, counts
@@ -535,7 +527,7 @@ def test_runs_killed_at_random_moments_leave_sound_reports(tmp_path: Path) -> No
     """A sample of benchmarks/kill_runs.py (the full version: 30 SIGKILL, 10 SIGTERM):
     report.json, index.md and series.json belong to the same report (a torn pair is a
     failure), with and without plots."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kill_runs.py"
+    script = REPO / "benchmarks" / "kill_runs.py"
     arguments = ["--sigkill", "4", "--sigterm", "2", "--seed", "7", "--output-dir", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, str(script), *arguments],

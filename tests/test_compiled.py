@@ -1,5 +1,5 @@
 """``torch.compile``: observed modules are reduced inside compiled graphs (``aot_eager``
-here; inductor in ``test_compile_inductor.py``), and injection and removal keep other
+here; inductor in ``test_compiled_inductor.py``), and injection and removal keep other
 models' compiled code.
 
 Each model class here is used by one test only: Dynamo caches compiled code per code
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,7 +21,33 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from torchinstruments import inject_observer, remove_observer
+from tests.harness import (
+    REPO,
+    act,
+    assert_same_model,
+    attach,
+    finish,
+    fit,
+    grad,
+    make_batches,
+    observations,
+    pair,
+    read_report,
+    train_on_noise,
+)
+from tests.harness.scenarios import (
+    CompileNet,
+    assert_identical_training,
+    assert_same_telemetry,
+    example_batches,
+    example_model,
+    fit_classifier,
+    written_series,
+)
+from torchinstruments import (
+    inject_observer,
+    remove_observer,
+)
 
 
 class CountingBackend:
@@ -46,23 +71,9 @@ class CountingBackend:
         return run
 
 
-def train(model: nn.Module, steps: int, seed: int = 0) -> list[float]:
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(8, 6, generator=generator)
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def remove_observer_and_read(model: nn.Module, directory: Path) -> dict[str, Any]:
     remove_observer(model)
-    return json.loads((directory / "report.json").read_text(encoding="utf-8"))
+    return read_report(directory)
 
 
 def samples_of(directory: Path, module: str) -> int:
@@ -115,13 +126,12 @@ def test_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> 
     loaded, hook guards are on from Dynamo's start: the code compiled before injection
     guards on the empty hook dictionaries and runs again after removal, compiling
     nothing (the same graph, by its size: the check's last assertion holds there too)."""
-    root = Path(__file__).resolve().parent.parent
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "from tests.test_compile import check_inject_and_remove_keep_another_models_compiled_code"
+        f"from {__name__} import check_inject_and_remove_keep_another_models_compiled_code"
         " as check; check(Path(sys.argv[2]))"
     )
-    subprocess.run([sys.executable, "-c", code, str(root), str(tmp_path)], check=True, cwd=root)
+    subprocess.run([sys.executable, "-c", code, str(REPO), str(tmp_path)], check=True, cwd=REPO)
 
 
 def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> None:
@@ -134,14 +144,14 @@ def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) ->
     observed_backend, unrelated_backend = CountingBackend(), CountingBackend()
     compiled = cast(nn.Module, torch.compile(observed, backend=observed_backend))
     other = cast(nn.Module, torch.compile(unrelated, backend=unrelated_backend))
-    train(compiled, 2)
-    train(other, 2)
+    train_on_noise(compiled, 2)
+    train_on_noise(other, 2)
     assert unrelated_backend.graphs >= 1
     unrelated_graphs, observed_graphs = unrelated_backend.graphs, observed_backend.graphs
 
     inject_observer(observed, output_dir=tmp_path, sampling=1)
-    train(compiled, 3)
-    train(other, 3)
+    train_on_noise(compiled, 3)
+    train_on_noise(other, 3)
     assert unrelated_backend.graphs == unrelated_graphs  # no recompile of the other model
     assert observed_backend.graphs > observed_graphs  # traced again, with the hooks
     plain_size = observed_backend.sizes[0]
@@ -151,86 +161,14 @@ def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) ->
         assert samples_of(tmp_path, name) == 3, name
 
     observed_graphs = observed_backend.graphs
-    train(compiled, 2)
-    train(other, 2)
+    train_on_noise(compiled, 2)
+    train_on_noise(other, 2)
     assert unrelated_backend.graphs == unrelated_graphs
     assert observed_backend.graphs > observed_graphs  # traced again, without the hooks
     assert observed_backend.sizes[observed_backend.last] == plain_size
 
 
 # ----------------------------------------------------------- capture inside compiled graphs
-EXAMPLE_PATH = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
-
-
-def example_model() -> nn.Module:
-    """The example's ResidualMLP, small: 2 blocks of width 16 (13 leaf modules)."""
-    spec = importlib.util.spec_from_file_location("_ti_example_for_compile", EXAMPLE_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    return module.ResidualMLP(inputs=16, width=16, depth=2, classes=4)
-
-
-def example_batches(count: int) -> list[tuple[Tensor, Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
-        for _ in range(count)
-    ]
-
-
-def fit_classifier(model: nn.Module, data: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach().clone())
-    return losses
-
-
-Series = dict[tuple[str, int, str, str, str], list[list[Any]]]
-
-
-def written_series(directory: Path) -> Series:
-    """Every series of series.json: (module, call, signal, path, metric) -> points."""
-    data = json.loads((directory / "series.json").read_text(encoding="utf-8"))
-    return {
-        (e["module"], e["call_index"], e["signal"], e["tensor_path"], e["metric"]): e["points"]
-        for e in data["series"]
-    }
-
-
-def assert_same_telemetry(eager: Series, compiled: Series, rel: float = 1e-5) -> None:
-    """The same series, samples and values; values to ``rel`` (series.json keeps 6
-    significant digits, and float32 sums in another order differ in the last bits)."""
-    assert sorted(compiled) == sorted(eager)
-    for key, points in eager.items():
-        other = compiled[key]
-        assert [p[0] for p in other] == [p[0] for p in points], key
-        for (_, a), (_, b) in zip(points, other, strict=True):
-            if a is None or b is None:
-                assert a is b, key
-            else:
-                assert b == pytest.approx(a, rel=rel, abs=1e-9), key
-
-
-def assert_identical_training(
-    observed: nn.Module, twin: nn.Module, losses: list[Tensor], twin_losses: list[Tensor]
-) -> None:
-    """Identical means bit for bit: every loss and every parameter and buffer after
-    training equal (``torch.equal``) to those of the same compiled model without the
-    observer, trained on the same batches from the same initial state."""
-    assert all(torch.equal(a, b) for a, b in zip(losses, twin_losses, strict=True))
-    mine, theirs = observed.state_dict(), twin.state_dict()
-    assert list(mine) == list(theirs)
-    for name in mine:
-        assert torch.equal(mine[name], theirs[name]), name
-
-
 def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Path) -> None:
     """``fullgraph=True`` compiles with the observer (so the observer adds no graph
     break); training is bit-identical to the same compiled model
@@ -303,19 +241,19 @@ def test_unsampled_forwards_run_a_graph_of_their_own_compiled_once(tmp_path: Pat
     model = EveryOtherNet()
     twin, eager = copy.deepcopy(model), copy.deepcopy(model)
     inject_observer(eager, output_dir=tmp_path / "eager", sampling=2)
-    train(eager, 8)
+    train_on_noise(eager, 8)
     accumulate(eager, 2)
     remove_observer(eager)
     inject_observer(model, output_dir=tmp_path / "compiled", sampling=2)
     graphs = counters["stats"]["unique_graphs"]
     compiled = cast(nn.Module, torch.compile(model, backend="aot_eager", fullgraph=True))
-    losses = train(compiled, 8)
+    losses = train_on_noise(compiled, 8)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     losses += accumulate(compiled, 2)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     report = remove_observer_and_read(model, tmp_path / "compiled")
     plain = cast(nn.Module, torch.compile(twin, backend="aot_eager"))
-    assert losses == train(plain, 8) + accumulate(plain, 2)
+    assert losses == train_on_noise(plain, 8) + accumulate(plain, 2)
     series = written_series(tmp_path / "compiled")
     assert len(series[("fc1", 0, "activation", "output", "rms")]) == 6
     assert len(series[("fc1", 0, "grad_output", "output", "rms")]) == 6
@@ -342,3 +280,40 @@ def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
     assert observer is not None and observer.compiled_capture is not None
     traced = {observer.names[key[0]] for key in observer.compiled_capture.slot_keys}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.act", "lm_head"} <= traced
+
+
+# -------------------------------------------------- compile before and after injection
+@pytest.mark.parametrize(
+    "order",
+    [
+        "inject_then_compile",
+        "compile_then_inject",
+        pytest.param(
+            "compile_train_then_inject",
+        ),
+    ],
+)
+def test_torch_compile_before_and_after_injection(tmp_path: Path, order: str) -> None:
+    torch._dynamo.reset()
+    model, twin = pair(CompileNet)
+    data = make_batches(7, features=6)
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
+    if order == "inject_then_compile":
+        attach(model, tmp_path)
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    if order == "compile_train_then_inject":
+        fit(compiled, data[:1])
+        fit(twin_compiled, data[:1])
+    if order != "inject_then_compile":
+        attach(model, tmp_path)
+    losses = fit(compiled, data[1:5])
+    report = finish(model, tmp_path)
+    assert losses == fit(twin_compiled, data[1:5])
+    assert_same_model(model, twin)
+    assert fit(compiled, data[5:]) == fit(twin_compiled, data[5:])  # after removal
+    assert_same_model(model, twin)
+    torch._dynamo.reset()
+    seen = observations(report)
+    for name in ("fc1", "act", "fc2"):
+        assert seen.get(act(name)) == 4 and seen.get(grad(name)) == 4, (name, sorted(seen))
+    assert report["coverage"]["errors_total"] == 0

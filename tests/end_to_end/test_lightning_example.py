@@ -8,7 +8,6 @@ loading code runs unchanged (with ``--no-download``: nothing is fetched).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -26,7 +25,9 @@ pytest.importorskip("tensorboard")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.harness import REPO, read_report
+
+ROOT = REPO
 EXAMPLE = ROOT / "examples" / "lightning_mnist.py"
 TRAIN_IMAGES, TEST_IMAGES = 768, 256
 MAX_STEPS = 48  # 4 epochs of 12 batches of 64
@@ -121,7 +122,7 @@ def test_lightning_example_reports_and_logs_to_tensorboard(tmp_path: Path) -> No
     assert run_dir.parent.parent == log_dir
 
     # The report covers the model's modules, with samples.
-    report = json.loads((output_dir / "report.json").read_text(encoding="utf-8"))
+    report = read_report(output_dir)
     assert (output_dir / "index.md").is_file()
     assert report["errors"] == []
     assert report["run"]["samples_seen"] == MAX_STEPS  # sampling=1, one forward per step

@@ -21,9 +21,8 @@ import torch._dynamo.utils
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from torchinstruments import EveryNSampling, ReportConfig, inject_observer, remove_observer
-
-from .conftest import read_report, read_series
+from tests.harness import WIDE, forward_hook_counts, read_report, read_series, train_on_noise
+from torchinstruments import EveryNSampling, inject_observer, remove_observer
 
 
 class Probe(nn.Module):
@@ -66,23 +65,9 @@ class OddForwards:
         return {"policy": "odd_forwards"}
 
 
-def hook_counts(model: nn.Module) -> dict[str, int]:
-    return {name: len(module._forward_hooks) for name, module in model.named_modules()}
-
-
 def train(model: nn.Module, steps: int, seed: int = 0) -> list[float]:
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(4, 6, generator=generator)
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        losses.append(loss.item())
-    return losses
-
-
-#: Wide enough that every series appears among the findings.
-WIDE = ReportConfig(top_k_per_category=500, max_bytes=4_000_000)
+    """Backward only, no optimizer: :func:`~tests.harness.train_on_noise` on batches of 4."""
+    return train_on_noise(model, steps, seed, rows=4, lr=None)
 
 
 def findings(rows: list[dict], metric: str) -> dict[tuple[str, str], dict]:
@@ -102,13 +87,13 @@ def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dy
     torch.manual_seed(0)
     model, twin = Net(), Net()
     twin.load_state_dict(model.state_dict())
-    before = hook_counts(model)
+    before = forward_hook_counts(model)
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
-    attached = hook_counts(model)
+    attached = forward_hook_counts(model)
     losses = train(model, 7)
-    assert hook_counts(model) == attached  # forward 6 was sampled: every hook in place
+    assert forward_hook_counts(model) == attached  # forward 6 was sampled: every hook in place
     remove_observer(model)
-    assert hook_counts(model) == before
+    assert forward_hook_counts(model) == before
     assert losses == train(twin, 7)
     # Forwards 0, 3 and 6 are sampled: only then does the probe carry our hook.
     assert model.probe.hooks_seen == [1, 0, 0, 1, 0, 0, 1]
@@ -119,16 +104,16 @@ def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dy
 
 def test_a_forward_that_raises_leaves_the_hooks_working(tmp_path: Path, fresh_dynamo) -> None:
     model = Net(fail_on=1)
-    before = hook_counts(model)
+    before = forward_hook_counts(model)
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(3))
-    attached = hook_counts(model)
+    attached = forward_hook_counts(model)
     train(model, 1)
     with pytest.raises(RuntimeError, match="on purpose"):
         train(model, 1)
     train(model, 2)
-    assert hook_counts(model) == attached  # forward 3 was sampled: hooks back in place
+    assert forward_hook_counts(model) == attached  # forward 3 was sampled: hooks back in place
     remove_observer(model)
-    assert hook_counts(model) == before
+    assert forward_hook_counts(model) == before
     # Training forwards 0 and 3 are sampled; forward 1 raised before reaching the probe.
     assert model.probe.hooks_seen == [1, 0, 1]
 
@@ -235,22 +220,22 @@ def test_hooks_stay_parked_across_unsampled_forwards_until_a_sample(
     tmp_path: Path, fresh_dynamo
 ) -> None:
     model = Net()
-    before = hook_counts(model)
+    before = forward_hook_counts(model)
     inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(4))
     counts = []
     for _ in range(6):
         train(model, 1)
-        counts.append(hook_counts(model)["probe"])
+        counts.append(forward_hook_counts(model)["probe"])
     model.eval()
     with torch.no_grad():
         model(torch.randn(2, 6))  # eval forwards leave them parked too
     model.train()
-    assert hook_counts(model)["probe"] == 0
+    assert forward_hook_counts(model)["probe"] == 0
     train(model, 1)  # training forward 6 (eval forwards are not counted): not sampled
     remove_observer(model)
     assert counts == [1, 0, 0, 0, 1, 0]
     assert model.probe.hooks_seen == [1, 0, 0, 0, 1, 0, 0, 0]  # the 7th is the eval forward
-    assert hook_counts(model) == before
+    assert forward_hook_counts(model) == before
 
 
 def test_a_module_with_another_hook_keeps_its_hooks_in_order(tmp_path: Path, fresh_dynamo) -> None:
@@ -365,18 +350,18 @@ def test_keyboard_interrupt_inside_a_forward_leaves_no_hook_parked(
             return x
 
     model = nn.Sequential(nn.Linear(8, 16), Interrupting(), nn.Tanh(), nn.Linear(16, 1))
-    before = hook_counts(model)
+    before = forward_hook_counts(model)
     inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(2))
-    attached = hook_counts(model)
+    attached = forward_hook_counts(model)
     for _ in range(8):
         with contextlib.suppress(KeyboardInterrupt):
             model(torch.randn(4, 8)).sum().backward()
     # All parked, the root's post-hook too: unsampled forward 7 was left open-ended.
-    assert hook_counts(model) == dict.fromkeys(attached, 0)
+    assert forward_hook_counts(model) == dict.fromkeys(attached, 0)
     model(torch.randn(4, 8)).sum().backward()  # forward 8: sampled, hooks back
-    assert hook_counts(model) == attached
+    assert forward_hook_counts(model) == attached
     remove_observer(model)
-    assert hook_counts(model) == before
+    assert forward_hook_counts(model) == before
     coverage = read_report(tmp_path)["coverage"]
     assert (coverage["forwards_seen"], coverage["samples_observed"]) == (9, 5)
 
@@ -410,7 +395,7 @@ def test_quiet_forwards_run_with_the_root_post_hook_parked_too(
     torch.manual_seed(0)
     model, twin = Net(), Net()
     twin.load_state_dict(model.state_dict())
-    before = hook_counts(model)
+    before = forward_hook_counts(model)
     policy = AskedEvery(100)
     handle = inject_observer(model, output_dir=tmp_path, sampling=policy)
     observer = handle._observer
@@ -424,7 +409,7 @@ def test_quiet_forwards_run_with_the_root_post_hook_parked_too(
         model(torch.randn(4, 5))  # training forward 22 raises at fc1
     losses += train(model, 4, seed=2)
     remove_observer(model)
-    assert hook_counts(model) == before
+    assert forward_hook_counts(model) == before
     twin_losses = train(twin, 20) + train(twin, 2, seed=1) + train(twin, 4, seed=2)
     assert losses == twin_losses
     # Forward 0 is sampled; forward 1 parks the submodule hooks and, at its end, the

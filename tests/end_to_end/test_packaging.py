@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
+
+ROOT = REPO
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 UV = shutil.which("uv")
 needs_uv = pytest.mark.skipif(UV is None, reason="uv (the build tool) is not installed")

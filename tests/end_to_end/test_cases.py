@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "cases"
+from tests.harness import REPO
+
+CASES = REPO.parent / "shared" / "cases"
 SCRIPTS = sorted(CASES.glob("[0-9]*.py")) if CASES.is_dir() else []
 
 
@@ -30,7 +32,7 @@ def test_case_script_passes(script: Path) -> None:
         text=True,
         timeout=600,
         env=environment,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=REPO,
     )
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 0, output[-3000:]

@@ -11,10 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import ResidualNet, hook_counts, make_batches, read_report
 from torchinstruments import inject_observer, remove_observer
-
-from .conftest import ResidualNet, make_batches, read_report
-from .test_api import hook_counts
 
 
 def run_steps(model: nn.Module, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.harness import ResidualNet, event_of, make_batches, read_report
 from torchinstruments import inject_observer, remove_observer
-
-from .conftest import ResidualNet, event_of, make_batches, read_report
 
 
 def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> None:

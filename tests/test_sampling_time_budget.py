@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import torchinstruments.sampling as sampling_module
+from tests.harness import ResidualNet, make_batches, read_report, train
 from torchinstruments import ConfigError, TimeBudgetSampling, inject_observer, remove_observer
-
-from .conftest import ResidualNet, make_batches, read_report, train
 
 
 class FakeClock:

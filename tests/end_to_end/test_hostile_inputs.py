@@ -28,13 +28,12 @@ from typing import Any
 
 import pytest
 
+from tests.harness import ResidualNet, make_batches, train
 from torchinstruments import inject_observer, remove_observer
 from torchinstruments.__main__ import EXIT_STATUSES
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments._jsonio import MAX_JSON_DEPTH, json_depth, read_json_object
 from torchinstruments.errors import ReportReadError
-
-from .conftest import ResidualNet, make_batches, train
 
 #: Fuzz cases; each runs merge, compare and show on freshly mutated inputs.
 FUZZ_CASES = 40

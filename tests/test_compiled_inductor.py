@@ -1,9 +1,9 @@
 """``torch.compile`` with inductor, which compiles C++ kernels on the CPU: minutes per
 model on a 2-core machine, so skipped unless asked for::
 
-    TORCHINSTRUMENTS_INDUCTOR_TESTS=1 uv run pytest tests/test_compile_inductor.py -q
+    TORCHINSTRUMENTS_INDUCTOR_TESTS=1 uv run pytest tests/test_compiled_inductor.py -q
 
-The same checks run with the ``aot_eager`` backend in ``tests/test_compile.py``.
+The same checks run with the ``aot_eager`` backend in ``tests/test_compiled.py``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from torchinstruments import inject_observer, remove_observer
-
-from .test_compile import (
+from tests.harness.scenarios import (
     assert_identical_training,
     assert_same_telemetry,
     example_batches,
@@ -27,6 +25,7 @@ from .test_compile import (
     fit_classifier,
     written_series,
 )
+from torchinstruments import inject_observer, remove_observer
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TORCHINSTRUMENTS_INDUCTOR_TESTS") != "1",

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.harness import REPO
+
+ROOT = REPO
 
 
 def test_quick_fault_benchmark_runs_and_prints_totals(tmp_path: Path) -> None:

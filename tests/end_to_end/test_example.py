@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from .conftest import event_of, read_report
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("basic_training_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.harness import event_of, load_example, read_report
 
 
 def leaders(report: dict) -> dict[str, dict]:
@@ -43,7 +29,7 @@ def leaders(report: dict) -> dict[str, dict]:
 def test_modified_block_leads_its_category(
     tmp_path: Path, modification: str, category: str, module: str
 ) -> None:
-    example = load_example()
+    example = load_example("basic_training.py", "basic_training_example")
     assert example.main(["--modification", modification, "--output-dir", str(tmp_path)]) == 0
     report = read_report(tmp_path)
     leader = leaders(report)[category]
@@ -56,7 +42,7 @@ def test_modified_block_leads_its_category(
 
 
 def test_unmodified_run_names_no_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    example = load_example()
+    example = load_example("basic_training.py", "basic_training_example")
     assert example.main(["--output-dir", str(tmp_path), "--steps", "300"]) == 0
     report = read_report(tmp_path)
     assert not any(f["module"].startswith("blocks.2") for f in leaders(report).values())
@@ -66,7 +52,7 @@ def test_unmodified_run_names_no_block(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_rejects_too_few_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    example = load_example()
+    example = load_example("basic_training.py", "basic_training_example")
     with pytest.raises(SystemExit):
         example.main(["--steps", "1"])
     assert "--steps must be at least 2, got 1" in capsys.readouterr().err

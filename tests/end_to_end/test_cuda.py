@@ -8,7 +8,6 @@ a machine without a GPU.
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,25 +19,28 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from torchinstruments import inject_observer, remove_observer
-from torchinstruments.reduce import finish_statistics, tensor_statistics
-
-from .conftest import read_report
-from .test_hard_cases import (
+from tests.harness import (
     MLP,
-    CompileNet,
     act,
     attach,
-    batches,
-    check_cast_statistics,
     finish,
     fit,
     grad,
+    make_batches,
     observations,
+    read_report,
+    reference_metrics,
     rms64,
     value,
 )
-from .test_sentinel import check_poisoned_report, train_poisoned
+from tests.harness.scenarios import (
+    CompileNet,
+    check_cast_statistics,
+    check_poisoned_report,
+    train_poisoned,
+)
+from torchinstruments import inject_observer, remove_observer
+from torchinstruments.reduce import finish_statistics, tensor_statistics
 
 DEVICE = torch.device(os.environ.get("TI_CUDA_TESTS_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
@@ -67,29 +69,6 @@ def on_device(data: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
 
 
 # ---------------------------------------------------------------- statistics values
-def reference_metrics(x: Tensor) -> dict[str, float | None]:
-    """The metrics of ``finish_statistics`` in float64 on the CPU, straight from the text."""
-    data = x.detach().cpu().to(torch.float64).reshape(-1)
-    finite = data[torch.isfinite(data)]
-    count = finite.numel()
-    nonfinite = (data.numel() - count) / data.numel()
-    if count == 0:
-        return {"nonfinite_fraction": nonfinite}
-    peak = float(finite.abs().max())
-    scaled = finite / peak if peak > 0 else finite
-    rms = peak * math.sqrt(float((scaled**2).mean())) if peak > 0 else 0.0
-    centred = scaled - scaled.mean()
-    m2, m4 = float((centred**2).mean()), float((centred**4).mean())
-    return {
-        "rms": rms,
-        "mean_abs": peak * float(scaled.abs().mean()) if peak > 0 else 0.0,
-        "max_abs": peak,
-        "excess_kurtosis": m4 / (m2 * m2) - 3.0 if m2 > 1e-10 else None,
-        "zero_fraction": float((finite == 0).sum()) / count,
-        "nonfinite_fraction": nonfinite,
-    }
-
-
 def _pattern(numel: int, nan_at: int | None) -> Tensor:
     base = torch.tensor([1.0, -1.0, 3.0, -3.0]).repeat(numel // 4)
     if nan_at is not None:
@@ -268,7 +247,7 @@ def test_torch_compile_with_inductor(tmp_path: Path, order: str) -> None:
     torch.manual_seed(1)
     model = CompileNet().to(DEVICE)
     twin = copy.deepcopy(model)
-    data = on_device(batches(5))
+    data = on_device(make_batches(5, features=6))
     if order == "inject_then_compile":
         attach(model, tmp_path)
     compiled = cast(nn.Module, torch.compile(model, backend="inductor"))
@@ -306,7 +285,7 @@ def test_distributed_data_parallel_world_size_one(tmp_path: Path) -> None:
         ids = [DEVICE.index or 0] if ON_CUDA else None
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         twin_wrapped = nn.parallel.DistributedDataParallel(twin, device_ids=ids)
-        data = on_device(batches(6))
+        data = on_device(make_batches(6, features=6))
 
         attach(wrapped, tmp_path / "stats")
         losses = fit(wrapped, data)
@@ -345,7 +324,7 @@ def test_staged_copies_keep_the_values_seen_by_the_hook(tmp_path: Path, side_str
     seen: list[Tensor] = []
     model.fc.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
     attach(model, tmp_path)
-    data = on_device(batches(6, features=32))
+    data = on_device(make_batches(6, features=32))
     stream = torch.cuda.Stream() if ON_CUDA and side_stream else None
     with torch.cuda.stream(stream) if stream is not None else _nothing():
         for x, y in data:

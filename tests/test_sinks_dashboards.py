@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.harness import ResidualNet, make_batches
 from torchinstruments import (
     ConfigError,
     DefaultSampling,
@@ -27,8 +28,6 @@ from torchinstruments import (
     remove_observer,
 )
 from torchinstruments.sinks import scalar_tag
-
-from .conftest import ResidualNet, make_batches
 
 #: Training forwards of the runs below: the default schedule's first 6 + 6 + 6 samples
 #: (intervals 1, 2 and 4) and then interval 8.

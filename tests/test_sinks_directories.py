@@ -1,0 +1,130 @@
+"""Report directories: an unwritable one and a full disk never stop training (retried,
+warned once), and one directory is refused to a second observer however it is spelled.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import (
+    MLP,
+    assert_same_model,
+    attach,
+    fit,
+    make_batches,
+    pair,
+    read,
+)
+from torchinstruments import (
+    ObserverStateError,
+    ReportConfig,
+    inject_observer,
+    observer_of,
+    remove_observer,
+)
+
+
+def write_failures(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if "could not write its report" in str(w.message)]
+
+
+def test_unwritable_output_directory_never_stops_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory should be", encoding="utf-8")
+    directory = blocker / "stats"  # cannot be created (root can write anywhere else)
+    model, twin = pair(MLP)
+    data = make_batches(6, features=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = attach(model, directory, report_config=ReportConfig(rewrite_interval_s=1e-6))
+        losses = fit(model, data)  # a write is attempted at every forward
+        assert handle.flush() is not None
+        assert len(write_failures(caught)) == 1, [str(w.message) for w in caught]
+    assert losses == fit(twin, data)
+    assert_same_model(model, twin)
+    current = handle.report()
+    assert current["coverage"]["errors_total"] >= 7
+    assert any(e.get("stage") == "write" for e in current["errors"]), current["errors"]
+
+    blocker.unlink()  # the directory becomes writable: the next write succeeds
+    handle.flush()
+    report = read(directory)
+    assert report["coverage"]["samples_observed"] == 6
+    remove_observer(model)
+    assert read(directory)["coverage"]["errors_total"] >= 7
+
+
+def test_full_disk_is_retried_and_warned_once(tmp_path: Path, monkeypatch: Any) -> None:
+    real_replace = os.replace
+    full = {"on": True}
+
+    def replace(source: Any, target: Any) -> None:
+        if full["on"] and str(tmp_path) in str(target):
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    model, twin = pair(MLP)
+    data = make_batches(4, features=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = attach(model, tmp_path, report_config=ReportConfig(rewrite_interval_s=1e-6))
+        losses = fit(model, data)
+        handle.flush()
+        full["on"] = False
+        handle.flush()
+        remove_observer(model)
+    assert len(write_failures(caught)) == 1
+    assert losses == fit(twin, data)
+    assert_same_model(model, twin)
+    report = read(tmp_path)
+    assert report["coverage"]["errors_total"] >= 5
+    # Nothing stale is left: the links, and the one generation they name.
+    generation = os.readlink(tmp_path / ".current")
+    assert re.fullmatch(r"\.generation-\d{6}", generation), generation
+    names = ["index.md", "report.json", "series.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".current", generation, *names]
+    assert sorted(p.name for p in (tmp_path / generation).iterdir()) == names
+
+
+def same_directory_spellings(base: Path) -> Iterator[tuple[str, Path]]:
+    yield "dotdot", base / ".." / base.name
+    yield "trailing_dot", base / "."
+    link = base.parent / f"{base.name}-link"
+    link.symlink_to(base, target_is_directory=True)
+    yield "symlink", link
+
+
+def test_shared_report_directory_is_refused_however_spelled(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    base = tmp_path / "stats"
+    base.mkdir()
+    first = MLP()
+    inject_observer(first, output_dir=base)
+    for label, spelling in same_directory_spellings(base):
+        other = MLP()
+        with pytest.raises(ObserverStateError, match="already used"):
+            inject_observer(other, output_dir=spelling)
+        assert observer_of(other) is None, label
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ObserverStateError, match="already used"):
+        inject_observer(MLP(), output_dir="stats")  # relative spelling
+    # rank_policy="all" writes rank-000/ under it: separated, never interleaved.
+    separate = MLP()
+    inject_observer(separate, output_dir=base, rank_policy="all")
+    first(torch.randn(2, 6)).sum().backward()
+    separate(torch.randn(2, 6)).sum().backward()
+    remove_observer(separate)
+    remove_observer(first)
+    assert read(base)["coverage"]["forwards_seen"] == 1
+    assert read(base / "rank-000")["coverage"]["forwards_seen"] == 1
