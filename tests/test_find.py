@@ -632,3 +632,40 @@ def test_noise_or_a_modest_shift_in_a_noisy_series_is_not_notable(factor):
     found = run_rules(noisy_gradient_run(factor))
     assert notable(found["gradient_scale_change"]) == []
     assert notable(found["regime_change"]) == []
+
+
+def zero_fraction_gradient(module: str, before: float, noise: float, seed: int) -> TensorSeries:
+    """Output-gradient zero fraction around ``before`` that becomes exactly 1 (a gradient
+    cut to zero) from ``STEP_AT`` on."""
+    rng = random.Random(seed)
+    series = new_series(module, -1, GRAD_OUTPUT)
+    for sample in range(SAMPLES):
+        noisy_value = min(1.0, max(0.0, before + rng.gauss(0.0, noise)))
+        value = 1.0 if sample >= STEP_AT else noisy_value
+        series.update(CONFIG, sample, {"zero_fraction": value})
+    return series
+
+
+def test_the_origin_share_is_measured_in_the_metric_not_in_each_series_spreads():
+    """A gradient cut to zero at a normalization whose output gradient was half zeros
+    (behind a ReLU) also zeroes the dense gradient of the convolution before it. The
+    convolution's zero fraction, exactly 0 until then, steps by hundreds of its floor's
+    spreads, the normalization's by about 13 of its own; in the metric both moved a lot
+    (0.5 and 1.0), so the change begins at the normalization, first in propagation order
+    for gradients."""
+    series = [
+        quiet_activation("conv", 1, seed=81),
+        quiet_activation("norm", 2, seed=82),
+        root_gradient(seed=80),
+        zero_fraction_gradient("conv", 0.0, 0.0, seed=83),
+        zero_fraction_gradient("norm", 0.5, 0.03, seed=84),
+    ]
+    found = notable(run_rules(series)["zero_fraction_growth"])
+    assert names(found) == ["norm"]
+    origin = found[0]
+    assert origin.onset == STEP_AT
+    assert echo_names(origin) == ["conv"]
+    echo = origin.echoes[0]
+    assert echo.change is not None and origin.change is not None
+    # In spreads the echo is far larger: the old rule named it.
+    assert abs(echo.change.step_z) * ORIGIN_SHARE > abs(origin.change.step_z)

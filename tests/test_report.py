@@ -387,3 +387,16 @@ def test_the_headline_keeps_code_spans_as_they_are_and_escapes_the_text() -> Non
         "(`<model>`)"
     )
     assert md_spans("a ``b`c`` d") == "a ``b`c`` d"
+
+
+def test_at_the_same_sample_non_finite_values_come_first_in_a_round() -> None:
+    """The round-robin key: at one sample a non-finite finding precedes a scale change of
+    any size (it is dated exactly, and the finite values after it moved with it); an
+    earlier change still comes first, and a gradient counts as 5 samples later."""
+    from torchinstruments.report import _round_key
+
+    scale = _round_key(True, 39, False, "activation", 200.0)
+    non_finite = _round_key(True, 39, False, "activation", 0.0, non_finite=True)
+    earlier = _round_key(True, 38, False, "activation", 10.0)
+    gradient = _round_key(True, 36, False, "grad_output", 500.0)
+    assert sorted([scale, non_finite, earlier, gradient]) == [earlier, non_finite, scale, gradient]

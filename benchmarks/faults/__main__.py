@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "totals": {
                 "faults": total.faults,
                 "hit@1": total.hit1,
+                "headline@1": total.headline1,
                 "hit@3": total.hit3,
                 "mrr": total.mrr,
                 "controls": total.controls,

@@ -148,16 +148,25 @@ def _quiet_choice(
     return sorted(chosen)
 
 
-def _round_key(notable: bool, change_sample: int | None, early: bool, signal: str, size: float):
+def _round_key(
+    notable: bool,
+    change_sample: int | None,
+    early: bool,
+    signal: str,
+    size: float,
+    non_finite: bool = False,
+):
     # Within a round: notable first, then the earliest detected change, so the list reads
-    # in the order things happened; at the same sample the category whose change is
-    # largest in its own noise units (residual spreads) first, as the origin of a group
-    # is chosen; ties keep the fixed category order.
+    # in the order things happened; at the same sample non-finite values first (they are
+    # dated exactly, and where they appear every statistic over the finite values has
+    # moved with them), then the category whose change is largest in its own noise units
+    # (residual spreads); ties keep the fixed category order.
     return (
         not notable,
         change_sample is None,
         early,
         (change_sample or 0) + (ONSET_TOLERANCE_SAMPLES if signal == GRAD_OUTPUT else 0),
+        not non_finite,
         -size,
     )
 
@@ -223,7 +232,9 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
         notable_dropped[category] = max(len(notable) - max(room, 0), 0)
         for c in notable[: max(room, 0)]:
             size = max([step_size(c), *(step_size(e) for e in c.echoes)]) if c.change else 0.0
-            key = _round_key(True, c.onset, is_early(c), c.series.signal, size)
+            key = _round_key(
+                True, c.onset, is_early(c), c.series.signal, size, category == "non_finite"
+            )
             items.append((Facet(category, len(items) + 1, c), (*key, number)))
         room = config.top_k_per_category - len(items)
         if not small_model:

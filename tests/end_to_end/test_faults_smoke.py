@@ -30,7 +30,7 @@ def test_quick_fault_benchmark_runs_and_prints_totals(tmp_path: Path) -> None:
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-3000:]
     pattern = (
-        r"^TOTAL faults=\d+ hit@1=\S+ hit@3=\S+ MRR=\S+ "
+        r"^TOTAL faults=\d+ hit@1=\S+ hit@3=\S+ MRR=\S+ headline@1=\S+ "
         r"\| controls=\d+ notable=\d+ non_finite=\d+$"
     )
     assert re.search(pattern, completed.stdout, re.MULTILINE), output[-3000:]

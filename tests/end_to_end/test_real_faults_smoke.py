@@ -24,7 +24,7 @@ from benchmarks.real_faults.__main__ import REPORT_MAX_BYTES, main
 from benchmarks.real_faults.scenarios import SCENARIOS
 
 TOTAL = re.compile(
-    r"^TOTAL faults=(\d+) hit@1=\S+ hit@3=\S+ MRR=\S+ "
+    r"^TOTAL faults=(\d+) hit@1=\S+ hit@3=\S+ MRR=\S+ headline@1=\S+ "
     r"\| controls=(\d+) notable=\d+ non_finite=\d+ \| early=\d+$",
     re.MULTILINE,
 )

@@ -8,8 +8,9 @@ sample form a group. A fault propagates forward through activations and backward
 through gradients, so the group is laid out in propagation order (forward order for
 activations, reverse forward order for output gradients) and the origin is where the
 profile of change begins: the first member, among those whose change began within
-``ORIGIN_ONSET_SLACK_SAMPLES`` of the group's earliest, whose step, in its own noise units
-(residual spreads), is at least ``ORIGIN_SHARE`` of the group's largest. A member before it that
+``ORIGIN_ONSET_SLACK_SAMPLES`` of the group's earliest, whose step, in the metric's
+tracked units (a log ratio for scale metrics, a fraction of elements for fractions), is
+at least ``ORIGIN_SHARE`` of the group's largest. A member before it that
 moved far less is an echo carried upstream by the optimizer between samples (an update
 driven by the faulty module's gradients), not the start. The others are listed in the
 origin's evidence instead of being returned as findings of their own.
@@ -45,8 +46,11 @@ __all__ = [
 
 #: Changes whose onsets differ by at most this many samples belong to one group.
 ONSET_TOLERANCE_SAMPLES = 5
-#: Least step of a group member, as a share of the group's largest (both in residual
-#: spreads), for the member to be where the profile of change begins.
+#: Least step of a group member, as a share of the group's largest (both in the metric's
+#: tracked units), for the member to be where the profile of change begins. Not in
+#: residual spreads: a series that was exactly constant (a dense gradient's zero
+#: fraction) steps by hundreds of its floor's spreads, and would hide a large step of a
+#: noisier series before it.
 ORIGIN_SHARE = 0.25
 #: The origin is among the members whose change began within this many samples of the
 #: group's earliest: a change that began later is a consequence, however early it sits in
@@ -216,13 +220,19 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
     if all(_is_trend(c) for c in group):
         slack = max(slack, group_window(_earliest(group), slack))
     first = [c for c in group if earliest is None or c.onset is None or c.onset <= earliest + slack]
-    largest = max(step_size(c) for c in group)
+    largest = max(_raw_step(c) for c in group)
     if largest <= 0.0:
         return first[0]
     for candidate in first:
-        if candidate.change is None or step_size(candidate) >= ORIGIN_SHARE * largest:
+        if candidate.change is None or _raw_step(candidate) >= ORIGIN_SHARE * largest:
             return candidate
     return first[0]
+
+
+def _raw_step(candidate: Candidate) -> float:
+    """``|step|`` of the candidate's change in tracked units (0 without a change)."""
+    change = candidate.change
+    return abs(change.step) if change is not None else 0.0
 
 
 def _model_wide_share(
