@@ -3,6 +3,7 @@ cross-section in index.md, advice that fits the shape and the module, stopped mo
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,19 @@ def test_a_module_whose_output_turned_non_finite_has_not_stopped(tmp_path: Path)
     report = read_report(tmp_path)
     assert report["coverage"]["modules_stopped"] == []
     assert any(e["shape"] == "non_finite" for e in report["events"])
+
+
+def test_index_names_an_echo_s_call_when_it_is_not_the_first(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    from torchinstruments.report import render_markdown
+
+    report = copy.deepcopy(stepped[0])
+    event = report["events"][0]
+    event["echoes"] = [
+        {**event["echoes"][0], "module": "block.relu", "call_index": 1},
+        {**event["echoes"][0], "module": "block.fc", "call_index": 0},
+    ]
+    index = render_markdown(report)
+    assert "Echoes (moved at the same samples, not listed separately): " in index
+    assert "`block.relu (call 1)`, `block.fc`." in index

@@ -233,7 +233,10 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         names = ", ".join(md_code(n) for n in e["also_named"])
         lines.append(f"- The same tensor is also the output of: {names}.")
     if e.get("echoes"):
-        names = ", ".join(md_code(x["module"]) for x in e["echoes"])
+        names = ", ".join(
+            md_code(x["module"] + (f" (call {x['call_index']})" if x.get("call_index") else ""))
+            for x in e["echoes"]
+        )
         more = f" and {e['echoes_omitted']} more" if e.get("echoes_omitted") else ""
         lines.append(f"- Echoes (moved at the same samples, not listed separately): {names}{more}.")
     history = (e.get("history") or {}).get("points") or []
