@@ -244,7 +244,7 @@ class ReportFiles:
 
     def replace_each(self, files: Sequence[tuple[Path, bytes]]) -> list[OSError]:
         """Write ``files`` without links (:func:`atomic_write_together`), after removing
-        what killed writes left (once per directory, and again on a full disk, before
+        what killed writes left (once per sink, and again on a full disk, before
         one retry); return the errors, one per file not written."""
         if not self._cleaned:
             self._cleaned = True
@@ -273,7 +273,7 @@ class ReportFiles:
             action()
 
     def _prepare(self) -> None:
-        """Once per directory: remove what killed writes left, and take in the files of an
+        """Once per sink: remove what killed writes left, and take in the files of an
         earlier run written without links (or by an earlier version)."""
         if self._cleaned:
             return
