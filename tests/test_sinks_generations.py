@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+import torchinstruments._report_files as files_module
 import torchinstruments.sinks as sinks_module
 from torchinstruments import DirectorySink, inject_observer, remove_observer
 from torchinstruments.__main__ import main as cli_main
@@ -76,9 +77,9 @@ class StopAt:
         self.root = str(root)
         for name in ("replace", "symlink", "mkdir", "unlink", "rename"):
             patch.setattr(os, name, self._wrap(name, getattr(os, name)))
-        patch.setattr(sinks_module, "_write_new", self._wrap("write", sinks_module._write_new))
+        patch.setattr(files_module, "write_new", self._wrap("write", files_module.write_new))
         patch.setattr(
-            sinks_module, "remove_tree", self._wrap("remove_tree", sinks_module.remove_tree)
+            files_module, "remove_tree", self._wrap("remove_tree", files_module.remove_tree)
         )
 
     def _wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -370,7 +371,7 @@ def test_a_full_disk_keeps_the_current_generation_until_the_switch(
     stale.mkdir()
     (stale / "report.json").write_bytes(b"x" * 1000)
     full = {"writes": 0, "on": True}
-    real = sinks_module._write_new
+    real = files_module.write_new
 
     def write_new(path: Path, data: bytes) -> None:
         full["writes"] += 1
@@ -378,7 +379,7 @@ def test_a_full_disk_keeps_the_current_generation_until_the_switch(
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(sinks_module, "_write_new", write_new)
+    monkeypatch.setattr(files_module, "write_new", write_new)
     with pytest.warns(RuntimeWarning, match="could not write its report"):
         handle.flush()
     # Each file retried once, after the stale generation was removed; the switch never

@@ -7,14 +7,14 @@
 The Observer registers the hooks and keeps their handles, builds the stages, flushes
 the statistics buffer into the series store when the forward context says a flush is
 due, writes the report from a snapshot, and keeps the error table. Hook parking is in
-``_parking.py``, the sentinel in ``_sentinel.py``. ``docs/architecture.md`` draws the
-data flow and says which file owns what.
+``_parking.py``, the sentinel in ``_sentinel.py``, the sequence of one report's writes
+in ``_report_write.py``. ``docs/architecture.md`` draws the data flow and says which
+file owns what.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import inspect
 import time
 import weakref
@@ -28,23 +28,17 @@ from . import _amp
 from ._calls import CallCapture
 from ._compiled_capture import CompiledCapture
 from ._context import ForwardContext
+from ._copies import PREPARE_ATTRIBUTE, PrepareScriptable
 from ._error_log import ErrorLog
-from ._lifecycle import AtExit, on_termination, sink_for_child, warn
+from ._lifecycle import AtExit, on_termination, sink_for_child
 from ._parking import HookParking
 from ._records import ROOT_INDEX
+from ._report_write import write_report_files
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
 from ._store import SeriesStore
-from .capture import (
-    PREPARE_ATTRIBUTE,
-    ForwardHook,
-    ForwardWrapper,
-    PrepareScriptable,
-    RootPostHook,
-    RootPreHook,
-    passive,
-)
+from .capture import ForwardHook, ForwardWrapper, RootPostHook, RootPreHook, passive
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
 from .histogram import HistogramSpec
@@ -98,7 +92,8 @@ class Observer:
         #: at each write; ``report.json`` and ``index.md`` both state it (``run.report_number``).
         self.report_number = 0
         self.series_summary_omitted = 0
-        self._warned_write = False
+        #: True once a failed write was warned of (one warning a run).
+        self.warned_write = False
         #: True while a report is being built and written (see _lifecycle.py).
         self.writing = False
         #: In a process forked after injection: the parent's pid, and the training
@@ -239,7 +234,7 @@ class Observer:
         on_termination.add(self)
 
     def _prepare_for_scripting(self) -> None:
-        """Give every module of the model a :class:`~.capture.PrepareScriptable`, so
+        """Give every module of the model a :class:`~._copies.PrepareScriptable`, so
         that ``torch.jit.script`` of the model or of any module in it compiles a stand-in
         without our hooks. Modules that have an instance ``__prepare_scriptable__`` of
         their own, and ScriptModules, are left alone."""
@@ -346,7 +341,7 @@ class Observer:
         self.writing = True
         try:
             with passive():
-                self._write_report(block, flush, files_only)
+                write_report_files(self, block, flush, files_only)
         except Exception as error:  # never into training, whatever the warning filters
             self.record_error("report", "", error)
         finally:
@@ -422,88 +417,3 @@ class Observer:
             self.write_report()
         else:
             self.write_report(flush=False)
-
-    def _write_report(self, block: bool, flush: bool = True, files_only: bool = False) -> None:
-        from .report import build_report, build_series_summary
-        from .sinks import DirectorySink
-
-        self.context.last_write = time.monotonic()
-        sinks = () if files_only else self.sinks
-        summarising = [
-            target
-            for target in (self.writer, *sinks)
-            if target is not None and getattr(target, "write_series_summary", False)
-        ]
-        summary = None
-        # Numbered before anything is built, so series.json states the same number.
-        self.report_number += 1
-        # Every file of this report goes into one generation, switched in at the end.
-        directories = [t for t in (self.writer, *sinks) if isinstance(t, DirectorySink)]
-        for directory in directories:
-            with contextlib.suppress(OSError):  # the write below meets it and counts it
-                directory.choose_write_mode()
-            directory.begin()
-        try:
-            if flush:
-                self.flush_statistics(block=block)
-            if summarising:
-                # Before the report, whose coverage counts the rows it omits.
-                summary = build_series_summary(
-                    self.snapshot(), self.report_config.series_summary_max_bytes
-                )
-                self.series_summary_omitted = summary["omitted"]
-        except Exception as error:
-            self.record_error("series_summary", "", error)
-        try:
-            snapshot = self.snapshot()
-            report = build_report(snapshot)  # statistics flushed above
-        except Exception as error:
-            self.record_error("report", "", error)
-            return
-        writer = self.writer
-        if writer is not None:
-            try:
-                writer.write(report)
-                self.reports_written += 1
-            except Exception as error:  # each file is written on its own: go on
-                self.record_error("write", "", error)
-                self._warn_write(error)
-        for sink in sinks:
-            try:
-                sink.write(report)
-            except Exception as error:
-                self.record_error("sink", type(sink).__name__, error)
-        if summary is not None:
-            for target in summarising:
-                try:
-                    target.write_summary(summary)
-                except Exception as error:
-                    self.record_error("series_summary", type(target).__name__, error)
-        wanting = [
-            target
-            for target in (writer, *sinks)
-            if target is not None and getattr(target, "write_full_details", False)
-        ]
-        if wanting:
-            from .report import build_details
-
-            details = build_details(snapshot)
-            for target in wanting:
-                try:
-                    target.write_details(details)
-                except Exception as error:
-                    self.record_error("details", type(target).__name__, error)
-        for directory in directories:
-            try:
-                directory.commit()
-            except Exception as error:
-                self.record_error("write", "", error)
-                self._warn_write(error)
-
-    def _warn_write(self, error: Exception) -> None:
-        if not self._warned_write:
-            self._warned_write = True
-            warn(
-                f"torchinstruments could not write its report ({error}); training "
-                "continues, the error is counted and the next write is retried"
-            )

@@ -1,0 +1,115 @@
+"""One report written by the observer: the files of ``output_dir`` and the sinks.
+
+:func:`write_report_files` is the sequence behind
+:meth:`~torchinstruments.observer.Observer.write_report` (which adds the guard that
+nothing raises into training, and the cost accounting): the report is built once and
+written everywhere, each directory sink's files switched in together
+(:class:`~torchinstruments.sinks.DirectorySink` ``begin``/``commit``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+from ._lifecycle import warn
+
+if TYPE_CHECKING:
+    from .observer import Observer
+
+__all__ = ["write_report_files"]
+
+
+def write_report_files(observer: Observer, block: bool, flush: bool, files_only: bool) -> None:
+    """Write one report: number it, build it from one snapshot, hand it to the
+    observer's writer and sinks, with ``series.json`` and ``details.json`` where they
+    are wanted, every file of a directory sink into one generation (``begin`` before
+    anything is built, ``commit`` at the end). Each step's error is counted in the
+    observer's error table and the next step runs; a failed write to a directory warns
+    once. Arguments as for :meth:`~torchinstruments.observer.Observer.write_report`.
+    """
+    from .report import build_report, build_series_summary
+    from .sinks import DirectorySink
+
+    observer.context.last_write = time.monotonic()
+    sinks = () if files_only else observer.sinks
+    summarising = [
+        target
+        for target in (observer.writer, *sinks)
+        if target is not None and getattr(target, "write_series_summary", False)
+    ]
+    summary = None
+    # Numbered before anything is built, so series.json states the same number.
+    observer.report_number += 1
+    # Every file of this report goes into one generation, switched in at the end.
+    directories = [t for t in (observer.writer, *sinks) if isinstance(t, DirectorySink)]
+    for directory in directories:
+        with contextlib.suppress(OSError):  # the write below meets it and counts it
+            directory.choose_write_mode()
+        directory.begin()
+    try:
+        if flush:
+            observer.flush_statistics(block=block)
+        if summarising:
+            # Before the report, whose coverage counts the rows it omits.
+            summary = build_series_summary(
+                observer.snapshot(), observer.report_config.series_summary_max_bytes
+            )
+            observer.series_summary_omitted = summary["omitted"]
+    except Exception as error:
+        observer.record_error("series_summary", "", error)
+    try:
+        snapshot = observer.snapshot()
+        report = build_report(snapshot)  # statistics flushed above
+    except Exception as error:
+        observer.record_error("report", "", error)
+        return
+    writer = observer.writer
+    if writer is not None:
+        try:
+            writer.write(report)
+            observer.reports_written += 1
+        except Exception as error:  # each file is written on its own: go on
+            observer.record_error("write", "", error)
+            _warn_write(observer, error)
+    for sink in sinks:
+        try:
+            sink.write(report)
+        except Exception as error:
+            observer.record_error("sink", type(sink).__name__, error)
+    if summary is not None:
+        for target in summarising:
+            try:
+                target.write_summary(summary)
+            except Exception as error:
+                observer.record_error("series_summary", type(target).__name__, error)
+    wanting = [
+        target
+        for target in (writer, *sinks)
+        if target is not None and getattr(target, "write_full_details", False)
+    ]
+    if wanting:
+        from .report import build_details
+
+        details = build_details(snapshot)
+        for target in wanting:
+            try:
+                target.write_details(details)
+            except Exception as error:
+                observer.record_error("details", type(target).__name__, error)
+    for directory in directories:
+        try:
+            directory.commit()
+        except Exception as error:
+            observer.record_error("write", "", error)
+            _warn_write(observer, error)
+
+
+def _warn_write(observer: Observer, error: Exception) -> None:
+    if not observer.warned_write:
+        observer.warned_write = True
+        warn(
+            f"torchinstruments could not write its report ({error}); training "
+            "continues, the error is counted and the next write is retried"
+        )
