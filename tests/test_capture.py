@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ from tests.harness import (
     make_batches,
     mse_step,
     observations,
+    observe_against_twin,
     pair,
     referenced_step,
     value,
@@ -66,19 +68,14 @@ class InplaceNet(nn.Module):
 
 
 def test_inplace_ops_after_a_module_keep_its_own_output_gradient(tmp_path: Path) -> None:
-    model, twin = pair(InplaceNet)
-    plain = copy.deepcopy(model)
-    plain.act.inplace = False
-    plain.inplace = False  # the same function without in-place ops, for the reference
-    reference = Reference(plain, ["fc1", "act", "fc2", "fc3"])
-    data = make_batches(4, features=6)
+    def for_reference(plain: Any) -> None:
+        plain.act.inplace = False
+        plain.inplace = False  # the same function without in-place ops, for the reference
 
-    attach(model, tmp_path)
-    losses = fit(model, data)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    data = make_batches(4, features=6)
+    report, reference = observe_against_twin(
+        InplaceNet, ["fc1", "act", "fc2", "fc3"], data, tmp_path, plain=for_reference
+    )
     assert check_against_reference(report, reference) == 2 * 8
     # The module's own gradient, not its successor's: fc1 (pre-ReLU) differs from act,
     # fc2's output gradient is 3x the gradient of the tensor that mul_ left behind.
@@ -182,18 +179,13 @@ CKPT_NAMES = ("", "inp", "block.lin", "block.act", "block.out", "head")
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
 def test_checkpointed_blocks_are_one_call_with_their_gradients(tmp_path: Path, mode: str) -> None:
-    model, twin = pair(lambda: CheckpointNet(mode))
-    plain = copy.deepcopy(model)
-    plain.mode = None
-    reference = Reference(plain, CKPT_NAMES)
-    data = make_batches(5, features=6)
+    def for_reference(plain: Any) -> None:
+        plain.mode = None
 
-    attach(model, tmp_path)
-    losses = fit(model, data)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    data = make_batches(5, features=6)
+    report, reference = observe_against_twin(
+        lambda: CheckpointNet(mode), CKPT_NAMES, data, tmp_path, plain=for_reference
+    )
 
     coverage = report["coverage"]
     assert coverage["samples_observed"] == 5
@@ -233,18 +225,9 @@ def root_checkpoint_step(reentrant: bool) -> Step:
     ids=["reentrant", "non_reentrant"],
 )
 def test_checkpointed_root_is_one_sample_per_step(tmp_path: Path, reentrant: bool) -> None:
-    model, twin = pair(MLP)
-    plain = copy.deepcopy(model)
-    reference = Reference(plain, MLP_NAMES)
     data = make_batches(4, features=6)
     step = root_checkpoint_step(reentrant)
-
-    attach(model, tmp_path)
-    losses = fit(model, data, step)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data, step)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    report, reference = observe_against_twin(MLP, MLP_NAMES, data, tmp_path, step=step)
 
     coverage = report["coverage"]
     assert coverage["samples_observed"] == 4
@@ -291,18 +274,17 @@ class ReusedInCheckpoint(nn.Module):
 def test_module_reused_inside_a_checkpoint_keeps_per_call_gradients(
     tmp_path: Path, mode: str
 ) -> None:
-    model, twin = pair(lambda: ReusedInCheckpoint(mode))
-    plain = copy.deepcopy(model)
-    plain.mode = None
-    reference = Reference(plain, ["inp", "cell", "head"])
-    data = make_batches(3, features=6)
+    def for_reference(plain: Any) -> None:
+        plain.mode = None
 
-    attach(model, tmp_path)
-    losses = fit(model, data)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    data = make_batches(3, features=6)
+    report, reference = observe_against_twin(
+        lambda: ReusedInCheckpoint(mode),
+        ["inp", "cell", "head"],
+        data,
+        tmp_path,
+        plain=for_reference,
+    )
     assert {key[1] for key in observations(report) if key[0] == "cell"} == {0, 1, 2}
     check_against_reference(report, reference)
 
@@ -327,17 +309,10 @@ class Recurrent(nn.Module):
 
 
 def test_reused_module_gets_call_indices_and_its_own_gradients(tmp_path: Path) -> None:
-    model, twin = pair(Recurrent)
-    plain = copy.deepcopy(model)
-    reference = Reference(plain, ["inp", "cell", "aux", "head"])
     data = make_batches(6, features=6)
-
-    attach(model, tmp_path)
-    losses = fit(model, data)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    report, reference = observe_against_twin(
+        Recurrent, ["inp", "cell", "aux", "head"], data, tmp_path
+    )
 
     seen = observations(report)
     for signal in ("activation", "grad_output"):
@@ -361,17 +336,16 @@ def test_several_backward_passes_over_one_graph(tmp_path: Path) -> None:
     """Expected: the sample's output gradient is the total over the backward passes
     (1.5 times the first pass's here); later passes are counted as
     ``repeated_backward_gradients`` (one per observed output tensor) and summed."""
-    model, twin = pair(MLP)
-    plain = copy.deepcopy(model)
-    reference = Reference(plain, MLP_NAMES, total_gradients=True)
     data = make_batches(4, features=6)
-
-    attach(model, tmp_path)
-    losses = fit(model, data, twice_backward_step)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data, twice_backward_step)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference, twice_backward_step))
+    report, reference = observe_against_twin(
+        MLP,
+        MLP_NAMES,
+        data,
+        tmp_path,
+        step=twice_backward_step,
+        plain_step=twice_backward_step,
+        total_gradients=True,
+    )
 
     coverage = report["coverage"]
     assert coverage["samples_observed"] == 4
@@ -476,17 +450,10 @@ def styled_step(style: str) -> Step:
 
 @pytest.mark.parametrize("style", ["forward", "submodules"])
 def test_direct_calls_without_wrappers_are_observed_once(tmp_path: Path, style: str) -> None:
-    model, twin = pair(Wrapper)
-    plain = copy.deepcopy(model)
-    reference = Reference(plain, ["encoder.0", "head"])
     data = make_batches(5, features=6)
-
-    attach(model, tmp_path)
-    losses = fit(model, data, styled_step(style))
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data, styled_step(style))
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    report, reference = observe_against_twin(
+        Wrapper, ["encoder.0", "head"], data, tmp_path, step=styled_step(style)
+    )
     seen = observations(report)
     assert {key[1] for key in seen} == {0}
     for name in ("encoder.0", "head"):
@@ -576,17 +543,10 @@ class Threaded(nn.Module):
 
 
 def test_worker_threads_inside_a_root_forward_are_attributed(tmp_path: Path) -> None:
-    model, twin = pair(Threaded)
-    plain = copy.deepcopy(model)
-    reference = Reference(plain, ["inp", "left", "right", "merge"])
     data = make_batches(5, features=6)
-
-    attach(model, tmp_path)
-    losses = fit(model, data)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    report, reference = observe_against_twin(
+        Threaded, ["inp", "left", "right", "merge"], data, tmp_path
+    )
     seen = observations(report)
     assert {key[1] for key in seen} == {0}
     for name in ("left", "right", "merge"):

@@ -9,7 +9,6 @@ reference on the twin (``tests.harness.Reference``).
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from tests.harness import (
-    Reference,
     act,
     assert_same_model,
     attach,
@@ -27,8 +25,8 @@ from tests.harness import (
     fit,
     grad,
     make_batches,
+    observe_against_twin,
     pair,
-    referenced_step,
     series,
     value,
 )
@@ -72,16 +70,8 @@ class Spectrum(nn.Module):
 
 
 def test_complex_outputs_are_reduced_by_magnitude_or_skipped_and_counted(tmp_path: Path) -> None:
-    model, twin = pair(ComplexNet)
-    plain = copy.deepcopy(model)
-    reference = Reference(plain, ["spectrum"])
     data = make_batches(4, features=6)
-    attach(model, tmp_path)
-    losses = fit(model, data)
-    report = finish(model, tmp_path)
-    assert losses == fit(twin, data)
-    assert_same_model(model, twin)
-    fit(plain, data, referenced_step(reference))
+    report, reference = observe_against_twin(ComplexNet, ["spectrum"], data, tmp_path)
     assert report["coverage"]["errors_total"] == 0
     if act("spectrum") in series(report):
         check_against_reference(report, reference)  # by magnitude

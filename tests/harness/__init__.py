@@ -376,6 +376,42 @@ def finish(model: nn.Module, directory: Path) -> Report:
     return read(directory)
 
 
+def observe_against_twin(
+    factory: Callable[[], ModuleT],
+    watched: Sequence[str],
+    data: Sequence[Batch],
+    directory: Path,
+    *,
+    step: Step = mse_step,
+    plain_step: Step = mse_step,
+    plain: Callable[[ModuleT], None] | None = None,
+    total_gradients: bool = False,
+    **options: Any,
+) -> tuple[Report, Reference]:
+    """The twin-and-reference harness: build ``factory()`` and its uninstrumented twin
+    (:func:`pair`) and a third copy for the :class:`Reference` over the ``watched``
+    modules (``plain`` may change that copy first, e.g. to run without in-place ops or
+    checkpointing); train the observed model (:func:`attach` with ``options``) and the
+    twin on ``data`` with ``step``, and assert that training was bit-identical (losses,
+    parameters and buffers); then train the reference copy with ``plain_step``.
+
+    Returns:
+        The observed run's report (:func:`finish`) and the filled reference.
+    """
+    model, twin = pair(factory)
+    copy_for_reference = copy.deepcopy(model)
+    if plain is not None:
+        plain(copy_for_reference)
+    reference = Reference(copy_for_reference, watched, total_gradients=total_gradients)
+    attach(model, directory, **options)
+    losses = fit(model, data, step)
+    report = finish(model, directory)
+    assert losses == fit(twin, data, step)
+    assert_same_model(model, twin)
+    fit(copy_for_reference, data, referenced_step(reference, plain_step))
+    return report, reference
+
+
 def series(report: Report, metric: str = "rms") -> dict[Key, dict[str, Any]]:
     """The ``series.json`` rows of ``metric`` keyed by series (one entry per series)."""
     found: dict[Key, dict[str, Any]] = {}
