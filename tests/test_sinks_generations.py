@@ -25,6 +25,7 @@ import torch
 import torchinstruments._report_files as files_module
 import torchinstruments.sinks as sinks_module
 from torchinstruments import DirectorySink, inject_observer, remove_observer
+from torchinstruments._generations import generation_of
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments.errors import ReportReadError
 from torchinstruments.show import show_directory
@@ -114,7 +115,8 @@ def test_a_write_stopped_at_any_step_leaves_the_files_of_one_report(
         handle.flush()
     steps = counted.steps
     # A new generation, its three files, the switch (a new link renamed onto .current),
-    # then the previous generation deleted.
+    # then the generation before the previous one deleted (the previous one is kept
+    # until the next switch, for a copy begun before this one).
     assert steps == [
         "mkdir .generation-000003",
         "write report.json",
@@ -122,7 +124,7 @@ def test_a_write_stopped_at_any_step_leaves_the_files_of_one_report(
         "write series.json",
         f"symlink {steps[4].split()[1]}",
         "replace .current",
-        "remove_tree .generation-000002",
+        "remove_tree .generation-000001",
         "unlink series.json",
         "unlink report.json",
         "unlink index.md",
@@ -353,6 +355,7 @@ def test_stale_generations_and_temporaries_are_removed_and_nothing_else(
     assert own_entries(tmp_path) == [
         ".current",
         ".generation-000007",
+        ".generation-000043",  # the previous report's, kept until the next switch
         generation,
         ".generation-notes",
         "fork-123",
@@ -367,7 +370,9 @@ def test_a_full_disk_keeps_the_current_generation_until_the_switch(
 ) -> None:
     model, handle = _run(tmp_path)
     assert visible(tmp_path) == (2, 2, 6)
-    stale = tmp_path / ".generation-000001"  # a killed write's leftover
+    kept = tmp_path / ".generation-000001"  # report 1's, kept until the next switch
+    assert (kept / "report.json").is_file()
+    stale = tmp_path / ".generation-000000"  # a killed write's leftover
     stale.mkdir()
     (stale / "report.json").write_bytes(b"x" * 1000)
     full = {"writes": 0, "on": True}
@@ -382,9 +387,10 @@ def test_a_full_disk_keeps_the_current_generation_until_the_switch(
     monkeypatch.setattr(files_module, "write_new", write_new)
     with pytest.warns(RuntimeWarning, match="could not write its report"):
         handle.flush()
-    # Each file retried once, after the stale generation was removed; the switch never
-    # came, so the reader still sees report 2, and no new generation is left.
-    assert not stale.exists()
+    # Each file retried once, after the stale and the kept generations were removed;
+    # the switch never came, so the reader still sees report 2, and no new generation
+    # is left.
+    assert not stale.exists() and not kept.exists()
     assert visible(tmp_path) == (2, 2, 6)
     assert sorted(p.name for p in tmp_path.glob(".generation-*")) == [".generation-000002"]
     full["on"] = False
@@ -426,7 +432,11 @@ def test_a_sink_used_on_its_own_switches_each_file_in_with_the_others_carried_ov
     sink.write_details({"schema": "torchinstruments.details/1", "series": []})
     assert visible(tmp_path / "own") == visible(tmp_path / "run")
     assert json.loads((tmp_path / "own" / "details.json").read_bytes())["series"] == []
-    assert len(list((tmp_path / "own").glob(".generation-*"))) == 1
+    # The current generation and the one before it (three writes, three switches).
+    assert sorted(p.name for p in (tmp_path / "own").glob(".generation-*")) == [
+        ".generation-000002",
+        ".generation-000003",
+    ]
 
 
 def test_a_chdir_mid_run_moves_no_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -441,3 +451,166 @@ def test_a_chdir_mid_run_moves_no_write(tmp_path: Path, monkeypatch: pytest.Monk
     remove_observer(model)
     assert not (tmp_path / "elsewhere" / "stats").exists()
     assert visible(tmp_path / "stats") == (3, 3, 4)
+
+
+def _zip_round_trip(source: Path, target: Path) -> None:
+    archive = shutil.make_archive(str(source.parent / "run"), "zip", source)  # follows links
+    shutil.unpack_archive(archive, target)
+
+
+@pytest.mark.parametrize("copy", ["cp_rL", "copytree", "zip"])
+def test_a_copy_that_resolved_the_links_is_taken_in_by_the_next_run(
+    tmp_path: Path, copy: str
+) -> None:
+    run = tmp_path / "run"
+    model, _ = _run(run)
+    remove_observer(model)
+    copied = tmp_path / "copied"
+    if copy == "cp_rL":
+        subprocess.run(["cp", "-rL", str(run), str(copied)], check=True)
+    elif copy == "copytree":
+        shutil.copytree(run, copied)  # symlinks=False: links become what they point to
+    else:
+        _zip_round_trip(run, copied)
+    assert (copied / ".current").is_dir() and not (copied / ".current").is_symlink()
+    assert visible(copied) == (3, 3, 6)
+    # A new run into the copy: .current, a real directory, is taken in like an earlier
+    # run's plain files, and the new run's reports are switched in as usual.
+    _, handle = _run(copied, forwards=4)
+    assert visible(copied) == (2, 2, 4)
+    assert handle.report()["errors"] == []
+    assert generation_of(copied) is not None
+    for name in ("report.json", "index.md", "series.json"):
+        assert os.readlink(copied / name) == f".current/{name}"
+    assert show_directory(copied).startswith("torchinstruments report")
+    handle.remove()
+    assert visible(copied) == (3, 3, 4)
+    assert [p for p in own_entries(copied) if not p.startswith(".generation-")] == [
+        ".current",
+        "index.md",
+        "report.json",
+        "series.json",
+    ]
+
+
+def test_a_new_run_carries_over_nothing_an_earlier_run_wrote(tmp_path: Path) -> None:
+    model, _ = _run(tmp_path / "run")
+    remove_observer(model)
+    report = json.loads((tmp_path / "run" / "report.json").read_bytes())
+    summary = json.loads((tmp_path / "run" / "series.json").read_bytes())
+    folder = tmp_path / "folder"
+    earlier = DirectorySink(folder, write_full_details=True, plots=True)
+    earlier.begin()
+    earlier.write(report)
+    earlier.write_summary(summary)
+    earlier.write_details({"schema": "torchinstruments.details/1", "series": []})
+    earlier.commit()
+    assert (folder / "details.json").is_file() and (folder / "plots").is_dir()
+    # A plain run into the same folder: no details.json, no plots/ of the earlier run
+    # beside its report, and no link left pointing at nothing.
+    model, _ = _run(folder)
+    assert visible(folder) == (2, 2, 6)
+    assert [p for p in own_entries(folder) if not p.startswith(".")] == [
+        "index.md",
+        "report.json",
+        "series.json",
+    ]
+    remove_observer(model)
+    subprocess.run(["cp", "-rL", str(folder), str(tmp_path / "resolved")], check=True)
+    assert visible(tmp_path / "resolved") == (3, 3, 6)
+
+
+def test_a_sink_carries_over_only_what_it_wrote_itself(tmp_path: Path) -> None:
+    model, _ = _run(tmp_path / "run")
+    remove_observer(model)
+    report = json.loads((tmp_path / "run" / "report.json").read_bytes())
+    summary = json.loads((tmp_path / "run" / "series.json").read_bytes())
+    earlier = DirectorySink(tmp_path / "folder")
+    earlier.write(report)
+    earlier.write_summary(summary)
+    assert visible(tmp_path / "folder") == visible(tmp_path / "run")
+    later = DirectorySink(tmp_path / "folder")
+    later.write_summary(summary)  # the earlier sink's report.json and index.md: removed
+    assert not os.path.lexists(tmp_path / "folder" / "report.json")
+    assert not os.path.lexists(tmp_path / "folder" / "index.md")
+    later.write(report)  # its own series.json: carried over
+    assert visible(tmp_path / "folder") == visible(tmp_path / "run")
+
+
+def test_show_follows_a_link_to_a_directory_named_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    model, _ = _run(run)
+    remove_observer(model)
+    os.symlink(run, tmp_path / "latest", target_is_directory=True)
+    capsys.readouterr()
+    assert cli_main(["show", str(tmp_path / "latest")]) == 0
+    shown = capsys.readouterr().out
+    assert shown == show_directory(run).replace(str(run), str(tmp_path / "latest"))
+    # A link to a report file is not followed, nor one inside the named directory.
+    os.symlink(run / "report.json", tmp_path / "report.json")
+    with pytest.raises(ReportReadError, match="got a symbolic link \\(not followed\\)"):
+        show_directory(tmp_path / "report.json")
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    os.symlink(run / "report.json", inner / "report.json")
+    with pytest.raises(ReportReadError, match="got a symbolic link \\(not followed\\)"):
+        show_directory(tmp_path / "inner")
+
+
+def test_a_copy_of_the_visible_names_alone_is_refused_with_what_went_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    model, _ = _run(run)
+    remove_observer(model)
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    subprocess.run(
+        ["cp", "-r", *sorted(str(p) for p in run.iterdir() if p.name[0] != "."), str(copied)],
+        check=True,
+    )  # as a shell's `cp -r run/* copied/`: without .current and the generations
+    assert os.readlink(copied / "report.json") == ".current/report.json"
+    expected = (
+        f"{copied / 'report.json'}: expected a report as a regular file, got a dangling "
+        "symbolic link to .current/report.json (.current, which it points into, is not "
+        "beside it, as after copying the visible names alone: copy the whole directory, "
+        "or use `cp -rL`)"
+    )
+    with pytest.raises(ReportReadError) as raised:
+        show_directory(copied)
+    assert str(raised.value) == expected
+    capsys.readouterr()
+    assert cli_main(["compare", str(run), str(copied)]) == 1
+    assert "got a dangling symbolic link to .current/series.json" in capsys.readouterr().err
+
+
+def test_the_previous_generation_stays_until_the_next_switch(tmp_path: Path) -> None:
+    model, handle = _run(tmp_path)
+    before = os.readlink(tmp_path / ".current")
+    report = (tmp_path / before / "report.json").read_bytes()
+    handle.flush()
+    # A reader (or a copy) that resolved .current before the switch still finds its
+    # files after it; the generation goes at the switch after.
+    assert os.readlink(tmp_path / ".current") != before
+    assert (tmp_path / before / "report.json").read_bytes() == report
+    handle.flush()
+    assert not (tmp_path / before).exists()
+    assert len(list(tmp_path.glob(".generation-*"))) == 2
+    # A copy of the current generation (through .current) during which a report is
+    # switched in finds every file it listed.
+    flushed: list[str] = []
+
+    def copy_then_flush_once(source: str, target: str) -> object:
+        copied = shutil.copy2(source, target)
+        if not flushed:
+            flushed.append(source)
+            handle.flush()
+        return copied
+
+    current = tmp_path / os.readlink(tmp_path / ".current")
+    shutil.copytree(current, tmp_path.parent / "copy", copy_function=copy_then_flush_once)
+    assert flushed and not current.samefile(tmp_path / ".current")
+    assert visible(tmp_path.parent / "copy") is not None  # the files of one report
+    remove_observer(model)

@@ -213,6 +213,24 @@ def _open_linked(path: Path, flags: int) -> int | None:
     raise FileNotFoundError(errno.ENOENT, "not found", str(path))
 
 
+def _dangling_message(path: Path, what: str) -> str:
+    """The message for ``path``, a symbolic link to nothing: when it is one of the
+    writer's own links (``.current/<name>``), what went wrong in copying it."""
+    from ._generations import CURRENT_LINK, link_target
+
+    try:
+        target = os.readlink(path)
+    except (OSError, ValueError):
+        target = "?"
+    message = f"{path}: expected {what} as a regular file, got a dangling symbolic link to {target}"
+    if target == link_target(path.name):
+        message += (
+            f" ({CURRENT_LINK}, which it points into, is not beside it, as after copying"
+            " the visible names alone: copy the whole directory, or use `cp -rL`)"
+        )
+    return message
+
+
 def _read_bounded(path: Path, what: str, max_bytes: int, missing_hint: str | None) -> bytes:
     """At most ``max_bytes`` of the regular file ``path``, not through a symbolic link
     (other than the links of a directory writer's own layout, see :func:`_open_linked`)."""
@@ -230,6 +248,8 @@ def _read_bounded(path: Path, what: str, max_bytes: int, missing_hint: str | Non
         hint = f"; {missing_hint}" if missing_hint else ""
         raise ReportReadError(f"{path}: not found{hint}") from error
     except OSError as error:
+        if path.is_symlink() and not path.exists():
+            raise ReportReadError(_dangling_message(path, what)) from error
         if error.errno == errno.ELOOP or path.is_symlink():
             raise ReportReadError(
                 f"{path}: expected {what} as a regular file, got a symbolic link (not followed)"

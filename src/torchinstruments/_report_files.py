@@ -5,7 +5,9 @@
 generation what the new one lacks, makes the stable links and switches the generation
 in; where the file system has no symbolic links it replaces each file on its own
 (:meth:`ReportFiles.replace_each`). It also removes what earlier runs killed in the
-middle of a write left behind (:func:`remove_stale_temporaries`). The sink renders the
+middle of a write left behind (:func:`remove_stale_temporaries`), and takes in what a
+copy that resolved the links made of an earlier run's layout (a real directory
+``.current``, regular files under the visible names). The sink renders the
 texts and decides the mode; this module only moves bytes. Only the standard library.
 """
 
@@ -155,6 +157,8 @@ class ReportFiles:
         self._staged: Path | None = None  # the generation being written
         self._parts: set[str] = set()  # the files written into it
         self._next_number = 0
+        self._written: set[str] = set()  # the names this sink has switched in so far
+        self._kept: str | None = None  # the generation before the current one, kept
 
     def begin(self) -> None:
         """Gather the next writes into one generation, switched in by :meth:`commit`;
@@ -181,16 +185,37 @@ class ReportFiles:
         try:
             previous = generation_of(self.path)
             if previous is not None:
-                self._carry_over(self.path / previous, staged, parts)
+                self._carry_over(self.path / previous, staged, parts, self._written)
             unlinked = self._link_names(staged)
             self._retrying(lambda: self._switch(staged.name), staged.name)
         except Exception:
             remove_tree(staged)
             raise
-        if previous is not None and previous != staged.name:
-            remove_tree(self.path / previous)
+        self._written = {name for name in LINKED_NAMES if os.path.lexists(staged / name)}
+        self._unlink_dangling(staged)
+        self._retire(previous)
         if unlinked:
             raise unlinked[0]
+
+    def _retire(self, previous: str | None) -> None:
+        """Keep ``previous`` (the generation just switched out) until the next switch,
+        so that a copy of the directory begun before this switch still finds its files;
+        delete the one kept before it."""
+        older, self._kept = self._kept, previous
+        if older is not None and older != previous:
+            remove_tree(self.path / older)
+
+    def _unlink_dangling(self, current: Path) -> None:
+        """Remove each visible link of ours (``.current/<name>``) whose name the
+        generation ``current``, now switched in, does not hold: nothing is left pointing
+        at nothing (``cp -rL`` of the directory then works)."""
+        for name in LINKED_NAMES:
+            if os.path.lexists(current / name):
+                continue
+            link = self.path / name
+            with contextlib.suppress(OSError, ValueError):
+                if os.readlink(link) == link_target(name):
+                    os.unlink(link)
 
     def within(self, write: Callable[[], None]) -> None:
         """Run ``write``, which writes into :meth:`generation`; outside a batch, switch
@@ -283,7 +308,31 @@ class ReportFiles:
         numbers = [generation_number(entry.name) for entry in os.scandir(self.path)]
         self._next_number = max((n for n in numbers if n is not None), default=0) + 1
         remove_stale_temporaries(self.path)
+        self._adopt_current_directory()
         self._adopt_plain_files()
+
+    def _adopt_current_directory(self) -> None:
+        """A real directory under our name ``.current`` (what ``cp -rL``,
+        ``shutil.copytree`` with its defaults or a zip round trip make of the link) is
+        renamed to a fresh generation name and ``.current`` becomes a link to it: it
+        is then taken in like any earlier generation. Between the two renames (a new
+        link ``..current.<random>`` made first, then the directory moved, then the link
+        renamed onto ``.current``) a link ``.current/<name>`` points at nothing; the
+        visible names of such a copy are regular files, which do not go through it."""
+        current = self.path / CURRENT_LINK
+        if current.is_symlink() or not current.is_dir():
+            return
+        adopted = self.path / generation_name(self._next_number)
+        self._next_number += 1
+        temporary = self.path / temporary_name(CURRENT_LINK)
+        os.symlink(adopted.name, temporary, target_is_directory=True)
+        try:
+            os.rename(current, adopted)  # fails if `adopted` exists: nothing moved
+            os.replace(temporary, current)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
 
     def _adopt_plain_files(self) -> None:
         """Regular files (and a ``plots/`` directory) under the linked names become a
@@ -318,13 +367,12 @@ class ReportFiles:
                 else:
                     link_or_copy(source, adopted / name)
             if previous is not None:
-                self._carry_over(self.path / previous, adopted, set(plain))
+                self._carry_over(self.path / previous, adopted, set(plain), LINKED_NAMES)
             self._switch(adopted.name)
         except Exception:
             remove_tree(adopted)
             raise
-        if previous is not None:
-            remove_tree(self.path / previous)
+        self._retire(previous)
         for name in plain:
             link = self.path / name
             if name == "plots":  # a directory is not replaced by a rename: moved aside
@@ -353,15 +401,24 @@ class ReportFiles:
             self._parts = set()
         return self._staged
 
-    def _carry_over(self, previous: Path, staged: Path, parts: set[str]) -> None:
-        wanted = [n for n in ("series.json", "details.json") if n not in parts]
+    def _carry_over(
+        self, previous: Path, staged: Path, parts: set[str], allowed: Iterable[str]
+    ) -> None:
+        """Hard-link into ``staged`` the files of ``previous`` that it lacks among
+        ``allowed`` (for a write: the names this sink switched in earlier, never an
+        earlier run's): ``series.json`` and ``details.json`` each on its own,
+        ``report.json``, ``index.md`` and ``plots/`` together, and only when ``parts``
+        lacks ``report.json`` or ``index.md``."""
+        allowed = set(allowed)
+        wanted = [n for n in ("series.json", "details.json") if n not in parts and n in allowed]
         if not parts.issuperset(_REPORT_GROUP[:2]):
             for name in _REPORT_GROUP:  # together, or not at all
                 if (staged / name).is_dir():
                     remove_tree(staged / name)
                 elif os.path.lexists(staged / name):
                     os.unlink(staged / name)
-            wanted.extend(_REPORT_GROUP)
+            if "report.json" in allowed:
+                wanted.extend(_REPORT_GROUP)
         for name in wanted:
             source = previous / name
             if name == "plots":

@@ -385,7 +385,8 @@ def show_directory(path: str | os.PathLike[str]) -> str:
 
     Args:
         path: an ``output_dir`` holding ``report.json`` and/or ``global-report.json``
-            (both are shown, the global one first), or one of those files.
+            (both are shown, the global one first), or one of those files; a symbolic
+            link to such a directory is followed.
 
     Returns:
         The text (see :func:`render_report_text` and :func:`render_global_text`).
@@ -396,7 +397,9 @@ def show_directory(path: str | os.PathLike[str]) -> str:
             report); the one-line message names the path.
     """
     root = Path(path)
-    if root.is_file() or root.is_symlink():
+    # A link to a directory, named here, is followed (the user's choice, as in compare
+    # and merge); a link to a file, and the links inside, are read as any report.
+    if root.is_file() or (root.is_symlink() and not root.is_dir()):
         if root.name == GLOBAL_REPORT_NAME:
             return render_global_text(_read(root, GLOBAL_SCHEMA, "a global report"), root)
         return render_report_text(_read(root, SCHEMA, "a report"), root)

@@ -254,12 +254,15 @@ class DirectorySink(_SinkBase):
         """Switch in the generation begun by :meth:`begin`; nothing if none was written.
 
         A generation into which no file could be written is deleted, not switched in.
-        Files the generation lacks are carried over from the current one (hard links):
-        ``series.json`` and ``details.json`` each on its own, ``report.json``,
-        ``index.md`` and ``plots/`` together, and only when :meth:`write` did not write
-        them (so ``index.md`` never comes from another report than ``report.json``).
-        The previous generation is deleted after the switch. In the ``replace_each``
-        mode there is nothing to do.
+        Files the generation lacks are carried over from the current one (hard links),
+        only those this sink wrote earlier (never an earlier run's): ``series.json`` and
+        ``details.json`` each on its own, ``report.json``, ``index.md`` and ``plots/``
+        together, and only when :meth:`write` did not write them (so ``index.md`` never
+        comes from another report than ``report.json``). A visible link whose file the
+        new generation lacks is removed after the switch. The previous generation is
+        kept until the next switch (so that a copy begun before this one still finds its
+        files), and the one before it deleted. In the ``replace_each`` mode there is
+        nothing to do.
 
         Raises:
             OSError: the switch failed (the current generation stays; on a full disk,
