@@ -25,8 +25,8 @@ import torch
 import torchinstruments._report_files as files_module
 import torchinstruments.sinks as sinks_module
 from torchinstruments import DirectorySink, inject_observer, remove_observer
-from torchinstruments._generations import generation_of
 from torchinstruments.__main__ import main as cli_main
+from torchinstruments._generations import generation_of
 from torchinstruments.errors import ReportReadError
 from torchinstruments.show import show_directory
 
