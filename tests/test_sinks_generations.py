@@ -115,8 +115,7 @@ def test_a_write_stopped_at_any_step_leaves_the_files_of_one_report(
         handle.flush()
     steps = counted.steps
     # A new generation, its three files, the switch (a new link renamed onto .current),
-    # then the generation before the previous one deleted (the previous one is kept
-    # until the next switch, for a copy begun before this one).
+    # then the previous generation deleted.
     assert steps == [
         "mkdir .generation-000003",
         "write report.json",
@@ -124,7 +123,7 @@ def test_a_write_stopped_at_any_step_leaves_the_files_of_one_report(
         "write series.json",
         f"symlink {steps[4].split()[1]}",
         "replace .current",
-        "remove_tree .generation-000001",
+        "remove_tree .generation-000002",
         "unlink series.json",
         "unlink report.json",
         "unlink index.md",
@@ -355,7 +354,6 @@ def test_stale_generations_and_temporaries_are_removed_and_nothing_else(
     assert own_entries(tmp_path) == [
         ".current",
         ".generation-000007",
-        ".generation-000043",  # the previous report's, kept until the next switch
         generation,
         ".generation-notes",
         "fork-123",
@@ -370,9 +368,7 @@ def test_a_full_disk_keeps_the_current_generation_until_the_switch(
 ) -> None:
     model, handle = _run(tmp_path)
     assert visible(tmp_path) == (2, 2, 6)
-    kept = tmp_path / ".generation-000001"  # report 1's, kept until the next switch
-    assert (kept / "report.json").is_file()
-    stale = tmp_path / ".generation-000000"  # a killed write's leftover
+    stale = tmp_path / ".generation-000001"  # a killed write's leftover
     stale.mkdir()
     (stale / "report.json").write_bytes(b"x" * 1000)
     full = {"writes": 0, "on": True}
@@ -387,10 +383,9 @@ def test_a_full_disk_keeps_the_current_generation_until_the_switch(
     monkeypatch.setattr(files_module, "write_new", write_new)
     with pytest.warns(RuntimeWarning, match="could not write its report"):
         handle.flush()
-    # Each file retried once, after the stale and the kept generations were removed;
-    # the switch never came, so the reader still sees report 2, and no new generation
-    # is left.
-    assert not stale.exists() and not kept.exists()
+    # Each file retried once, after the stale generation was removed; the switch never
+    # came, so the reader still sees report 2, and no new generation is left.
+    assert not stale.exists()
     assert visible(tmp_path) == (2, 2, 6)
     assert sorted(p.name for p in tmp_path.glob(".generation-*")) == [".generation-000002"]
     full["on"] = False
@@ -432,11 +427,7 @@ def test_a_sink_used_on_its_own_switches_each_file_in_with_the_others_carried_ov
     sink.write_details({"schema": "torchinstruments.details/1", "series": []})
     assert visible(tmp_path / "own") == visible(tmp_path / "run")
     assert json.loads((tmp_path / "own" / "details.json").read_bytes())["series"] == []
-    # The current generation and the one before it (three writes, three switches).
-    assert sorted(p.name for p in (tmp_path / "own").glob(".generation-*")) == [
-        ".generation-000002",
-        ".generation-000003",
-    ]
+    assert len(list((tmp_path / "own").glob(".generation-*"))) == 1
 
 
 def test_a_chdir_mid_run_moves_no_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -584,33 +575,3 @@ def test_a_copy_of_the_visible_names_alone_is_refused_with_what_went_wrong(
     capsys.readouterr()
     assert cli_main(["compare", str(run), str(copied)]) == 1
     assert "got a dangling symbolic link to .current/series.json" in capsys.readouterr().err
-
-
-def test_the_previous_generation_stays_until_the_next_switch(tmp_path: Path) -> None:
-    model, handle = _run(tmp_path)
-    before = os.readlink(tmp_path / ".current")
-    report = (tmp_path / before / "report.json").read_bytes()
-    handle.flush()
-    # A reader (or a copy) that resolved .current before the switch still finds its
-    # files after it; the generation goes at the switch after.
-    assert os.readlink(tmp_path / ".current") != before
-    assert (tmp_path / before / "report.json").read_bytes() == report
-    handle.flush()
-    assert not (tmp_path / before).exists()
-    assert len(list(tmp_path.glob(".generation-*"))) == 2
-    # A copy of the current generation (through .current) during which a report is
-    # switched in finds every file it listed.
-    flushed: list[str] = []
-
-    def copy_then_flush_once(source: str, target: str) -> object:
-        copied = shutil.copy2(source, target)
-        if not flushed:
-            flushed.append(source)
-            handle.flush()
-        return copied
-
-    current = tmp_path / os.readlink(tmp_path / ".current")
-    shutil.copytree(current, tmp_path.parent / "copy", copy_function=copy_then_flush_once)
-    assert flushed and not current.samefile(tmp_path / ".current")
-    assert visible(tmp_path.parent / "copy") is not None  # the files of one report
-    remove_observer(model)

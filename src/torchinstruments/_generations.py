@@ -16,10 +16,8 @@ reader opens are stable relative links through ``.current``::
 
 Whenever the writing process stops (a SIGKILL included), ``.current`` names either the
 previous generation or the new one, complete, so the visible files always belong to one
-report. The previous generation is kept until the next switch, then deleted, so that
-a copy of the directory begun before a switch still finds its files (two generations on
-disk, three while one is written). The same layout is used for Kubernetes' ConfigMap
-volumes (its ``..data`` link).
+report. The previous generation is deleted after the switch. The same layout is used
+for Kubernetes' ConfigMap volumes (its ``..data`` link).
 
 Only the standard library: the offline readers (:mod:`torchinstruments._jsonio`)
 resolve these links through :func:`generation_of` without importing torch.

@@ -158,7 +158,6 @@ class ReportFiles:
         self._parts: set[str] = set()  # the files written into it
         self._next_number = 0
         self._written: set[str] = set()  # the names this sink has switched in so far
-        self._kept: str | None = None  # the generation before the current one, kept
 
     def begin(self) -> None:
         """Gather the next writes into one generation, switched in by :meth:`commit`;
@@ -193,17 +192,10 @@ class ReportFiles:
             raise
         self._written = {name for name in LINKED_NAMES if os.path.lexists(staged / name)}
         self._unlink_dangling(staged)
-        self._retire(previous)
+        if previous is not None and previous != staged.name:
+            remove_tree(self.path / previous)
         if unlinked:
             raise unlinked[0]
-
-    def _retire(self, previous: str | None) -> None:
-        """Keep ``previous`` (the generation just switched out) until the next switch,
-        so that a copy of the directory begun before this switch still finds its files;
-        delete the one kept before it."""
-        older, self._kept = self._kept, previous
-        if older is not None and older != previous:
-            remove_tree(self.path / older)
 
     def _unlink_dangling(self, current: Path) -> None:
         """Remove each visible link of ours (``.current/<name>``) whose name the
@@ -372,7 +364,8 @@ class ReportFiles:
         except Exception:
             remove_tree(adopted)
             raise
-        self._retire(previous)
+        if previous is not None:
+            remove_tree(self.path / previous)
         for name in plain:
             link = self.path / name
             if name == "plots":  # a directory is not replaced by a rename: moved aside

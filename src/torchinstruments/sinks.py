@@ -260,9 +260,7 @@ class DirectorySink(_SinkBase):
         together, and only when :meth:`write` did not write them (so ``index.md`` never
         comes from another report than ``report.json``). A visible link whose file the
         new generation lacks is removed after the switch. The previous generation is
-        kept until the next switch (so that a copy begun before this one still finds its
-        files), and the one before it deleted. In the ``replace_each`` mode there is
-        nothing to do.
+        deleted after the switch. In the ``replace_each`` mode there is nothing to do.
 
         Raises:
             OSError: the switch failed (the current generation stays; on a full disk,
