@@ -287,3 +287,20 @@ def test_index_names_an_echo_s_call_when_it_is_not_the_first(
     index = render_markdown(report)
     assert "Echoes (moved at the same samples, not listed separately): " in index
     assert "`block.relu (call 1)`, `block.fc`." in index
+
+
+def test_a_cross_section_of_differences_is_headed_so(
+    stepped: tuple[dict[str, Any], Path],
+) -> None:
+    """Fractions and kurtosis are compared by difference: the column says so."""
+    from torchinstruments.report import render_markdown
+
+    report = copy.deepcopy(stepped[0])
+    rows = report["events"][0]["cross_section"]["rows"]
+    for row in rows:
+        row["difference"] = row.pop("ratio")
+    index = render_markdown(report)
+    header = "| offset | module | call | before | after | {} | in spreads |"
+    assert header.format("difference") in index
+    others = [e for e in report["events"][1:] if (e.get("cross_section") or {}).get("rows")]
+    assert index.count(header.format("ratio")) == len(others)

@@ -31,6 +31,7 @@ from torchinstruments import (
     observer_of,
     remove_observer,
 )
+from torchinstruments.sinks import WRITE_FAILED_NAME, DirectorySink
 
 
 def write_failures(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
@@ -80,8 +81,14 @@ def test_full_disk_is_retried_and_warned_once(tmp_path: Path, monkeypatch: Any) 
         handle = attach(model, tmp_path, report_config=ReportConfig(rewrite_interval_s=1e-6))
         losses = fit(model, data)
         handle.flush()
+        # The directory says that what is there is not the latest report.
+        failed = (tmp_path / WRITE_FAILED_NAME).read_text(encoding="utf-8")
+        assert failed.startswith("Report ") and "could not be written here:" in failed
+        assert "No space left on device" in failed
+        assert "No report of this run has been written here yet" in failed
         full["on"] = False
         handle.flush()
+        assert not (tmp_path / WRITE_FAILED_NAME).exists()  # removed once one was written
         remove_observer(model)
     assert len(write_failures(caught)) == 1
     assert losses == fit(twin, data)
@@ -128,3 +135,20 @@ def test_shared_report_directory_is_refused_however_spelled(
     remove_observer(first)
     assert read(base)["coverage"]["forwards_seen"] == 1
     assert read(base / "rank-000")["coverage"]["forwards_seen"] == 1
+
+
+def test_a_failed_write_says_which_report_is_still_there(tmp_path: Path) -> None:
+    sink = DirectorySink(tmp_path)
+    sink.note_written({"run": {"report_number": 3}, "generated_at": "T3"})
+    sink.note_failed_write(
+        {"run": {"report_number": 4}, "generated_at": "T4"},
+        OSError(errno.ENOSPC, "No space left on device"),
+    )
+    assert (tmp_path / WRITE_FAILED_NAME).read_text(encoding="utf-8") == (
+        "Report 4 of this run (generated T4) could not be written here: [Errno 28] No space "
+        "left on device\nreport.json and index.md here are still report 3 of this run, "
+        "generated T3.\nThe observer retries at each rewrite and removes this file once a "
+        "report is written.\n"
+    )
+    sink.note_written({"run": {"report_number": 5}, "generated_at": "T5"})
+    assert not (tmp_path / WRITE_FAILED_NAME).exists()

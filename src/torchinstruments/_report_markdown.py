@@ -32,9 +32,12 @@ Rules for your answer:
    residual spreads: weigh it by its size, and prefer a later change of similar size.
 4. An event's module is where the change begins along depth. Its "cross_section" gives,
    at the onset, the module (offset 0) and its neighbours in forward order, each against
-   its own trend: "before" (forecast), "after", "ratio" and "in_spreads" (the departure
-   in that series' own noise units). Modules before it near 0 spreads and the module far
-   from 0 place the origin there; its "echoes" moved at the same samples because of it.
+   its own trend: "before" (forecast), "after", "ratio" (or "difference" for fractions
+   and kurtosis) and "in_spreads" (the departure in that series' own noise units). For
+   activations, modules before it near 0 spreads and the module far from 0 place the
+   origin there; output gradients flow backwards, so for them the modules after it stay
+   near 0 and those before it move with it. Its "echoes" moved at the same samples
+   because of it.
    "also_named" are other modules that output the same tensor. Module "<model>" is a
    model-wide event: most of the model moved at once, a run-level cause.
 5. "shape" says what happened: a "step" that held, a "spike" that returned, a "bend"
@@ -264,7 +267,9 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
             f"Cross-section at sample {section['sample']} ({section['metric']}, forward order; "
             "offset 0 is this module):",
             "",
-            "| offset | module | call | before | after | ratio | in spreads |",
+            "| offset | module | call | before | after | "
+            f"{'ratio' if any('ratio' in r for r in section['rows']) else 'difference'} "
+            "| in spreads |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in section["rows"]:

@@ -27,7 +27,9 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
     are wanted, every file of a directory sink into one generation (``begin`` before
     anything is built, ``commit`` at the end). Each step's error is counted in the
     observer's error table and the next step runs; a failed write to a directory warns
-    once. Arguments as for :meth:`~torchinstruments.observer.Observer.write_report`.
+    once and leaves ``WRITE_FAILED.txt`` beside its files (which report they are),
+    removed by the next report put in place. Arguments as for
+    :meth:`~torchinstruments.observer.Observer.write_report`.
     """
     from .report import build_report, build_series_summary
     from .sinks import DirectorySink
@@ -66,6 +68,7 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
         observer.record_error("report", "", error)
         return
     writer = observer.writer
+    failed: dict[int, Exception] = {}  # id of a directory sink -> why its report failed
     if writer is not None:
         try:
             writer.write(report)
@@ -73,11 +76,13 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
         except Exception as error:  # each file is written on its own: go on
             observer.record_error("write", "", error)
             _warn_write(observer, error)
+            failed[id(writer)] = error
     for sink in sinks:
         try:
             sink.write(report)
         except Exception as error:
             observer.record_error("sink", type(sink).__name__, error)
+            failed[id(sink)] = error
     if summary is not None:
         for target in summarising:
             try:
@@ -104,6 +109,12 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
         except Exception as error:
             observer.record_error("write", "", error)
             _warn_write(observer, error)
+            failed.setdefault(id(directory), error)
+        # Say beside the files whether they are this report or an earlier one.
+        if id(directory) in failed:
+            directory.note_failed_write(report, failed[id(directory)])
+        else:
+            directory.note_written(report)
 
 
 def _warn_write(observer: Observer, error: Exception) -> None:

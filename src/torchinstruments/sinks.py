@@ -11,6 +11,7 @@ so a run killed at any moment leaves the last complete report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -24,7 +25,13 @@ from ._report_files import ReportFiles, write_new
 from ._series_file import series_file_bytes
 from .report import dumps_report, render_markdown
 
+#: Written beside the report files when a report could not be put in place (the files
+#: there are an earlier report, or none), removed when the next one is
+#: (:meth:`DirectorySink.note_failed_write`).
+WRITE_FAILED_NAME = "WRITE_FAILED.txt"
+
 __all__ = [
+    "WRITE_FAILED_NAME",
     "DirectorySink",
     "MemorySink",
     "MetricLoggerSink",
@@ -192,6 +199,8 @@ class DirectorySink(_SinkBase):
         self.plots = plots
         self.write_series_summary = write_series_summary
         self._mode: str | None = None
+        #: ``(run.report_number, generated_at)`` of the last report put in place.
+        self._last_written: tuple[object, object] | None = None
 
     @property
     def path(self) -> Path:
@@ -239,6 +248,52 @@ class DirectorySink(_SinkBase):
     def index_path(self) -> Path:
         """Where ``index.md`` is written."""
         return self.path / "index.md"
+
+    # ------------------------------------------------------------------ staleness
+    @property
+    def failed_write_path(self) -> Path:
+        """Where :meth:`note_failed_write` says that the report here is not the latest
+        (``WRITE_FAILED.txt``)."""
+        return self.path / WRITE_FAILED_NAME
+
+    def note_failed_write(self, report: dict[str, Any], error: BaseException) -> None:
+        """Say beside the files that ``report`` could not be put in place: the report
+        there is an earlier one (named by number and time), or there is none yet.
+
+        Best effort (a few hundred bytes written directly, which a nearly full disk
+        may still take where a report does not); errors are ignored. The observer
+        calls it after a failed write; :meth:`note_written` removes the file.
+        """
+        run = report.get("run") if isinstance(report.get("run"), dict) else {}
+        number = run.get("report_number") if isinstance(run, dict) else None
+        shown = self._last_written
+        kept = (
+            f"report.json and index.md here are still report {shown[0]} of this run, "
+            f"generated {shown[1]}."
+            if shown is not None
+            else "No report of this run has been written here yet; files here, if any, "
+            "are from an earlier run."
+        )
+        text = (
+            f"Report {number} of this run (generated {report.get('generated_at')}) could "
+            f"not be written here: {str(error)[:500]}\n{kept}\nThe observer retries at "
+            "each rewrite and removes this file once a report is written.\n"
+        )
+        with contextlib.suppress(OSError):
+            self.failed_write_path.write_text(text, encoding="utf-8")
+
+    def note_written(self, report: dict[str, Any]) -> None:
+        """Record that ``report`` was put in place, and remove the file of
+        :meth:`note_failed_write` if there is one."""
+        run = report.get("run") if isinstance(report.get("run"), dict) else {}
+        self._last_written = (
+            run.get("report_number") if isinstance(run, dict) else None,
+            report.get("generated_at"),
+        )
+        path = self.failed_write_path
+        with contextlib.suppress(OSError):
+            if path.is_file():  # (a stat; nothing is removed when nothing failed)
+                path.unlink()
 
     # ------------------------------------------------------------------ one generation
     def begin(self) -> None:
