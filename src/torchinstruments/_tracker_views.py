@@ -312,6 +312,14 @@ class _TrackerViews(_TrackerState):
         self._trend_break = (self.count, found)
         return found
 
+    def _history_from(self, start: int) -> list[tuple[int, float, int]]:
+        """The bounded history's ``(sample, value, forward)`` points from sample
+        ``start`` on, with the latest value last (the history may not hold it yet)."""
+        points = [(s, v, f) for s, v, f in self._history if s >= start]
+        if points and points[-1][0] != self._latest_sample:
+            points.append((self._latest_sample, self._latest_value, self._forward))
+        return points
+
     def _fit_trend_break(self) -> ChangePoint | None:
         start = self.warmup_end_sample
         if start is None or self._constant or self.first is None:
@@ -319,9 +327,7 @@ class _TrackerViews(_TrackerState):
         for change in self._changes:
             if not change.transient and change.alarm_sample > start:
                 start = change.alarm_sample
-        points = [(s, v, f) for s, v, f in self._history if s >= start]
-        if points and points[-1][0] != self._latest_sample:
-            points.append((self._latest_sample, self._latest_value, self._forward))
+        points = self._history_from(start)
         if len(points) < TREND_POINTS_BEFORE + TREND_POINTS_AFTER:
             return None
         fit = fit_trend_break(
@@ -402,9 +408,7 @@ class _TrackerViews(_TrackerState):
         start = self.warmup_end_sample
         if start is None or self._constant or self.first is None:
             return None
-        points = [(s, v, f) for s, v, f in self._history if s >= start]
-        if points and points[-1][0] != self._latest_sample:
-            points.append((self._latest_sample, self._latest_value, self._forward))
+        points = self._history_from(start)
         shift = find_sustained_shift(
             [float(f) for _, _, f in points],
             [self.transform(v) for _, v, _ in points],

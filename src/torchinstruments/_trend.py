@@ -7,10 +7,13 @@ method.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from ._metrics import MAD_TO_STD as MEDIAN_DEVIATION_TO_STD
 
 #: Least points of a trend break's fit at and before the break, and after it.
 TREND_POINTS_BEFORE = 4
@@ -444,8 +447,6 @@ def fit_trend_break(
 SHIFT_POINTS_BEFORE = 8
 #: Points of a sustained shift's window from it on: the new level must hold this long.
 SHIFT_POINTS_AFTER = 5
-#: Median absolute deviation to standard deviation for normal values (1 / 0.6745).
-MAD_TO_STD_OF_MEDIAN = 1.4826
 
 
 class SustainedShift(NamedTuple):
@@ -484,14 +485,6 @@ class SustainedShift(NamedTuple):
         return self.step / self.error
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[middle]
-    return 0.5 * (ordered[middle - 1] + ordered[middle])
-
-
 def _shift_at(
     xs: list[float], ys: list[float], index: int, before: int, after: int, spread_floor: float
 ) -> SustainedShift | None:
@@ -506,17 +499,17 @@ def _shift_at(
     ]
     if not slopes:
         return None
-    slope = _median(slopes)
-    intercept = _median([y - slope * x for x, y in zip(bx, by, strict=True)])
+    slope = statistics.median(slopes)
+    intercept = statistics.median([y - slope * x for x, y in zip(bx, by, strict=True)])
     residuals = [y - (intercept + slope * x) for x, y in zip(bx, by, strict=True)]
-    centre = _median(residuals)
-    spread = MAD_TO_STD_OF_MEDIAN * _median([abs(r - centre) for r in residuals])
+    centre = statistics.median(residuals)
+    spread = MEDIAN_DEVIATION_TO_STD * statistics.median([abs(r - centre) for r in residuals])
     spread = max(spread, spread_floor)
     if not spread > 0.0:
         return None
-    level_after = _median(ay)
-    flat = level_after - _median(by)
-    along = _median([y - (intercept + slope * x) for x, y in zip(ax, ay, strict=True)])
+    level_after = statistics.median(ay)
+    flat = level_after - statistics.median(by)
+    along = statistics.median([y - (intercept + slope * x) for x, y in zip(ax, ay, strict=True)])
     if flat * along <= 0.0:
         return None
     step = flat if abs(flat) < abs(along) else along
@@ -547,7 +540,7 @@ def find_sustained_shift(
     every point with enough points on both sides, the window before is fitted with a
     straight line (Theil-Sen: the median of the slopes between pairs of points, Sen
     1968), whose residuals give a robust spread (median absolute deviation about their
-    median, times ``MAD_TO_STD_OF_MEDIAN``); the step is the median of the
+    median, times ``MEDIAN_DEVIATION_TO_STD``); the step is the median of the
     window after, measured both from the median of the window before (no slope) and
     from the line carried over the window after (the median of the departures from
     it). The two must point the same way and the smaller in size is the step (a

@@ -264,8 +264,7 @@ class DirectorySink(_SinkBase):
         may still take where a report does not); errors are ignored. The observer
         calls it after a failed write; :meth:`note_written` removes the file.
         """
-        run = report.get("run") if isinstance(report.get("run"), dict) else {}
-        number = run.get("report_number") if isinstance(run, dict) else None
+        number, generated = _report_identity(report)
         shown = self._last_written
         kept = (
             f"report.json and index.md here are still report {shown[0]} of this run, "
@@ -275,7 +274,7 @@ class DirectorySink(_SinkBase):
             "are from an earlier run."
         )
         text = (
-            f"Report {number} of this run (generated {report.get('generated_at')}) could "
+            f"Report {number} of this run (generated {generated}) could "
             f"not be written here: {str(error)[:500]}\n{kept}\nThe observer retries at "
             "each rewrite and removes this file once a report is written.\n"
         )
@@ -285,11 +284,7 @@ class DirectorySink(_SinkBase):
     def note_written(self, report: dict[str, Any]) -> None:
         """Record that ``report`` was put in place, and remove the file of
         :meth:`note_failed_write` if there is one."""
-        run = report.get("run") if isinstance(report.get("run"), dict) else {}
-        self._last_written = (
-            run.get("report_number") if isinstance(run, dict) else None,
-            report.get("generated_at"),
-        )
+        self._last_written = _report_identity(report)
         path = self.failed_write_path
         with contextlib.suppress(OSError):
             if path.is_file():  # (a stat; nothing is removed when nothing failed)
@@ -396,6 +391,12 @@ class DirectorySink(_SinkBase):
         details = ", write_full_details=True" if self.write_full_details else ""
         plots = ", plots=True" if self.plots else ""
         return f"DirectorySink({str(self.path)!r}{details}{plots})"
+
+
+def _report_identity(report: dict[str, Any]) -> tuple[object, object]:
+    """``(run.report_number, generated_at)`` of a report (None where absent)."""
+    run = report.get("run")
+    return (run.get("report_number") if isinstance(run, dict) else None), report.get("generated_at")
 
 
 class MemorySink(_SinkBase):

@@ -90,11 +90,10 @@ class _ScaleRule(Rule):
         if judged is not tracker:
             basis += "_net_of_loss_gradient"
             evidence["net_of_loss_gradient"] = _scale_evidence(judged)
-        change = _first_notable(
-            judged, min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
-        )
         change = (
-            change
+            _first_notable(
+                judged, min_abs_step=math.log(STEP_FACTOR_NOTABLE), min_abs_step_z=SHIFT_Z_NOTABLE
+            )
             or _notable_trend(judged, min_abs_step=math.log(TREND_FACTOR_NOTABLE))
             or _notable_shift(judged, min_abs_step=math.log(SHIFT_FACTOR_NOTABLE))
         )
