@@ -669,3 +669,33 @@ def test_the_origin_share_is_measured_in_the_metric_not_in_each_series_spreads()
     assert echo.change is not None and origin.change is not None
     # In spreads the echo is far larger: the old rule named it.
     assert abs(echo.change.step_z) * ORIGIN_SHARE > abs(origin.change.step_z)
+
+
+def test_a_series_that_falls_back_across_a_longer_gap_is_no_regime_change():
+    # 20% a sample every 16 forwards, then samples 64 forwards apart (as the default
+    # schedule doubles its interval), where the series falls back by 1.25x (to about
+    # where it was a sample before) and stays: the trend carried its slope across the
+    # longer gap, so against its forecast the fall is 1.52x and 21 spreads (past the
+    # drift tolerance); measured from the last value it is 1.28x, below both rules'
+    # least step.
+    rng = random.Random(7)
+    series = new_series("a_first", 1)
+    level = 1.0
+    for sample in range(SAMPLES):
+        if sample < STEP_AT:
+            level *= 1.2
+            forward = 16 * sample
+        else:
+            forward = 16 * STEP_AT + 64 * (sample - STEP_AT)
+        if sample == STEP_AT:
+            level /= 1.25
+        series.update(CONFIG, sample, {"rms": noisy(rng, level)}, forward)
+    found = run_rules([series])
+    regime = found["regime_change"]
+    assert regime and regime[0].change is not None
+    change = regime[0].change
+    assert change.start_sample == STEP_AT
+    assert math.exp(-change.step) >= 1.5 and -change.step_z >= 8.0
+    assert math.exp(-change.step_without_trend) < 1.3
+    assert notable(regime) == []
+    assert notable(found["activation_scale_drift"]) == []

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from ._attention import begin_sample as begin_attention_sample
+from ._attention import end_sample as end_attention_sample
 from ._context_cadence import (
     DEVICE_FLUSH_INTERVAL_FORWARDS,
     MAX_SAMPLES_AWAITING_BACKWARD,
@@ -382,6 +384,7 @@ class ForwardContext(_ContextCadence):
         self.open_sample(decision)
         if self.sample_open:
             self.state = SAMPLED
+            begin_attention_sample(self)
         else:
             self._unsampled_training = True
             self.sentinel.calls = {}
@@ -434,6 +437,8 @@ class ForwardContext(_ContextCadence):
                 self._unsampled_training = False
             return
         if state is SAMPLED or state is SENTINEL:
+            if state is SAMPLED and len(stack) == 1:
+                end_attention_sample(self)
             if self.compiled is not None and len(stack) == 1:
                 self.compiled.end_sample(self)  # rows before the root's own
             self.on_forward(index, args, output)

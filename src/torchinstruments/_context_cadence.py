@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 from torch import Tensor
 
+from ._attention import end_sample as end_attention_sample
 from ._records import ROOT_INDEX
 from ._staging import MAX_PENDING_RECORDS
 from ._state import SKIP, ForwardState
@@ -173,5 +174,6 @@ class _ContextCadence(ForwardState):
         self.parking.parkable.clear()
         self.attached = False
         self.state = SKIP
+        end_attention_sample(cast("ForwardContext", self))
         self._state_stack.clear()
         self.no_grad_calls.clear()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .find import RULES, Candidate, display_module, format_value, model_wide_texts
 from .find.base import ONSET_TOLERANCE_SAMPLES
-from .series import GRAD_OUTPUT, RMS_TO_ROOT
+from .series import ATTENTION_LOGITS_PATH, GRAD_OUTPUT, RMS_TO_ROOT
 from .track import bounded_exp
 
 if TYPE_CHECKING:
@@ -198,6 +198,13 @@ def _step_texts(
             f"its input (the module before it) and the learning rate at that point; "
             f"restore them one at a time and check whether {module}'s zero_fraction "
             "returns to its trend."
+        )
+    elif s.tensor_path.startswith(ATTENTION_LOGITS_PATH):
+        experiment = (
+            f"{module}'s attention logits (scale * Q K^T) moved at {when}: check the "
+            "scale passed to scaled_dot_product_attention (1/sqrt(head_dim) left out or "
+            "applied twice), then the query and key projections' weights and any "
+            "normalization of queries and keys; restore them one at a time."
         )
     elif family == "normalization":
         experiment = (

@@ -35,6 +35,10 @@ MAX_WINDOW_POINTS = 56
 
 ACTIVATION = "activation"
 GRAD_OUTPUT = "grad_output"
+#: Tensor path of the attention logits a module computes with
+#: ``F.scaled_dot_product_attention`` (``_attention.py``; ``attention_logits[1]``, ...
+#: for further calls in one module call).
+ATTENTION_LOGITS_PATH = "attention_logits"
 SIGNALS = (ACTIVATION, GRAD_OUTPUT)
 #: Metric properties (log scale, noise floors) are in ``_metrics.METRICS``;
 #: ``RMS_TO_ROOT`` and ``LOG_SCALE_METRICS`` are named here too, for the series' users.

@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
+from ..series import ACTIVATION, ATTENTION_LOGITS_PATH, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import ChangePoint, SeriesTracker, bounded_exp
 from .base import (
     EARLY_REFERENCE_FACTOR,
@@ -168,12 +168,20 @@ class Rule:
     #: other categories' findings at the same samples are folded into them.
     model_wide = False
     signals: tuple[str, ...] = (ACTIVATION, GRAD_OUTPUT)
+    #: The rule judges the attention logits of ``scaled_dot_product_attention`` calls
+    #: (tensor path ``attention_logits``): their scale, not the shape of their
+    #: distribution, which changes abruptly in healthy training when attention heads
+    #: specialise (the induction-head phase change, Olsson et al. 2022), and not their
+    #: zeros.
+    attention_logits = True
 
     def candidates(self, series: Iterable[TensorSeries], context: RuleContext) -> list[Candidate]:
         """Return one candidate per eligible series and metric (unranked)."""
         found: list[Candidate] = []
         for item in series:
             if item.signal not in self.signals:
+                continue
+            if not self.attention_logits and item.tensor_path.startswith(ATTENTION_LOGITS_PATH):
                 continue
             position = context.positions.get(_tensor_key(item), 0)
             for metric in self.metrics:

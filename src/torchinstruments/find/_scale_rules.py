@@ -218,12 +218,13 @@ class HeavyTailGrowth(Rule):
     large in absolute terms (excess kurtosis up by ``KURTOSIS_STEP_NOTABLE``, 3, and the
     kurtosis up 1.5x; or tail ratio up ``TAIL_RATIO_FACTOR_NOTABLE``, 1.5x). Kurtosis
     that climbs steadily as features specialise (1 to 20 in early training is common) is
-    trend, not a finding.
+    trend, not a finding. Attention logits are not judged here (``Rule.attention_logits``).
     """
 
     category = "heavy_tail_growth"
     metrics = ("excess_kurtosis", "tail_ratio")
     signals = (ACTIVATION,)
+    attention_logits = False
 
     def judge(
         self,

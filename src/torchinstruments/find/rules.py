@@ -211,11 +211,12 @@ class ZeroFractionGrowth(Rule):
     ``ZERO_FRACTION_NOTABLE`` (0.1) and ``SHIFT_Z_NOTABLE`` (6) residual spreads (floor
     0.005). ReLU zero fractions creep by 0.1 or so in healthy training, which the trend
     follows; a dying layer jumps up, an activation that no longer rectifies drops. The
-    root's output gradient (the loss gradient) is not a candidate.
+    root's output gradient (the loss gradient) and attention logits are not candidates.
     """
 
     category = "zero_fraction_growth"
     metrics = ("zero_fraction",)
+    attention_logits = False
 
     def judge(
         self,
@@ -291,7 +292,9 @@ class RegimeChange(Rule):
     :class:`~torchinstruments.track.SeriesTracker`); the detector re-anchors after each
     alarm. Ranking basis ``largest_step_in_residual_spreads``: the largest step that was
     not transient, in residual spreads at its start. Noise floor: notable when that
-    step is at least 1.5x and 8 residual spreads.
+    step is at least 1.5x and 8 residual spreads, measured both from the trend's forecast
+    and from the last value before it (``ChangePoint.step_without_trend``, as for
+    :class:`ActivationScaleDrift`).
     """
 
     category = "regime_change"
@@ -308,9 +311,13 @@ class RegimeChange(Rule):
         change = judged.strongest_change if judged is not None else None
         if judged is None or change is None:
             return None
-        notable = abs(change.step) >= math.log(1.5) and abs(change.step_z) >= _least_z(
-            change, judged, 8.0
-        )
+        # As for the scale rules, the step is also measured without the trend's slope
+        # (ChangePoint.step_without_trend): a steeply rising series that falls back to
+        # where it was two samples ago departs from a forecast that carried the old
+        # slope across the gap, yet it did not step.
+        notable = abs(change.step_without_trend) >= math.log(1.5) and abs(
+            change.step_without_trend_z
+        ) >= _least_z(change, judged, 8.0)
         return Candidate(
             category=self.category,
             series=series,

@@ -1,0 +1,279 @@
+"""Attention logits: the pre-softmax scores of ``scaled_dot_product_attention`` calls.
+
+    ForwardContext._open_training_forward (sampled) -> begin_sample: wrapper in place
+    F.scaled_dot_product_attention (the wrapper)    -> _measure -> StatisticsBuffer.measure
+    ForwardContext.leave_root (sampled)             -> end_sample: the original back
+
+``torch.nn.functional.scaled_dot_product_attention`` fuses ``Q K^T``, the softmax and
+the weighted sum of the values, so the attention scores are no module's output: a wrong
+attention scale (the ``1/sqrt(d)`` left out, or applied twice) changes them by a
+constant factor, while the attention module's own output moves by no more than its
+noise. Attention logits that grow until the softmax saturates are a known cause of
+unstable transformer training (Dehghani et al. 2023, "Scaling Vision Transformers to 22
+Billion Parameters", section 3.1.1; Wortsman et al. 2023, "Small-scale proxies for
+large-scale Transformer training instabilities", section 3.1).
+
+For the duration of a sampled training forward only, ``F.scaled_dot_product_attention``
+is replaced by a wrapper that calls the original first and returns its result
+unchanged; then, outside autograd, it recomputes a bounded block of the logits
+(``scale * Q K^T``, plus an additive float mask) from the call's own arguments and
+measures it as an activation of the module that made the call (the innermost module
+whose method is on the stack, found by the ``self`` argument of its frame; a call by a
+module that is not observed is counted and left out), under the tensor path
+``attention_logits`` (``attention_logits[1]``, ... for further calls in the same module
+call). Unsampled forwards, and everything outside a forward, see torch's
+own function. Code that bound the function before (``from torch.nn.functional import
+scaled_dot_product_attention``) and attention computed without it are not seen.
+
+Which logits (deterministic, chosen from the shapes alone, so nothing is read back to
+the host and no random number is drawn):
+
+* query rows (batch and heads flattened) and query positions are thinned by slicing
+  with a step, so that at most :data:`MAX_LOGITS` scores are computed per call;
+* with ``is_causal=True`` (a top-left causal mask: query ``i`` sees keys ``j <= i``),
+  the queries are the last half of the positions and the keys those that all of them
+  see (``0 .. L - ceil(L/2)``): a block of scores that the mask keeps whole;
+* a boolean ``attn_mask`` keeps the scores where it is True, a float mask is added and
+  the scores where the sum is not finite are dropped; on a device other than the CPU
+  selecting them would read the mask back to the host, so such calls are not measured
+  there (counted under ``coverage.tensors_skipped`` as ``attention_mask_on_device``).
+
+Inside compiled graphs (``torch.compile``) the wrapper is the original function: the
+logits are not captured there.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._state import SAMPLED
+from .capture import _is_compiling, passive
+from .reduce import skip_reason
+from .series import ACTIVATION, ATTENTION_LOGITS_PATH
+
+if TYPE_CHECKING:
+    from ._context import ForwardContext
+
+__all__ = ["ATTENTION_LOGITS_PATH", "MAX_LOGITS", "begin_sample", "end_sample", "logits_block"]
+
+#: Most scores computed and measured per ``scaled_dot_product_attention`` call.
+MAX_LOGITS = 1 << 16
+#: Frames walked up from the call to find the observed module that made it.
+MAX_FRAMES = 64
+#: ``coverage.tensors_skipped`` reason of a masked call on a device other than the CPU.
+MASK_ON_DEVICE = "attention_mask_on_device"
+#: ``coverage.tensors_skipped`` reason of a call made by a module that is not observed.
+NOT_OBSERVED = "attention_module_not_observed"
+
+_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+#: The function the wrapper replaced (None while it is not in place).
+_original: Callable[..., Any] | None = None
+#: The contexts in a sampled training forward, with per context the sample and the
+#: number of calls seen per (module index, call index) in it.
+_active: dict[int, tuple[weakref.ref[ForwardContext], list[Any]]] = {}
+#: Per context: (number of observed modules, {id(module): index}).
+_module_indices: weakref.WeakKeyDictionary[ForwardContext, tuple[int, dict[int, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def begin_sample(ctx: ForwardContext) -> None:
+    """A sampled training forward of ``ctx`` opens: put the wrapper in place."""
+    global _original
+    _active[id(ctx)] = (weakref.ref(ctx), [ctx.sample, {}])
+    if _original is None:
+        current = F.scaled_dot_product_attention
+        if getattr(current, "__wrapped_by_torchinstruments__", False):
+            return
+        _original = current
+        F.scaled_dot_product_attention = _observed_attention  # type: ignore[assignment]
+
+
+def end_sample(ctx: ForwardContext) -> None:
+    """The sampled forward of ``ctx`` closed (or ``ctx`` detached): once no context is
+    in a sampled forward, torch's function is back in place."""
+    global _original
+    _active.pop(id(ctx), None)
+    if not _active and _original is not None:
+        if F.scaled_dot_product_attention is _observed_attention:
+            F.scaled_dot_product_attention = _original  # type: ignore[assignment]
+        _original = None
+
+
+def _observed_attention(*args: Any, **kwargs: Any) -> Any:
+    original = _original
+    if original is None:  # put back while a caller held the wrapper
+        original = torch._C._nn.scaled_dot_product_attention
+    result = original(*args, **kwargs)
+    if _active and not _is_compiling():
+        _measure(args, kwargs, sys._getframe(1))
+    return result
+
+
+_observed_attention.__wrapped_by_torchinstruments__ = True  # type: ignore[attr-defined]
+
+
+def _measure(args: tuple[Any, ...], kwargs: dict[str, Any], frame: Any) -> None:
+    for ref, state in list(_active.values()):
+        ctx = ref()
+        if ctx is None or not ctx.attached or ctx.state is not SAMPLED:
+            continue
+        index = _calling_module(ctx, frame)
+        if index is None:
+            continue
+        try:
+            with passive(), torch.no_grad():
+                _measure_call(ctx, state, index, args, kwargs)
+        except Exception as error:  # never break training
+            ctx.errors.record("attention_logits", ctx.capture._names[index], error)
+        return
+
+
+def _calling_module(ctx: ForwardContext, frame: Any) -> int | None:
+    """Index of the module of ``ctx`` that made the call: the innermost module whose
+    method is on the stack from ``frame`` up (a frame whose first argument, ``self``, is
+    an ``nn.Module``). None, and counted under ``coverage.tensors_skipped`` as
+    :data:`NOT_OBSERVED` (from the second sample on, when the parents of modules that
+    never ran are observed too), when that module is not observed."""
+    count, indices = _module_indices.get(ctx, (-1, {}))
+    if count != len(ctx.modules):
+        indices = {}
+        for i, ref in enumerate(ctx.modules):
+            module = ref()
+            if module is not None:
+                indices[id(module)] = i
+        _module_indices[ctx] = (len(ctx.modules), indices)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                index = indices.get(id(owner))
+                if index is None and ctx._adoption_done:
+                    ctx.capture.skipped_tensors[NOT_OBSERVED] += 1
+                return index
+        frame = frame.f_back
+    return None
+
+
+def _measure_call(
+    ctx: ForwardContext,
+    state: list[Any],
+    index: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    given = dict(zip(_ARGUMENTS, args, strict=False))
+    given.update(kwargs)
+    query, key = given.get("query"), given.get("key")
+    if skip_reason(query) is not None or skip_reason(key) is not None:
+        return
+    assert isinstance(query, Tensor) and isinstance(key, Tensor)
+    mask = given.get("attn_mask")
+    if isinstance(mask, Tensor) and query.device.type != "cpu":
+        ctx.capture.skipped_tensors[MASK_ON_DEVICE] += 1
+        return
+    logits = logits_block(
+        query,
+        key,
+        mask if isinstance(mask, Tensor) else None,
+        is_causal=bool(given.get("is_causal", False)),
+        scale=given.get("scale"),
+        enable_gqa=bool(given.get("enable_gqa", False)),
+    )
+    if logits is None or logits.numel() == 0:
+        return
+    sample = ctx.sample
+    if state[0] != sample:
+        state[0], state[1] = sample, {}
+    call = ctx.call_counts.get(index, 0)
+    seen = state[1]
+    nth = seen.get((index, call), 0)
+    seen[(index, call)] = nth + 1
+    path = ATTENTION_LOGITS_PATH if nth == 0 else f"{ATTENTION_LOGITS_PATH}[{nth}]"
+    position = ctx.position
+    ctx.position = position + 1
+    ctx.buffer.measure((index, call, ACTIVATION, path), sample, position, logits)
+
+
+def logits_block(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    max_logits: int = MAX_LOGITS,
+) -> Tensor | None:
+    """The block of attention logits that is measured for one call (module docstring).
+
+    Args:
+        query: ``(..., L, E)``.
+        key: ``(..., S, E)``, batch dimensions broadcastable with the query's (with
+            ``enable_gqa``, fewer heads in dimension -3, repeated as the function does).
+        attn_mask: boolean (True takes part) or additive float mask, broadcastable to
+            ``(..., L, S)``; a device other than the CPU is refused by the caller.
+        is_causal: a top-left causal mask (ignored with ``attn_mask``, as the function
+            raises for both).
+        scale: the scores' factor; default ``1 / sqrt(E)``, as the function's.
+        max_logits: most scores computed.
+
+    Returns:
+        A float32 tensor of the scores kept (2-D or more without a mask, 1-D with one),
+        or None when no score is kept.
+    """
+    length, width = query.shape[-2], query.shape[-1]
+    keys = key.shape[-2]
+    if length == 0 or keys == 0:
+        return None
+    factor = 1.0 / math.sqrt(width) if scale is None else float(scale)
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+    first_query, key_count = 0, keys
+    if is_causal and attn_mask is None:
+        first_query = length // 2
+        key_count = min(keys, first_query + 1)
+    per_row = (length - first_query) * key_count
+    # Views throughout (expand, slices): nothing of the inputs is copied.
+    steps = _row_steps(tuple(batch), max(1, max_logits // per_row))
+    query_step = max(1, math.ceil(per_row / max_logits))
+    rows = tuple(slice(None, None, step) for step in steps)
+    q = query.expand(*batch, length, width)[(*rows, slice(first_query, None, query_step))]
+    k = key.expand(*batch, keys, width)[(*rows, slice(0, key_count))]
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * factor
+    if attn_mask is None:
+        return logits
+    m = attn_mask.expand(*batch, length, keys)
+    m = m[(*rows, slice(first_query, None, query_step), slice(0, key_count))]
+    if m.dtype == torch.bool:
+        return logits[m]
+    logits = logits + m.float()
+    return logits[torch.isfinite(logits)]
+
+
+def _row_steps(batch: tuple[int, ...], most: int) -> list[int]:
+    """Slicing steps per batch dimension (outermost first) that leave at most ``most``
+    rows (batch elements times heads): each dimension is thinned only as far as the
+    ones before it left too many."""
+    steps = []
+    count = math.prod(batch)
+    for size in batch:
+        step = 1
+        if count > most and size > 1:
+            step = min(size, math.ceil(count / most))
+            count = count // size * math.ceil(size / step)
+        steps.append(step)
+    return steps

@@ -1,0 +1,214 @@
+"""Attention logits of ``scaled_dot_product_attention`` calls (``_attention.py``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tests.harness import act, attach, finish, fit, make_batches, observe_against_twin, series
+from torchinstruments import _attention
+from torchinstruments._attention import ATTENTION_LOGITS_PATH, logits_block
+
+LOGITS = act("attention", path=ATTENTION_LOGITS_PATH)
+
+
+class Attention(nn.Module):
+    """Causal self-attention over 8 features read as 4 positions of 2 features, 2 heads
+    of width 1 (weights are parameters of this module, so it is a leaf and observed)."""
+
+    def __init__(self, *, causal: bool = True, scale: float | None = None) -> None:
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(2, 2))
+        self.wk = nn.Parameter(torch.randn(2, 2))
+        self.wv = nn.Parameter(torch.randn(2, 2))
+        self.causal = causal
+        self.scale = scale
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        tokens = x.view(x.shape[0], 4, 2)  # (batch, positions, features)
+        q = self._heads(tokens, self.wq)
+        return q, self._heads(tokens, self.wk), self._heads(tokens, self.wv)
+
+    def _heads(self, tokens: Tensor, w: Tensor) -> Tensor:
+        return (tokens @ w).view(tokens.shape[0], 4, 2, 1).transpose(1, 2)  # (B, H, L, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+        return out.transpose(1, 2).reshape(x.shape[0], 8)
+
+
+class Net(nn.Module):
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.attention = Attention(**options)  # type: ignore[arg-type]
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.attention(torch.tanh(self.inp(x))))
+
+
+def _net() -> Net:
+    torch.manual_seed(3)
+    return Net()
+
+
+def _expected_rms(attention: Attention, tokens: Tensor, *, causal: bool) -> float:
+    """The RMS of the measured block for input ``tokens``, in float64 numpy: queries
+    from position 2 on against keys 0..2 under the causal mask, every score otherwise."""
+    with torch.no_grad():
+        q, k, _ = attention.qkv(tokens)
+    factor = 1.0 if attention.scale is None else attention.scale  # width 1: 1/sqrt(1)
+    scores = np.einsum("bhle,bhse->bhls", q.double().numpy(), k.double().numpy()) * factor
+    if causal:
+        scores = scores[:, :, 2:, :3]
+    return float(np.sqrt(np.mean(scores**2)))
+
+
+def test_the_block_without_a_mask_is_every_score() -> None:
+    q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4)
+    block = logits_block(q, k)
+    assert block is not None
+    torch.testing.assert_close(block, q @ k.transpose(-1, -2) / 2.0, rtol=0, atol=1e-6)
+
+
+def test_under_a_causal_mask_the_block_is_the_last_half_of_queries_against_keys_all_see() -> None:
+    q, k = torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2)
+    block = logits_block(q, k, is_causal=True, scale=0.5)
+    assert block is not None
+    assert block.shape == (1, 1, 3, 4)  # queries 3, 4, 5; keys 0..3, all visible to them
+    torch.testing.assert_close(block, (q[..., 3:, :] @ k[..., :4, :].transpose(-1, -2)) * 0.5)
+
+
+def test_a_boolean_mask_keeps_its_true_scores_and_a_float_mask_is_added() -> None:
+    q, k = torch.randn(1, 2, 3, 2), torch.randn(1, 2, 3, 2)
+    full = q @ k.transpose(-1, -2) / math.sqrt(2)
+    keep = torch.tensor([[True, False, True], [True, True, False], [False, False, True]])
+    block = logits_block(q, k, keep)
+    assert block is not None
+    torch.testing.assert_close(block, full[keep.expand(1, 2, 3, 3)])
+    bias = torch.zeros(3, 3).masked_fill(~keep, -math.inf) + 0.25
+    added = logits_block(q, k, bias)
+    assert added is not None
+    torch.testing.assert_close(added, full[keep.expand(1, 2, 3, 3)] + 0.25)
+
+
+def test_the_block_is_bounded_by_thinning_rows_then_queries() -> None:
+    q, k = torch.randn(8, 4, 16, 2), torch.randn(8, 4, 16, 2)
+    block = logits_block(q, k, max_logits=16 * 16 * 5)
+    assert block is not None
+    # 32 rows of 256 scores: batch thinned by 7 (8 -> 2), heads by 2 (4 -> 2): 4 rows.
+    assert block.shape == (2, 2, 16, 16)
+    torch.testing.assert_close(block, (q[::7, ::2] @ k[::7, ::2].transpose(-1, -2)) / math.sqrt(2))
+    one_row = logits_block(q, k, max_logits=64)
+    assert one_row is not None
+    assert one_row.shape == (1, 1, 4, 16)  # one row, every 4th query
+    torch.testing.assert_close(
+        one_row, (q[:1, :1, ::4] @ k[:1, :1].transpose(-1, -2)) / math.sqrt(2)
+    )
+
+
+def test_grouped_query_attention_repeats_the_key_heads() -> None:
+    q, k = torch.randn(1, 4, 3, 2), torch.randn(1, 2, 3, 2)
+    block = logits_block(q, k, enable_gqa=True)
+    assert block is not None
+    expanded = k.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(block, q @ expanded.transpose(-1, -2) / math.sqrt(2))
+
+
+@pytest.mark.parametrize(("causal", "scale"), [(True, None), (False, 3.0)])
+def test_the_logits_rms_is_the_float64_rms_of_the_block_and_training_is_unchanged(
+    tmp_path: Path, causal: bool, scale: float | None
+) -> None:
+    def factory() -> Net:
+        torch.manual_seed(3)
+        return Net(causal=causal, scale=scale)
+
+    data = make_batches(3)
+    probe = factory()
+    expected: list[float] = []
+    probe.attention.register_forward_pre_hook(
+        lambda module, args: expected.append(_expected_rms(module, args[0], causal=causal))
+    )
+    fit(probe, data)
+    report, _ = observe_against_twin(factory, ["attention"], data, tmp_path)
+    row = series(report)[LOGITS]
+    assert row["observations"] == 3
+    assert row["first"]["value"] == pytest.approx(expected[0], rel=1e-5)
+    assert row["latest"]["value"] == pytest.approx(expected[-1], rel=1e-5)
+
+
+def test_torch_keeps_its_own_function_outside_sampled_forwards(tmp_path: Path) -> None:
+    original = F.scaled_dot_product_attention
+    model = _net()
+    attach(model, tmp_path, sampling=2)
+    seen = []
+
+    def probe(module: nn.Module, args: object, output: object) -> None:
+        seen.append(F.scaled_dot_product_attention is original)
+
+    handle = model.attention.register_forward_hook(probe)
+    for x, y in make_batches(4):
+        F.mse_loss(model(x), y).backward()
+        assert F.scaled_dot_product_attention is original
+    handle.remove()
+    report = finish(model, tmp_path)
+    assert seen == [False, True, False, True]  # the wrapper only in sampled forwards
+    assert F.scaled_dot_product_attention is original
+    assert series(report)[LOGITS]["observations"] == 2
+    scripted = torch.jit.script(Attention())  # torch's function, as TorchScript knows it
+    assert scripted(torch.randn(2, 8)).shape == (2, 8)
+
+
+def test_a_call_by_a_module_that_is_not_observed_is_counted_not_measured(tmp_path: Path) -> None:
+    model = _net()
+    attach(model, tmp_path, exclude=["attention"])
+    for x, y in make_batches(3):
+        F.mse_loss(model(x), y).backward()
+    report = finish(model, tmp_path)
+    assert not [k for k in series(report) if ATTENTION_LOGITS_PATH in k[3]]
+    # Sample 0 is before the parents of modules that never ran are adopted.
+    assert report["coverage"]["tensors_skipped"][_attention.NOT_OBSERVED] == 2
+
+
+def test_an_error_while_measuring_is_counted_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("broken logits")
+
+    monkeypatch.setattr(_attention, "logits_block", broken)
+    report, _ = observe_against_twin(_net, [], make_batches(3), tmp_path)
+    entries = [e for e in report["errors"] if e["stage"] == "attention_logits"]
+    assert entries and entries[0]["count"] == 3
+    assert "broken logits" in entries[0]["message"]
+
+
+def test_a_compiled_model_compiles_whole_and_trains_as_without_the_observer(
+    tmp_path: Path,
+) -> None:
+    # Inside compiled graphs the wrapper is torch's function: no graph break (fullgraph),
+    # nothing measured there, torch's function back after every sampled forward.
+    original = F.scaled_dot_product_attention
+    model, twin = _net(), _net()
+    attach(model, tmp_path, sampling=2)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    compiled_twin = torch.compile(twin, backend="eager", fullgraph=True)
+    for x, y in make_batches(4):
+        losses = []
+        for m in (compiled, compiled_twin):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+        assert F.scaled_dot_product_attention is original
+    report = finish(model, tmp_path)
+    assert not [k for k in series(report) if ATTENTION_LOGITS_PATH in k[3]]
+    assert report["errors"] == []
