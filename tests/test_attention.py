@@ -212,3 +212,34 @@ def test_a_compiled_model_compiles_whole_and_trains_as_without_the_observer(
     report = finish(model, tmp_path)
     assert not [k for k in series(report) if ATTENTION_LOGITS_PATH in k[3]]
     assert report["errors"] == []
+
+
+def test_a_wrong_attention_scale_heads_the_report_as_a_step_of_the_logits(tmp_path: Path) -> None:
+    # The scale goes from 1/sqrt(1) to 8 at step 40: the logits step 8x, the attention
+    # output (a weighted mean of the values) moves far less.
+    model = _net()
+    expected: list[float] = []
+    model.attention.register_forward_pre_hook(
+        lambda module, args: expected.append(_expected_rms(module, args[0], causal=True))
+    )
+    attach(model, tmp_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, (x, y) in enumerate(make_batches(60)):
+        if step == 40:
+            model.attention.scale = 8.0
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    report = finish(model, tmp_path)
+    first = next(f for f in report["findings"] if f["notable"])
+    assert (first["module"], first["tensor_path"]) == ("attention", ATTENTION_LOGITS_PATH)
+    assert first["category"] in ("activation_scale_drift", "regime_change")
+    assert first["change_sample"] == 40
+    assert f"(call 0, `{ATTENTION_LOGITS_PATH}`, activation.rms)" in report["summary"]["headline"]
+    event = next(e for e in report["events"] if e["id"] == first["event"])
+    values = {p[0]: p[2] for p in event["history"]["points"]}
+    assert values[39] == pytest.approx(expected[39], rel=1e-5)
+    assert values[40] == pytest.approx(expected[40], rel=1e-5)  # with the scale of 8
+    assert "scale passed to scaled_dot_product_attention" in event["next_experiment"]
+    markdown = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert f"activation.rms, `{ATTENTION_LOGITS_PATH}`, sample 40" in markdown

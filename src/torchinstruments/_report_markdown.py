@@ -221,9 +221,11 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         if onset.get("after_forward") is not None:
             when += f" (after forward {onset['after_forward']}, the sample before)"
     kind = f", a {md_text(e['module_kind'])}" if e.get("module_kind") else ""
+    path = e.get("tensor_path")
+    where = f", {md_code(path)}" if isinstance(path, str) and path != "output" else ""
     lines = [
         f"### {e['id']}: {e['shape'].replace('_', '-')} at {md_code(e['module'])}{call}{kind}, "
-        f"{e['signal']}.{e['metric']}, {when}",
+        f"{e['signal']}.{e['metric']}{where}, {when}",
         "",
         md_text(e["interpretation"]),
         "",
@@ -274,8 +276,14 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         ]
         for r in section["rows"]:
             ratio = r.get("ratio", r.get("difference"))
+            path = r.get("tensor_path")
+            if isinstance(path, str) and path != "output":
+                path_text = f" {md_code(path, in_table=True)}"
+            else:
+                path_text = ""
             lines.append(
-                f"| {r['offset']} | {md_code(r['module'], in_table=True)} | {r['call_index']} "
+                f"| {r['offset']} | {md_code(r['module'], in_table=True)}{path_text} "
+                f"| {r['call_index']} "
                 f"| {_number_text(r['before'])} | {_number_text(r['after'])} "
                 f"| {_number_text(ratio)} | {_number_text(r['in_spreads'])} |"
             )

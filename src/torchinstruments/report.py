@@ -541,10 +541,12 @@ def _headline(
             f"{count}; the first ({top['id']}) is a model-wide event {when} ({md_code(MODEL)}"
             f"{moved}, {top['signal']}.{top['metric']}; {categories})." + tail
         )
+    path = top.get("tensor_path")
+    where = f"{md_code(path)}, " if isinstance(path, str) and path != "output" else ""
     return (
         f"{count}; the first ({top['id']}) is a {top['shape'].replace('_', '-')} at "
-        f"{md_code(top['module'])} (call {top['call_index']}, {top['signal']}.{top['metric']}) "
-        f"{when} ({categories})." + tail
+        f"{md_code(top['module'])} (call {top['call_index']}, {where}"
+        f"{top['signal']}.{top['metric']}) {when} ({categories})." + tail
     )
 
 
