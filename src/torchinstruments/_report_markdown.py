@@ -17,7 +17,9 @@ You are analysing passive telemetry from one PyTorch training run (torchinstrume
 The report lists events: each is one change at one module and onset, written once, with
 the categories it moved (its "findings"), its echoes, its cross-section and its history.
 Signals are module activations ("activation") and gradients of the loss with respect to
-module outputs ("grad_output"). "findings" ranks series within each category: notable
+module outputs ("grad_output"). Tensor path "attention_logits" is an activation measured
+inside the module: the pre-softmax scores (scale * Q K^T) of its
+scaled_dot_product_attention call. "findings" ranks series within each category: notable
 ones refer to their event ("event": "E1"); the others are compact rows below their
 noise floor, context only.
 
