@@ -144,6 +144,7 @@ def test_shared_output_dir_is_refused(tmp_path: Path) -> None:
         ({"rank_policy": "some"}, "rank_policy must be one of"),
         ({"report_config": {"max_bytes": 10}}, "report_config must be a ReportConfig"),
         ({"capture_direct_forwards": 1}, "capture_direct_forwards must be a bool"),
+        ({"attention_logits": "yes"}, "attention_logits must be a bool, got 'yes'"),
         ({"include": 3}, "include must be a glob pattern"),
         ({"module_types": [int]}, "module_types must be an nn.Module subclass"),
         ({"module_types": nn.Linear(1, 1)}, r"module_types must be .* got Linear\(in_features"),

@@ -243,3 +243,19 @@ def test_a_wrong_attention_scale_heads_the_report_as_a_step_of_the_logits(tmp_pa
     assert "scale passed to scaled_dot_product_attention" in event["next_experiment"]
     markdown = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert f"activation.rms, `{ATTENTION_LOGITS_PATH}`, sample 40" in markdown
+
+
+def test_attention_logits_false_leaves_torch_untouched(tmp_path: Path) -> None:
+    original = F.scaled_dot_product_attention
+    model = _net()
+    attach(model, tmp_path, attention_logits=False)
+    seen = []
+    model.attention.register_forward_hook(
+        lambda module, args, output: seen.append(F.scaled_dot_product_attention is original)
+    )
+    for x, y in make_batches(3):
+        F.mse_loss(model(x), y).backward()
+    report = finish(model, tmp_path)
+    assert seen == [True, True, True]
+    assert not [k for k in series(report) if ATTENTION_LOGITS_PATH in k[3]]
+    assert report["config"]["attention_logits"] is False

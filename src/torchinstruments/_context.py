@@ -99,6 +99,7 @@ class ForwardContext(_ContextCadence):
         warmup_samples: int,
         rewrite_interval_s: float,
         full_sentinel: bool,
+        attention_logits: bool,
         capture_direct_forwards: bool,
         prompt_sinks: bool,
         sample_forwards: SampleForwards,
@@ -117,6 +118,8 @@ class ForwardContext(_ContextCadence):
         self._next_sampled = _lookahead(policy)
         self._warmup_samples = warmup_samples
         self.full_sentinel = full_sentinel
+        #: Measure F.scaled_dot_product_attention's logits in sampled forwards.
+        self.attention_logits = attention_logits
         self.capture_direct_forwards = capture_direct_forwards
         #: A sink wants every sample by the start of the next training forward.
         self.prompt_sinks = prompt_sinks
@@ -384,7 +387,8 @@ class ForwardContext(_ContextCadence):
         self.open_sample(decision)
         if self.sample_open:
             self.state = SAMPLED
-            begin_attention_sample(self)
+            if self.attention_logits:
+                begin_attention_sample(self)
         else:
             self._unsampled_training = True
             self.sentinel.calls = {}

@@ -260,6 +260,7 @@ def inject_observer(
     rank_policy: str = "rank0",
     capture_direct_forwards: bool = False,
     full_sentinel: bool = False,
+    attention_logits: bool = True,
     histograms: Iterable[HistogramSpec] = (),
     plots: bool = False,
     include: str | Sequence[str] | None = None,
@@ -306,6 +307,13 @@ def inject_observer(
             from one run of 8 to the next, so a persistent fault is caught within 9
             forwards, a periodic one within 64, a one-off only on a checked forward),
             and a hit makes the next 8 forwards sampled.
+        attention_logits: measure the attention logits (``scale * Q K^T``, at most
+            65,536 per call) of every ``torch.nn.functional.scaled_dot_product_attention``
+            call in a sampled training forward, as an activation of the calling module
+            under the tensor path ``attention_logits``; for that, the function is
+            replaced by a wrapper (which returns torch's result unchanged) for the
+            duration of each sampled forward, and only then. Default True; False leaves
+            ``torch.nn.functional`` untouched.
         histograms: fixed-edge histograms to take, each from
             :func:`~torchinstruments.histogram` (opt-in; default none). They reach
             ``details.json``, TensorBoard and a bounded summary under ``coverage``.
@@ -353,6 +361,10 @@ def inject_observer(
     if not isinstance(full_sentinel, bool):
         raise ConfigError(
             f"inject_observer: full_sentinel must be a bool, got {shown(full_sentinel)}"
+        )
+    if not isinstance(attention_logits, bool):
+        raise ConfigError(
+            f"inject_observer: attention_logits must be a bool, got {shown(attention_logits)}"
         )
     if not isinstance(plots, bool):
         raise ConfigError(f"inject_observer: plots must be a bool, got {shown(plots)}")
@@ -458,12 +470,14 @@ def inject_observer(
             track_config=tracking,
             capture_direct_forwards=capture_direct_forwards,
             full_sentinel=full_sentinel,
+            attention_logits=attention_logits,
             histograms=histogram_specs,
             rank_info=rank_info,
             writer=DirectorySink(directory, plots=plots) if write_files and not own_sink else None,
             sinks=sink_list,
             options={
                 "rank_policy": rank_policy,
+                "attention_logits": attention_logits,
                 "include": list(include_patterns) if include_patterns else None,
                 "exclude": list(exclude_patterns) if exclude_patterns else None,
                 "module_types": [t.__name__ for t in types] if types else None,
