@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.harness import act, attach, finish, fit, make_batches, observe_against_twin, series
-from torchinstruments import _attention
+from torchinstruments import _attention, remove_observer
 from torchinstruments._attention import ATTENTION_LOGITS_PATH, logits_block
 
 LOGITS = act("attention", path=ATTENTION_LOGITS_PATH)
@@ -104,9 +104,10 @@ def test_the_block_is_bounded_by_thinning_rows_then_queries() -> None:
     q, k = torch.randn(8, 4, 16, 2), torch.randn(8, 4, 16, 2)
     block = logits_block(q, k, max_logits=16 * 16 * 5)
     assert block is not None
-    # 32 rows of 256 scores: batch thinned by 7 (8 -> 2), heads by 2 (4 -> 2): 4 rows.
-    assert block.shape == (2, 2, 16, 16)
-    torch.testing.assert_close(block, (q[::7, ::2] @ k[::7, ::2].transpose(-1, -2)) / math.sqrt(2))
+    # 32 rows of 256 scores, room for 5 rows: the batch is thinned to 1 of its 8 (4 heads
+    # each), the heads are kept.
+    assert block.shape == (1, 4, 16, 16)
+    torch.testing.assert_close(block, (q[:1] @ k[:1].transpose(-1, -2)) / math.sqrt(2))
     one_row = logits_block(q, k, max_logits=64)
     assert one_row is not None
     assert one_row.shape == (1, 1, 4, 16)  # one row, every 4th query
@@ -259,3 +260,104 @@ def test_attention_logits_false_leaves_torch_untouched(tmp_path: Path) -> None:
     assert seen == [True, True, True]
     assert not [k for k in series(report) if ATTENTION_LOGITS_PATH in k[3]]
     assert report["config"]["attention_logits"] is False
+
+
+def test_no_block_is_larger_than_the_bound() -> None:
+    def count(batch: int, heads: int, length: int, keys: int, causal: bool) -> int:
+        q = torch.empty(batch, heads, length, 8, device="meta")
+        k = torch.empty(batch, heads, keys, 8, device="meta")
+        block = logits_block(q, k, is_causal=causal)
+        assert block is not None
+        return block.numel()
+
+    assert count(2, 8, 4096, 4096, True) <= _attention.MAX_LOGITS
+    assert count(1, 8, 1, 100_000, False) <= _attention.MAX_LOGITS  # one query, long cache
+    assert count(1, 1, 183, 5000, False) <= _attention.MAX_LOGITS
+    assert count(16, 4, 32, 32, True) == 16 * 4 * 16 * 17  # small enough: whole
+
+
+def test_masks_of_the_most_negative_float_mask_out_and_nan_scores_stay() -> None:
+    q = torch.ones(1, 2, 4, 4)
+    q[:, 1] = float("nan")
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        mask = torch.zeros(4, 4, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+        block = logits_block(q, q, mask)
+        assert block is not None
+        assert block.numel() == 2 * 10  # the 10 kept scores of each head
+        assert torch.isnan(block).sum() == 10  # the diverged head's scores are kept
+        assert block[torch.isfinite(block)].tolist() == [2.0] * 10
+
+
+def test_a_mask_with_more_batch_dimensions_than_the_query_broadcasts() -> None:
+    q = torch.randn(8, 6, 2)
+    block = logits_block(q, q, torch.zeros(1, 1, 6, 6))
+    assert block is not None
+    torch.testing.assert_close(block, (q @ q.transpose(-1, -2) / math.sqrt(2)).reshape(-1))
+
+
+def test_an_interrupted_sampled_forward_gives_torch_its_function_back(tmp_path: Path) -> None:
+    original = F.scaled_dot_product_attention
+
+    class Interrupted(Net):
+        interrupt = True
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = super().forward(x)
+            if self.interrupt:
+                raise KeyboardInterrupt  # skips even the always-called post-hook
+            return out
+
+    model = Interrupted()
+    attach(model, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 8))
+    # Scripting works even now, before any other forward: TorchScript knows the wrapper.
+    assert torch.jit.script(Attention())(torch.randn(2, 8)).shape == (2, 8)
+    model.interrupt = False
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 8))  # the next root forward (an evaluation) closes it
+    assert F.scaled_dot_product_attention is original
+    remove_observer(model)
+
+
+class ContainerAttention(nn.Module):
+    """Attention whose children all run (as Llama's): observed only as the caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self.q(x).view(x.shape[0], 4, 2, 1).transpose(1, 2)
+        k = self.k(x).view(x.shape[0], 4, 2, 1).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, k).transpose(1, 2).reshape(x.shape[0], 8)
+
+
+def test_a_module_that_calls_attention_is_observed_from_the_second_sample(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ContainerAttention(), nn.Linear(8, 1))
+    teacher = [ContainerAttention()]  # another model's attention, called inside the forward
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: Tensor) -> Tensor:
+            with torch.no_grad():
+                teacher[0](x)
+            return self.body(x)
+
+    student = Student()
+    attach(student, tmp_path)
+    for x, y in make_batches(4):
+        F.mse_loss(student(x), y).backward()
+    report = finish(student, tmp_path)
+    assert report["coverage"]["attention_modules_observed"] == ["body.1"]
+    assert series(report)[act("body.1", path=ATTENTION_LOGITS_PATH)]["observations"] == 3
+    assert series(report)[act("body.1")]["observations"] == 3  # its output too
+    # The teacher's calls are counted from the second sample on (3 samples).
+    assert report["coverage"]["tensors_skipped"][_attention.NOT_OBSERVED] == 3

@@ -86,6 +86,13 @@ _module_indices: weakref.WeakKeyDictionary[ForwardContext, tuple[int, dict[int, 
 )
 
 
+#: Per context: modules that called the function in the first sampled forward without
+#: being observed (by ``id``); the observer observes them from the next sample on.
+unobserved_callers: weakref.WeakKeyDictionary[ForwardContext, dict[int, weakref.ref[nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def begin_sample(ctx: ForwardContext) -> None:
     """A sampled training forward of ``ctx`` opens: put the wrapper in place."""
     global _original
@@ -101,12 +108,21 @@ def begin_sample(ctx: ForwardContext) -> None:
 def end_sample(ctx: ForwardContext) -> None:
     """The sampled forward of ``ctx`` closed (or ``ctx`` detached): once no context is
     in a sampled forward, torch's function is back in place."""
-    global _original
     _active.pop(id(ctx), None)
-    if not _active and _original is not None:
+    if not _active:
+        _put_back()
+
+
+def _put_back() -> None:
+    global _original
+    if _original is not None:
         if F.scaled_dot_product_attention is _observed_attention:
             F.scaled_dot_product_attention = _original  # type: ignore[assignment]
         _original = None
+
+
+def _key_of(ref: weakref.ref[ForwardContext]) -> int:
+    return next((key for key, (r, _) in _active.items() if r is ref), -1)
 
 
 def _observed_attention(*args: Any, **kwargs: Any) -> Any:
@@ -120,30 +136,46 @@ def _observed_attention(*args: Any, **kwargs: Any) -> Any:
 
 
 _observed_attention.__wrapped_by_torchinstruments__ = True  # type: ignore[attr-defined]
+try:
+    # TorchScript compiles a call of the wrapper as torch's own operator, so scripting a
+    # module during a sampled forward works as it would without the wrapper.
+    from torch.jit._builtins import _register_builtin
+
+    _register_builtin(_observed_attention, "aten::scaled_dot_product_attention")
+except Exception:  # a torch without this table: scripting then fails inside samples only
+    pass
 
 
 def _measure(args: tuple[Any, ...], kwargs: dict[str, Any], frame: Any) -> None:
     for ref, state in list(_active.values()):
         ctx = ref()
         if ctx is None or not ctx.attached or ctx.state is not SAMPLED:
+            # Its sampled forward ended without the root's post-hook (a
+            # KeyboardInterrupt skips even an always-called hook): torch's function back.
+            _active.pop(id(ctx) if ctx is not None else _key_of(ref), None)
+            if not _active:
+                _put_back()
             continue
-        index = _calling_module(ctx, frame)
-        if index is None:
-            continue
+        index = None
         try:
+            index = _calling_module(ctx, frame)
+            if index is None:
+                continue
             with passive(), torch.no_grad():
                 _measure_call(ctx, state, index, args, kwargs)
         except Exception as error:  # never break training
-            ctx.errors.record("attention_logits", ctx.capture._names[index], error)
+            name = ctx.capture._names[index] if index is not None else ""
+            ctx.errors.record("attention_logits", name, error)
         return
 
 
 def _calling_module(ctx: ForwardContext, frame: Any) -> int | None:
     """Index of the module of ``ctx`` that made the call: the innermost module whose
     method is on the stack from ``frame`` up (a frame whose first argument, ``self``, is
-    an ``nn.Module``). None, and counted under ``coverage.tensors_skipped`` as
-    :data:`NOT_OBSERVED` (from the second sample on, when the parents of modules that
-    never ran are observed too), when that module is not observed."""
+    an ``nn.Module``). None when that module is not observed: in the first sampled
+    forward it is noted in :data:`unobserved_callers` (observed from the next sample on,
+    as the parents of modules that never ran are), later counted under
+    ``coverage.tensors_skipped`` as :data:`NOT_OBSERVED`."""
     count, indices = _module_indices.get(ctx, (-1, {}))
     if count != len(ctx.modules):
         indices = {}
@@ -160,8 +192,12 @@ def _calling_module(ctx: ForwardContext, frame: Any) -> int | None:
             owner = frame.f_locals.get("self")
             if isinstance(owner, nn.Module):
                 index = indices.get(id(owner))
-                if index is None and ctx._adoption_done:
-                    ctx.capture.skipped_tensors[NOT_OBSERVED] += 1
+                if index is None:
+                    if ctx._adoption_done:
+                        ctx.capture.skipped_tensors[NOT_OBSERVED] += 1
+                    else:  # observed from the next sample on (Observer.adopt_parents)
+                        callers = unobserved_callers.setdefault(ctx, {})
+                        callers.setdefault(id(owner), weakref.ref(owner))
                 return index
         frame = frame.f_back
     return None
@@ -176,6 +212,15 @@ def _measure_call(
 ) -> None:
     given = dict(zip(_ARGUMENTS, args, strict=False))
     given.update(kwargs)
+    # The call's name within its module call is taken before anything can skip it, so
+    # that a skipped call never hands its name to the next one.
+    sample = ctx.sample
+    if state[0] != sample:
+        state[0], state[1] = sample, {}
+    call = ctx.call_counts.get(index, 0)
+    seen = state[1]
+    nth = seen.get((index, call), 0)
+    seen[(index, call)] = nth + 1
     query, key = given.get("query"), given.get("key")
     if skip_reason(query) is not None or skip_reason(key) is not None:
         return
@@ -184,23 +229,17 @@ def _measure_call(
     if isinstance(mask, Tensor) and query.device.type != "cpu":
         ctx.capture.skipped_tensors[MASK_ON_DEVICE] += 1
         return
-    logits = logits_block(
-        query,
-        key,
-        mask if isinstance(mask, Tensor) else None,
-        is_causal=bool(given.get("is_causal", False)),
-        scale=given.get("scale"),
-        enable_gqa=bool(given.get("enable_gqa", False)),
-    )
+    with torch.autocast(query.device.type, enabled=False):
+        logits = logits_block(
+            query,
+            key,
+            mask if isinstance(mask, Tensor) else None,
+            is_causal=bool(given.get("is_causal", False)),
+            scale=given.get("scale"),
+            enable_gqa=bool(given.get("enable_gqa", False)),
+        )
     if logits is None or logits.numel() == 0:
         return
-    sample = ctx.sample
-    if state[0] != sample:
-        state[0], state[1] = sample, {}
-    call = ctx.call_counts.get(index, 0)
-    seen = state[1]
-    nth = seen.get((index, call), 0)
-    seen[(index, call)] = nth + 1
     path = ATTENTION_LOGITS_PATH if nth == 0 else f"{ATTENTION_LOGITS_PATH}[{nth}]"
     position = ctx.position
     ctx.position = position + 1
@@ -222,46 +261,72 @@ def logits_block(
     Args:
         query: ``(..., L, E)``.
         key: ``(..., S, E)``, batch dimensions broadcastable with the query's (with
-            ``enable_gqa``, fewer heads in dimension -3, repeated as the function does).
+            ``enable_gqa``, fewer heads in dimension -3, each serving
+            ``query heads / key heads`` query heads, as the function does).
         attn_mask: boolean (True takes part) or additive float mask, broadcastable to
-            ``(..., L, S)``; a device other than the CPU is refused by the caller.
+            ``(..., L, S)``; a device other than the CPU is refused by the caller. A
+            float entry that is not finite, or at most half the most negative finite
+            number of its dtype (``torch.finfo(dtype).min`` is a common way to mask),
+            masks its score out.
         is_causal: a top-left causal mask (ignored with ``attn_mask``, as the function
             raises for both).
         scale: the scores' factor; default ``1 / sqrt(E)``, as the function's.
-        max_logits: most scores computed.
+        max_logits: most scores computed (rows, then queries, then keys are thinned).
 
     Returns:
-        A float32 tensor of the scores kept (2-D or more without a mask, 1-D with one),
-        or None when no score is kept.
+        A float32 tensor of the scores kept (with a mask, 1-D), or None when no score is
+        kept. Non-finite scores stay (they are measured as such).
     """
     length, width = query.shape[-2], query.shape[-1]
     keys = key.shape[-2]
-    if length == 0 or keys == 0:
+    if length == 0 or keys == 0 or width == 0:
         return None
     factor = 1.0 / math.sqrt(width) if scale is None else float(scale)
+    group = 1
     if enable_gqa and query.dim() >= 3 and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
-    batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+        group = query.shape[-3] // key.shape[-3]
+    key_batch = list(key.shape[:-2])
+    if group > 1:
+        key_batch[-1] = query.shape[-3]
+    shapes = [query.shape[:-2], torch.Size(key_batch)]
+    if attn_mask is not None:
+        shapes.append(attn_mask.shape[:-2])
+    batch = tuple(torch.broadcast_shapes(*shapes))
     first_query, key_count = 0, keys
     if is_causal and attn_mask is None:
         first_query = length // 2
         key_count = min(keys, first_query + 1)
-    per_row = (length - first_query) * key_count
-    # Views throughout (expand, slices): nothing of the inputs is copied.
-    steps = _row_steps(tuple(batch), max(1, max_logits // per_row))
-    query_step = max(1, math.ceil(per_row / max_logits))
+    queries = length - first_query
+    # Thinning steps, so that rows * queries * keys <= max_logits (each count being
+    # what a slice with that step keeps, ceil(n / step)).
+    key_step = math.ceil(key_count / max_logits)
+    kept_keys = math.ceil(key_count / key_step)
+    query_step = math.ceil(queries / max(1, max_logits // kept_keys))
+    kept_queries = math.ceil(queries / query_step)
+    steps = _row_steps(batch, max(1, max_logits // (kept_queries * kept_keys)))
     rows = tuple(slice(None, None, step) for step in steps)
+    lead = len(batch) - query.dim() + 2  # broadcast dimensions the query lacks
     q = query.expand(*batch, length, width)[(*rows, slice(first_query, None, query_step))]
-    k = key.expand(*batch, keys, width)[(*rows, slice(0, key_count))]
+    if group > 1:
+        # Views up to the head dimension, then the key heads of the kept query heads
+        # (only those are copied): query head h reads key head h // group.
+        kb = key.expand(*batch[:-1], key.shape[-3], keys, width)
+        kb = kb[(*rows[:-1], slice(None), slice(0, key_count, key_step))]
+        heads = torch.arange(0, batch[-1], steps[-1], device=key.device) // group
+        k = kb.index_select(-3, heads)
+    else:
+        k = key.expand(*batch, keys, width)[(*rows, slice(0, key_count, key_step))]
+    del lead
     logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * factor
     if attn_mask is None:
         return logits
     m = attn_mask.expand(*batch, length, keys)
-    m = m[(*rows, slice(first_query, None, query_step), slice(0, key_count))]
+    m = m[(*rows, slice(first_query, None, query_step), slice(0, key_count, key_step))]
     if m.dtype == torch.bool:
         return logits[m]
-    logits = logits + m.float()
-    return logits[torch.isfinite(logits)]
+    bias = m.float()
+    kept = torch.isfinite(bias) & (m > torch.finfo(m.dtype).min / 2)
+    return (logits + bias)[kept]
 
 
 def _row_steps(batch: tuple[int, ...], most: int) -> list[int]:
@@ -273,7 +338,8 @@ def _row_steps(batch: tuple[int, ...], most: int) -> list[int]:
     for size in batch:
         step = 1
         if count > most and size > 1:
-            step = min(size, math.ceil(count / most))
-            count = count // size * math.ceil(size / step)
+            rest = count // size
+            step = min(size, math.ceil(size / max(1, most // rest)))
+            count = rest * math.ceil(size / step)
         steps.append(step)
     return steps

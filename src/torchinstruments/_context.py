@@ -329,6 +329,7 @@ class ForwardContext(_ContextCadence):
         stack = self._state_stack
         if open_calls == 0 or open_calls >= len(stack):
             return  # cannot tell (compiled frames), or nothing was left open
+        end_attention_sample(self)  # the sampled forward left open is over
         del stack[: len(stack) - open_calls]
         stack[0] = IDLE
         self._unsampled_training = False

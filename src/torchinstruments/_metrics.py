@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
+    "ATTENTION_LOGITS_PATH",
     "COMPARISON_FRACTION_FLOOR",
     "COMPARISON_LOG_FLOOR",
     "IDENTICAL_FRACTION_FLOOR",
@@ -43,6 +44,11 @@ __all__ = [
 #: Derived gradient metric: a module's output-gradient RMS divided by the root output's
 #: output-gradient RMS (the loss gradient) in the same sample. Loss scaling, loss
 #: reduction and the natural shrinking of the loss gradient cancel in it.
+#: Tensor path of the attention logits a module computes with
+#: ``F.scaled_dot_product_attention`` (``_attention.py``; ``attention_logits[1]``, ...
+#: for further calls in one module call).
+ATTENTION_LOGITS_PATH = "attention_logits"
+
 RMS_TO_ROOT = "rms_to_root"
 #: Scales a median absolute deviation to a standard deviation for normal data
 #: (1 / Phi^-1(3/4), rounded as in the robust-statistics literature).

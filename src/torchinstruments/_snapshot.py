@@ -170,6 +170,9 @@ class RunSnapshot:
     #: ``"linked_generations"``, ``"replace_each"``, or None (no directory writer, or
     #: none has written yet).
     file_write_mode: str | None = None
+    #: Modules observed because they called ``scaled_dot_product_attention``
+    #: (``coverage.attention_modules_observed``).
+    attention_modules_adopted: tuple[str, ...] = ()
 
 
 def take_snapshot(observer: Observer) -> RunSnapshot:
@@ -217,6 +220,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         skipped_tensors=dict(capture.skipped_tensors),
         modules_called=frozenset(capture.modules_called),
         parents_adopted=dict(observer.parents_adopted),
+        attention_modules_adopted=tuple(observer.attention_modules_adopted),
         modules_replaced=tuple(modules_replaced(observer)),
         module_kinds=module_kinds(observer),
         root_forward_seen=ctx.root_forward_seen,

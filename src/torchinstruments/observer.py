@@ -15,6 +15,7 @@ file owns what.
 from __future__ import annotations
 
 import atexit
+import fnmatch
 import inspect
 import time
 import weakref
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.jit import ScriptModule
 
 from . import _amp
+from ._attention import unobserved_callers
 from ._calls import CallCapture
 from ._compiled_capture import CompiledCapture
 from ._context import ForwardContext
@@ -87,6 +89,8 @@ class Observer:
         self.writer = writer
         self.sinks = list(sinks)
         self.options = options
+        #: Modules observed because they called scaled_dot_product_attention.
+        self.attention_modules_adopted: list[str] = []
         self.started_at = time.time()
         self.reports_written = 0
         #: The number of the report being (or last) written: 1 for the first, one more
@@ -389,6 +393,38 @@ class Observer:
             self.parking.parkable.append((parent._forward_hooks, handle.id, hook))
             observed.add(id(parent))
             self.parents_adopted[name] = parent_name
+        self._adopt_attention_callers(root, observed)
+
+    def _adopt_attention_callers(self, root: nn.Module, observed: set[int]) -> None:
+        """Observe the modules of ``root`` that called ``scaled_dot_product_attention``
+        in the first sampled forward without being observed (an attention module whose
+        children all run, as Llama's): their attention logits, and their outputs, are
+        series from the next sample on; listed under ``coverage.attention_modules_observed``.
+        Not where ``include`` or ``module_types`` chose the modules, nor modules that
+        ``exclude`` names."""
+        callers = unobserved_callers.pop(self.context, {})
+        options = self.options
+        if not callers or options.get("include") or options.get("module_types"):
+            return  # the user chose the modules
+        excluded = [str(p) for p in options.get("exclude") or ()]  # type: ignore[union-attr]
+        names = {id(module): name for name, module in root.named_modules() if name}
+        for key, ref in callers.items():
+            module = ref()
+            name = names.get(key)
+            if module is None or name is None or key in observed:
+                continue  # gone, or another model's (a teacher called inside the forward)
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in excluded):
+                continue
+            new_index = len(self.names)
+            self.names.append(name)
+            self._modules.append(weakref.ref(module))
+            self.capture.plan_histograms(new_index, name)
+            hook = ForwardHook(self.context, new_index, self.compiled_capture)
+            handle = module.register_forward_hook(hook)
+            self._handles.append(handle)
+            self.parking.parkable.append((module._forward_hooks, handle.id, hook))
+            observed.add(key)
+            self.attention_modules_adopted.append(name)
 
     def snapshot(self) -> RunSnapshot:
         """A frozen view of this observer for the report (see :func:`take_snapshot`)."""

@@ -333,6 +333,10 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                             :MAX_MODULES_NOT_OBSERVED
                         ]
                     },
+                    "attention_modules_observed": [
+                        display_module(name)
+                        for name in observer.attention_modules_adopted[:MAX_MODULES_NOT_OBSERVED]
+                    ],
                     "modules_replaced": replaced[:MAX_MODULES_NOT_OBSERVED],
                     "modules_stopped": stopped,
                     "tensor_paths_observed": len(

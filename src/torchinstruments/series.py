@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ._metrics import LOG_SCALE_METRICS, METRICS, RMS_TO_ROOT
+from ._metrics import ATTENTION_LOGITS_PATH, LOG_SCALE_METRICS, METRICS, RMS_TO_ROOT
 from .config import TrackConfig
 from .track import SeriesTracker
 
 __all__ = [
     "ACTIVATION",
+    "ATTENTION_LOGITS_PATH",
     "GRAD_OUTPUT",
     "LOG_SCALE_METRICS",
     "RMS_TO_ROOT",
@@ -35,10 +36,6 @@ MAX_WINDOW_POINTS = 56
 
 ACTIVATION = "activation"
 GRAD_OUTPUT = "grad_output"
-#: Tensor path of the attention logits a module computes with
-#: ``F.scaled_dot_product_attention`` (``_attention.py``; ``attention_logits[1]``, ...
-#: for further calls in one module call).
-ATTENTION_LOGITS_PATH = "attention_logits"
 SIGNALS = (ACTIVATION, GRAD_OUTPUT)
 #: Metric properties (log scale, noise floors) are in ``_metrics.METRICS``;
 #: ``RMS_TO_ROOT`` and ``LOG_SCALE_METRICS`` are named here too, for the series' users.
