@@ -121,10 +121,6 @@ def _put_back() -> None:
         _original = None
 
 
-def _key_of(ref: weakref.ref[ForwardContext]) -> int:
-    return next((key for key, (r, _) in _active.items() if r is ref), -1)
-
-
 def _observed_attention(*args: Any, **kwargs: Any) -> Any:
     original = _original
     if original is None:  # put back while a caller held the wrapper
@@ -147,12 +143,12 @@ except Exception:  # a torch without this table: scripting then fails inside sam
 
 
 def _measure(args: tuple[Any, ...], kwargs: dict[str, Any], frame: Any) -> None:
-    for ref, state in list(_active.values()):
+    for key, (ref, state) in list(_active.items()):
         ctx = ref()
         if ctx is None or not ctx.attached or ctx.state is not SAMPLED:
             # Its sampled forward ended without the root's post-hook (a
             # KeyboardInterrupt skips even an always-called hook): torch's function back.
-            _active.pop(id(ctx) if ctx is not None else _key_of(ref), None)
+            _active.pop(key, None)
             if not _active:
                 _put_back()
             continue
@@ -305,7 +301,6 @@ def logits_block(
     kept_queries = math.ceil(queries / query_step)
     steps = _row_steps(batch, max(1, max_logits // (kept_queries * kept_keys)))
     rows = tuple(slice(None, None, step) for step in steps)
-    lead = len(batch) - query.dim() + 2  # broadcast dimensions the query lacks
     q = query.expand(*batch, length, width)[(*rows, slice(first_query, None, query_step))]
     if group > 1:
         # Views up to the head dimension, then the key heads of the kept query heads
@@ -316,7 +311,6 @@ def logits_block(
         k = kb.index_select(-3, heads)
     else:
         k = key.expand(*batch, keys, width)[(*rows, slice(0, key_count, key_step))]
-    del lead
     logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * factor
     if attn_mask is None:
         return logits

@@ -383,17 +383,22 @@ class Observer:
                 continue
             if id(parent) in observed or isinstance(parent, nn.ModuleList | nn.ModuleDict):
                 continue  # observed already, or a container that is never called
-            new_index = len(self.names)
-            self.names.append(parent_name)
-            self._modules.append(weakref.ref(parent))
-            self.capture.plan_histograms(new_index, parent_name)
-            hook = ForwardHook(self.context, new_index, self.compiled_capture)
-            handle = parent.register_forward_hook(hook)
-            self._handles.append(handle)
-            self.parking.parkable.append((parent._forward_hooks, handle.id, hook))
+            self._observe_from_now(parent_name, parent)
             observed.add(id(parent))
             self.parents_adopted[name] = parent_name
         self._adopt_attention_callers(root, observed)
+
+    def _observe_from_now(self, name: str, module: nn.Module) -> None:
+        """Add ``module`` (called ``name``) to the observed modules, with its forward
+        hook (parkable, as the others)."""
+        index = len(self.names)
+        self.names.append(name)
+        self._modules.append(weakref.ref(module))
+        self.capture.plan_histograms(index, name)
+        hook = ForwardHook(self.context, index, self.compiled_capture)
+        handle = module.register_forward_hook(hook)
+        self._handles.append(handle)
+        self.parking.parkable.append((module._forward_hooks, handle.id, hook))
 
     def _adopt_attention_callers(self, root: nn.Module, observed: set[int]) -> None:
         """Observe the modules of ``root`` that called ``scaled_dot_product_attention``
@@ -415,14 +420,7 @@ class Observer:
                 continue  # gone, or another model's (a teacher called inside the forward)
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in excluded):
                 continue
-            new_index = len(self.names)
-            self.names.append(name)
-            self._modules.append(weakref.ref(module))
-            self.capture.plan_histograms(new_index, name)
-            hook = ForwardHook(self.context, new_index, self.compiled_capture)
-            handle = module.register_forward_hook(hook)
-            self._handles.append(handle)
-            self.parking.parkable.append((module._forward_hooks, handle.id, hook))
+            self._observe_from_now(name, module)
             observed.add(key)
             self.attention_modules_adopted.append(name)
 
