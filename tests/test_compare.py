@@ -22,6 +22,8 @@ from torchinstruments import (
 )
 from torchinstruments.__main__ import main as cli_main
 from torchinstruments._compare_align import _Schedule
+from torchinstruments._compare_events import _profile_at_first_difference
+from torchinstruments._compare_values import _Event
 from torchinstruments._series_file import parse_recorded
 from torchinstruments.compare import (
     COMPARISON_SCHEMA,
@@ -461,7 +463,7 @@ def test_a_backward_only_fault_after_an_identical_prefix_is_led_by_the_gradient(
     # scaled by 20 (a backward-only bug). At sample 8 (forward 64) every activation has
     # moved through seven optimizer steps (which alone would read as model-wide), while
     # the output gradients of fc and the modules before it moved 10x more: fc's
-    # gradient, the first in backward order to reach a quarter of the largest, leads.
+    # gradient, where their profile in backward order jumps, leads.
     base = _same_seed_run(tmp_path / "base", None, sampling=8)
     cand = _same_seed_run(tmp_path / "cand", "fc_grad_x20", at=57, sampling=8)
     comparison = read(compare_runs(base, cand, tmp_path / "out"))
@@ -469,6 +471,50 @@ def test_a_backward_only_fault_after_an_identical_prefix_is_led_by_the_gradient(
     assert (first["module"], first["signal"], first["sample"]) == ("fc", "grad_output", 8)
     activations = [e for e in comparison["first_divergences"] if e["signal"] == "activation"]
     assert {e["module"] for e in activations if e["sample"] == 8} >= {"inp", "fc"}
+
+
+def _departure(position: int, module: str, departure: float) -> _Event:
+    return _Event(
+        38, "value", "candidate", module, 0, "activation", "output", "rms", position,
+        {"departure": departure, "sample": 38},
+    )  # fmt: skip
+
+
+def test_the_origin_at_a_first_difference_is_where_the_profile_along_depth_jumps() -> None:
+    # The profile of a GELU swapped for the identity in block 2 of a ViT, 56 optimizer
+    # steps after the fault: the blocks before it moved by 8 to 12.5 units through the
+    # weights the optimizer changed, its input (fc1) fell, its output rose 43 units, and
+    # its echoes after it kept about as much. 12.5 is more than a quarter of 43, so the
+    # first departure to reach a share of the largest would name block 1; the origin is
+    # where the departure multiplies (43 / 16.3 = 2.6x; block 1's 7.6 against the
+    # threshold 5 is 1.5x).
+    profile = [
+        _departure(30, "blocks.1.attn.norm", 7.6),
+        _departure(41, "blocks.1.mlp.fc2", 12.5),
+        _departure(57, "blocks.2.mlp.fc1", -16.3),
+        _departure(58, "blocks.2.mlp.act", 43.0),
+        _departure(61, "blocks.2.mlp.fc2", 22.7),
+        _departure(81, "blocks.3.mlp.fc2", 8.3),
+    ]
+    ordered, model_wide = _profile_at_first_difference(
+        list(profile), 38, 40, "patch_embed.proj", threshold=5.0
+    )
+    assert model_wide is None
+    assert [e.module for e in ordered] == [
+        "blocks.2.mlp.act",
+        "blocks.1.attn.norm",
+        "blocks.1.mlp.fc2",
+        "blocks.2.mlp.fc1",
+        "blocks.2.mlp.fc2",
+        "blocks.3.mlp.fc2",
+    ]
+    # A first departure far beyond the threshold stays the origin against a larger echo
+    # that only doubles it (a query weight x8: qkv 205 units, its attention logits 417).
+    ordered, _ = _profile_at_first_difference(
+        [_departure(2, "blocks.0.attn.qkv", 205.0), _departure(9, "blocks.0.attn", 417.0)],
+        38, 40, "patch_embed.proj", threshold=5.0,
+    )  # fmt: skip
+    assert ordered[0].module == "blocks.0.attn.qkv"
 
 
 def test_a_run_level_change_after_an_identical_prefix_is_model_wide(tmp_path: Path) -> None:

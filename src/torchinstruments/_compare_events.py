@@ -19,11 +19,6 @@ from .series import ACTIVATION, GRAD_OUTPUT
 #: that makes the first divergence model-wide (``<model>``): every weight moved at once
 #: (a learning rate, an optimizer setting), not a module.
 MODEL_WIDE_DIVERGENCE_SHARE = 0.5
-#: At the first difference of an identical pair, the origin is the first activation in
-#: forward order whose departure is at least this share of the largest there: between two
-#: samples the optimizer carries a fault's gradient upstream, so modules before it move a
-#: little, the module itself most.
-DIVERGENCE_ORIGIN_SHARE = 0.25
 #: At the first difference of an identical pair, the output gradients lead when their
 #: largest departure of a scale metric is at least this many times the activations': a fault of
 #: the backward pass (a gradient scaled or cut) moves activations only through the few
@@ -229,19 +224,42 @@ def _non_finite_event(
     )
 
 
+def _where_the_profile_jumps(ordered: list[_Event], threshold: float) -> _Event:
+    """The departure at which the profile along depth jumps most: the largest ratio of a
+    departure to the largest one before it in ``ordered`` (forward order for activations,
+    backward order for output gradients), where a series before it that did not depart
+    counts as ``threshold``; the earliest wins a tie. Between two samples the optimizer
+    carries a fault's gradient upstream, so modules before the faulty one move a little
+    and by about as much as each other, and modules after it echo it by about as much as
+    it moved: the fault is where the departure multiplies. ``ordered`` is not empty."""
+    best, best_jump, before = ordered[0], 0.0, threshold
+    for event in ordered:
+        size = abs(event.fields["departure"] or 0.0)
+        jump = size / before
+        if jump > best_jump:
+            best, best_jump = event, jump
+        before = max(before, size)
+    return best
+
+
 def _profile_at_first_difference(
-    events: list[_Event], first_difference: int, modules_compared: int, first_module: str
+    events: list[_Event],
+    first_difference: int,
+    modules_compared: int,
+    first_module: str,
+    threshold: float,
 ) -> tuple[list[_Event], dict[str, Any] | None]:
     """Order the activation departures at an identical pair's first difference by where
-    their profile along depth begins (``DIVERGENCE_ORIGIN_SHARE``), and say whether the
+    their profile along depth jumps (:func:`_where_the_profile_jumps`, departures beyond
+    ``threshold``), and say whether the
     whole model moved at once there: ``MODEL_WIDE_DIVERGENCE_SHARE`` of the
     ``modules_compared`` depart, the model's first module (``first_module``, in forward
     order) among them. A fault at one module reaches the modules before it only through
     the weights the optimizer changed since the last sample, a run-level change moves
     the first module as much as any. Returns the events in their new order and the
     model-wide record, or None. When the output gradients depart far more than the
-    activations there (``GRADIENT_LEADS_FACTOR``), the first gradient in backward order
-    whose departure reaches ``DIVERGENCE_ORIGIN_SHARE`` of their largest leads instead."""
+    activations there (``GRADIENT_LEADS_FACTOR``), the output gradient of a scale metric
+    where their profile in backward order jumps leads instead."""
     at = [
         e
         for e in events
@@ -258,7 +276,6 @@ def _profile_at_first_difference(
     if not at and not gradients:
         return events, None
     at.sort(key=_Event.order)
-    largest = max((abs(e.fields["departure"] or 0.0) for e in at), default=0.0)
     # Gradients against activations: scale metrics only (log units with one floor), as
     # fractions are counted in units of another size.
     largest_gradient, largest_scale = (
@@ -274,14 +291,11 @@ def _profile_at_first_difference(
     model_wide = first_module in departing and share >= MODEL_WIDE_DIVERGENCE_SHARE
     ordered = list(events)
     if largest_gradient > 0.0 and largest_gradient >= GRADIENT_LEADS_FACTOR * largest_scale:
-        # A fault of the backward pass: the gradients lead, from the first in backward
-        # order whose departure reaches the share of their largest (activations that all
-        # moved, through the optimizer steps since the last sample, are its echoes).
-        origin = next(
-            e
-            for e in gradients
-            if e.metric in LOG_SCALE_METRICS
-            and abs(e.fields["departure"] or 0.0) >= DIVERGENCE_ORIGIN_SHARE * largest_gradient
+        # A fault of the backward pass: the gradients lead, from where their profile in
+        # backward order jumps (activations that all moved, through the optimizer steps
+        # since the last sample, are its echoes).
+        origin = _where_the_profile_jumps(
+            [e for e in gradients if e.metric in LOG_SCALE_METRICS], threshold
         )
         anchor = at[0] if at else gradients[0]
         if origin is not anchor:
@@ -290,9 +304,7 @@ def _profile_at_first_difference(
         return ordered, None
     if not at:
         return events, None
-    origin = next(
-        e for e in at if abs(e.fields["departure"] or 0.0) >= DIVERGENCE_ORIGIN_SHARE * largest
-    )
+    origin = _where_the_profile_jumps(at, threshold)
     # The origin moves ahead of the activation departures before it at that point only;
     # a module that stopped being called or turned non-finite there keeps its place.
     if origin is not at[0]:

@@ -236,7 +236,7 @@ def _compare(baseline: SeriesFile, candidate: SeriesFile, threshold: float) -> _
         if scales:
             first_module = min(scales, key=lambda k: baseline.series[k].forward_position)[0]
             events, model_wide = _profile_at_first_difference(
-                events, first_difference, len({k[0] for k in scales}), first_module
+                events, first_difference, len({k[0] for k in scales}), first_module, threshold
             )
 
     sections: dict[str, list[dict[str, Any]]] = {}
@@ -306,9 +306,10 @@ def _compare(baseline: SeriesFile, candidate: SeriesFile, threshold: float) -> _
                 "have no run-to-run noise until then. A series diverges notably at the first point "
                 "that starts a run of persistence_points consecutive departures beyond the "
                 "threshold with one sign; sustained_departure ranks series within a "
-                "category. At an identical pair's first difference, the activation whose "
-                "departure is the first along depth to reach a quarter of the largest there "
-                "leads, and when half of the compared modules depart there, the model's "
+                "category. At an identical pair's first difference, the activation where the "
+                "profile along depth jumps (the largest ratio of a departure to the largest "
+                "before it in forward order, the threshold where none departed) leads, and "
+                "when half of the compared modules depart there, the model's "
                 "first among them, the first divergence is model-wide (<model>)."
             ),
             "threshold": threshold,
