@@ -135,6 +135,42 @@ def test_activation_step_origin_is_earliest_in_forward_order():
     assert abs(origin.score - math.log(4.0)) < 0.05
 
 
+def bulk_stepped_activation(
+    module: str, position: int, rms_factor: float, bulk_factor: float, seed: int
+) -> TensorSeries:
+    """RMS and mean absolute value around 1.0 and 0.8 that step by their own factors from
+    ``STEP_AT`` on (an activation function swapped: the bulk moves, the largest stay)."""
+    rng = random.Random(seed)
+    series = new_series(module, position)
+    for sample in range(SAMPLES):
+        after = sample >= STEP_AT
+        values = {
+            "rms": noisy(rng, rms_factor if after else 1.0),
+            "mean_abs": noisy(rng, 0.8 * (bulk_factor if after else 1.0)),
+        }
+        series.update(CONFIG, sample, values)
+    return series
+
+
+def test_a_step_of_the_bulk_alone_is_judged_on_the_mean_absolute_value():
+    # RMS 1.1x (below the 1.3x step), mean absolute value 1.6x: the mean_abs candidate.
+    found = run_rules([bulk_stepped_activation("act", 1, 1.1, 1.6, seed=4)])
+    (drift,) = found["activation_scale_drift"]
+    assert (drift.metric, drift.notable, drift.onset) == ("mean_abs", True, STEP_AT)
+    assert abs(drift.score - math.log(1.6)) < 0.05
+    assert "activation.mean_abs" in RULES["activation_scale_drift"].interpretation(drift)
+    # Both stepped notably: the RMS candidate, one per series.
+    found = run_rules([bulk_stepped_activation("act", 1, 2.0, 1.6, seed=4)])
+    (drift,) = found["activation_scale_drift"]
+    assert (drift.metric, drift.notable) == ("rms", True)
+    assert abs(drift.score - math.log(2.0)) < 0.05
+    # Neither: the RMS candidate, not notable.
+    (drift,) = run_rules([bulk_stepped_activation("act", 1, 1.05, 1.1, seed=4)])[
+        "activation_scale_drift"
+    ]
+    assert (drift.metric, drift.notable) == ("rms", False)
+
+
 def test_activation_step_regime_change_names_same_origin():
     found = run_rules(activation_fault())
     regime = notable(found["regime_change"])

@@ -5,6 +5,7 @@ shared :class:`_ScaleRule`), and heavy-tail growth.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from ..series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 from ..track import SeriesTracker, bounded_exp
@@ -160,19 +161,45 @@ class _ScaleRule(Rule):
 
 
 class ActivationScaleDrift(_ScaleRule):
-    """``activation_scale_drift``: activation RMS moved away from its warm-up baseline."""
+    """``activation_scale_drift``: activation scale moved away from its own trend.
+
+    Judged on ``rms`` and on ``mean_abs`` (mean absolute value), one candidate per series:
+    the RMS one, unless only the mean absolute value made a notable step. The RMS is
+    carried by the largest elements, the mean absolute value by the bulk, so a change of
+    the bulk's shape with the large elements kept moves the mean absolute value far more:
+    a GELU swapped for the identity in a ViT block moved its output RMS 1.25x (2.7
+    residual spreads) and its mean absolute value 1.6x (9.4 spreads), as the negative
+    half that GELU had squashed came back. The same thresholds apply to both.
+    """
 
     category = "activation_scale_drift"
     signals = (ACTIVATION,)
     model_wide = True
+    metrics = ("rms", "mean_abs")
+
+    def candidates(self, series: Iterable[TensorSeries], context: RuleContext) -> list[Candidate]:
+        """One candidate per series: its ``rms`` candidate, or its ``mean_abs`` one
+        where only that is notable (a series without an ``rms`` tracker has none)."""
+        by_series: dict[int, dict[str, Candidate]] = {}
+        for candidate in super().candidates(series, context):
+            by_series.setdefault(id(candidate.series), {})[candidate.metric] = candidate
+        chosen: list[Candidate] = []
+        for per_metric in by_series.values():
+            rms, mean_abs = per_metric.get("rms"), per_metric.get("mean_abs")
+            if rms is None:
+                continue
+            notable_bulk = mean_abs is not None and mean_abs.notable and not rms.notable
+            chosen.append(mean_abs if notable_bulk and mean_abs is not None else rms)
+        return chosen
 
     def next_experiment(self, c: Candidate) -> str:
         module = display_module(c.series.module)
         if c.direction > 0:
             return _keep_fixed(
-                f"Rerun with {module}'s normalization, initialization or residual scale "
-                f"restored to the baseline's, at this module only, and check whether "
-                f"its activation RMS returns to the baseline."
+                f"Rerun with {module}'s normalization, initialization, activation "
+                f"function or residual scale restored to the baseline's, at this module "
+                f"only, and check whether its activation {c.metric} returns to the "
+                f"baseline."
             )
         return _keep_fixed(
             f"Check what shrinks {module}'s output: compare its input and weight scale "
