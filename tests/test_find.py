@@ -136,14 +136,19 @@ def test_activation_step_origin_is_earliest_in_forward_order():
 
 
 def bulk_stepped_activation(
-    module: str, position: int, rms_factor: float, bulk_factor: float, seed: int
+    module: str,
+    position: int,
+    rms_factor: float,
+    bulk_factor: float,
+    seed: int,
+    step_at: int = STEP_AT,
 ) -> TensorSeries:
     """RMS and mean absolute value around 1.0 and 0.8 that step by their own factors from
-    ``STEP_AT`` on (an activation function swapped: the bulk moves, the largest stay)."""
+    ``step_at`` on (an activation function swapped: the bulk moves, the largest stay)."""
     rng = random.Random(seed)
     series = new_series(module, position)
     for sample in range(SAMPLES):
-        after = sample >= STEP_AT
+        after = sample >= step_at
         values = {
             "rms": noisy(rng, rms_factor if after else 1.0),
             "mean_abs": noisy(rng, 0.8 * (bulk_factor if after else 1.0)),
@@ -169,6 +174,21 @@ def test_a_step_of_the_bulk_alone_is_judged_on_the_mean_absolute_value():
         "activation_scale_drift"
     ]
     assert (drift.metric, drift.notable) == ("rms", False)
+
+
+def test_a_step_of_the_bulk_alone_ranks_after_an_rms_step_of_its_category():
+    # The bulk of "early" steps at sample 32, the RMS of "late" at 48: the RMS step first.
+    found = run_rules(
+        [
+            bulk_stepped_activation("early", 1, 1.0, 1.6, seed=5, step_at=32),
+            bulk_stepped_activation("late", 2, 2.0, 2.0, seed=6, step_at=48),
+        ]
+    )
+    drift = notable(found["activation_scale_drift"])
+    assert [(c.series.module, c.metric, c.onset, c.secondary) for c in drift] == [
+        ("late", "rms", 48, False),
+        ("early", "mean_abs", 32, True),
+    ]
 
 
 def test_activation_step_regime_change_names_same_origin():

@@ -169,7 +169,9 @@ class ActivationScaleDrift(_ScaleRule):
     the bulk's shape with the large elements kept moves the mean absolute value far more:
     a GELU swapped for the identity in a ViT block moved its output RMS 1.25x (2.7
     residual spreads) and its mean absolute value 1.6x (9.4 spreads), as the negative
-    half that GELU had squashed came back. The same thresholds apply to both.
+    half that GELU had squashed came back. The same thresholds apply to both; a step of
+    the mean absolute value alone is weaker evidence of a scale change than an RMS step
+    (``Candidate.secondary``: listed after the RMS steps).
     """
 
     category = "activation_scale_drift"
@@ -188,8 +190,11 @@ class ActivationScaleDrift(_ScaleRule):
             rms, mean_abs = per_metric.get("rms"), per_metric.get("mean_abs")
             if rms is None:
                 continue
-            notable_bulk = mean_abs is not None and mean_abs.notable and not rms.notable
-            chosen.append(mean_abs if notable_bulk and mean_abs is not None else rms)
+            if mean_abs is not None and mean_abs.notable and not rms.notable:
+                mean_abs.secondary = True
+                chosen.append(mean_abs)
+            else:
+                chosen.append(rms)
         return chosen
 
     def next_experiment(self, c: Candidate) -> str:

@@ -138,6 +138,10 @@ class Candidate:
         model_wide: for the origin of a model-wide group: the share of observed modules
             (of its signal) in the group; None otherwise. Such a candidate is reported
             as module ``<model>``.
+        secondary: judged on its category's secondary metric, where only that one made
+            a notable step (``activation_scale_drift``'s ``mean_abs``): weaker evidence
+            than the category's own metric, so :func:`rank_candidates` lists it after
+            the category's other notable changes.
     """
 
     category: str
@@ -156,6 +160,7 @@ class Candidate:
     group_score: float = 0.0
     change: ChangePoint | None = None
     model_wide: float | None = None
+    secondary: bool = False
 
     @property
     def judged(self) -> SeriesTracker:
@@ -300,7 +305,8 @@ def rank_candidates(
     that stayed put starts at a module, however far downstream it spreads.
 
     Order: notable before not notable; notable with a detected onset before notable
-    without; changes that are not early (:func:`is_early`) before early ones; earlier
+    without; changes that are not early (:func:`is_early`) before early ones; changes
+    of the category's own metric before ``secondary`` ones; earlier
     onsets first; then groups by their strongest score; within a group
     the origin; ties by (module, call index, signal, tensor path, metric), so the same
     run always gives the same order.
@@ -345,6 +351,7 @@ def rank_candidates(
             not c.notable,
             c.onset is None,
             c.notable and is_early(c),
+            c.notable and c.secondary,
             _ordering_onset(c, onset_tolerance),
             -c.group_score,
             _origin_order(c),
