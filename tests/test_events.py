@@ -187,6 +187,29 @@ def test_a_module_that_stops_being_called_is_named_and_explains_the_step(
     assert event["next_experiment"].startswith("Check why 1.inner no longer runs")
 
 
+def test_a_module_that_stops_being_called_explains_a_gradient_step_too(tmp_path: Path) -> None:
+    # A ReLU bypassed from step 60: the gradient reaching the Linear before it stops
+    # being zero where the ReLU had cut it, and the advice names the ReLU, not the
+    # modules after the Linear.
+    torch.manual_seed(0)
+    gate = Gate(nn.ReLU())
+    model = nn.Sequential(nn.Linear(8, 16), gate, nn.Linear(16, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(90):
+        gate.skip = step >= 60
+        optimizer.zero_grad()
+        (model(torch.randn(32, 8, generator=generator) * 5).pow(2).mean() * 1e-2).backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    (event,) = report["events"]
+    assert (event["signal"], event["module"], event["onset"]["sample"]) == ("grad_output", "0", 60)
+    assert "1.inner (call 0) stopped being called after sample 59" in event["interpretation"]
+    assert event["next_experiment"].startswith("Check why 1.inner no longer runs")
+
+
 def test_a_weight_that_compounds_is_a_bend_with_advice_for_a_slow_cause(tmp_path: Path) -> None:
     """The second Linear's weight grows 4% a step from step 60 on: its output leaves a
     settled course for a steep one (no step between two samples). The event is a bend,

@@ -169,7 +169,9 @@ def _step_texts(
             f" {gone['module']} (call {gone['call_index']}) stopped being called after "
             f"sample {gone['last_sample']}, just before this change."
         )
-        if event.shape == "step" and s.signal != GRAD_OUTPUT:
+        if event.shape == "step":
+            # Either signal: a module that stopped running in the same block changed
+            # what flows forward from it and what flows back through it.
             experiment = (
                 f"Check why {gone['module']} no longer runs from {when} (removed, "
                 f"replaced or bypassed by a code path); restore it and check whether "
