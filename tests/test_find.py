@@ -149,7 +149,7 @@ def bulk_stepped_activation(
     series = new_series(module, position)
     for sample in range(SAMPLES):
         after = sample >= step_at
-        values = {
+        values: dict[str, float | None] = {
             "rms": noisy(rng, rms_factor if after else 1.0),
             "mean_abs": noisy(rng, 0.8 * (bulk_factor if after else 1.0)),
         }
