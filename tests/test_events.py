@@ -158,13 +158,10 @@ def test_module_kinds() -> None:
     ]
 
 
-def test_a_module_that_stops_being_called_is_named_and_explains_the_step(
-    tmp_path: Path,
-) -> None:
-    torch.manual_seed(0)
-    gate = Gate(nn.LayerNorm(16))
-    model = nn.Sequential(nn.Linear(8, 16), gate, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-    inject_observer(model, output_dir=tmp_path, sampling=1)
+def gated_run(directory: Path, model: nn.Module, gate: Gate) -> dict[str, Any]:
+    """Train ``model`` 90 steps observed at every forward, ``gate`` skipping its module
+    from step 60 on; return the report."""
+    inject_observer(model, output_dir=directory, sampling=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)
     for step in range(90):
@@ -173,7 +170,16 @@ def test_a_module_that_stops_being_called_is_named_and_explains_the_step(
         (model(torch.randn(32, 8, generator=generator) * 5).pow(2).mean() * 1e-2).backward()
         optimizer.step()
     remove_observer(model)
-    report = read_report(tmp_path)
+    return read_report(directory)
+
+
+def test_a_module_that_stops_being_called_is_named_and_explains_the_step(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    gate = Gate(nn.LayerNorm(16))
+    model = nn.Sequential(nn.Linear(8, 16), gate, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    report = gated_run(tmp_path, model, gate)
     assert report["coverage"]["modules_stopped"] == [
         {"module": "1.inner", "call_index": 0, "last_sample": 59, "last_forward": 59}
     ]
@@ -194,16 +200,7 @@ def test_a_module_that_stops_being_called_explains_a_gradient_step_too(tmp_path:
     torch.manual_seed(0)
     gate = Gate(nn.ReLU())
     model = nn.Sequential(nn.Linear(8, 16), gate, nn.Linear(16, 1))
-    inject_observer(model, output_dir=tmp_path, sampling=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(90):
-        gate.skip = step >= 60
-        optimizer.zero_grad()
-        (model(torch.randn(32, 8, generator=generator) * 5).pow(2).mean() * 1e-2).backward()
-        optimizer.step()
-    remove_observer(model)
-    report = read_report(tmp_path)
+    report = gated_run(tmp_path, model, gate)
     (event,) = report["events"]
     assert (event["signal"], event["module"], event["onset"]["sample"]) == ("grad_output", "0", 60)
     assert "1.inner (call 0) stopped being called after sample 59" in event["interpretation"]
