@@ -593,6 +593,18 @@ def test_a_constant_run_takes_the_short_update_with_the_same_state(
     assert short._constant == (len(set(values)) == 1)
 
 
+def test_a_constant_series_has_no_departure_after_its_latest_sample():
+    # A module's gradient zero fraction, 0.0 at every sample until the module stopped
+    # being called after sample 35: sample 36 has no value to compare with a forecast.
+    tracker = make()
+    for sample in range(36):
+        tracker.update(sample, 0.0)
+    at_latest = tracker.departure_at(35)
+    assert at_latest is not None
+    assert (at_latest.sample, at_latest.value, at_latest.forecast) == (35, 0.0, 0.0)
+    assert tracker.departure_at(36) is None
+
+
 def test_an_accelerating_curve_is_one_change_with_a_small_first_step():
     """Position-embedding kurtosis in a clean GPT-2: flat, then x4 per sample for a few
     samples, then flat again. Each sample's departure is large, but the change builds

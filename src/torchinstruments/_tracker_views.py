@@ -174,8 +174,12 @@ class _TrackerViews(_TrackerState):
 
     def departure_at(self, sample: int) -> Departure | None:
         """The value at ``sample`` against its trend forecast, if it is among the latest
-        ``RECENT_POINTS`` values (a constant series: the value is its own forecast)."""
+        ``RECENT_POINTS`` values (a constant series: the value is its own forecast, up to
+        its latest sample; a later sample had no value, as when the module was no longer
+        called)."""
         if self._constant and self.count:
+            if sample > self._latest_sample:
+                return None
             v = self.transform(self._latest_value)
             forward = self._forward if sample == self._latest_sample else -1
             return Departure(sample, forward, v, v, self._noise_floor)
