@@ -204,6 +204,59 @@ def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Pa
     assert compile_coverage["slots_dropped"] == 0
 
 
+class InPlaceReLUNet(nn.Module):
+    """Linear, then ReLU(inplace=True) on its output (torchvision ResNet's pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.act(self.lin(x)))
+
+
+def train_steps(model: nn.Module, steps: int) -> list[float]:
+    """One forward and one backward per SGD step, on seeded noise."""
+    generator = torch.Generator().manual_seed(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(torch.randn(8, 6, generator=generator)).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_an_in_place_op_on_a_tapped_output_compiles_and_trains_identically(
+    tmp_path: Path,
+) -> None:
+    """The in-graph gradient tap returns a copy: an in-place ReLU on its output (which
+    autograd forbids on a view a custom Function returned) trains as without the
+    observer, and the telemetry equals the eager path's."""
+    torch.manual_seed(0)
+    base = InPlaceReLUNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    train_steps(eager, 4)
+    remove_observer(eager)
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    losses = train_steps(cast(nn.Module, torch.compile(observed, backend="aot_eager")), 4)
+    remove_observer(observed)
+    twin_losses = train_steps(cast(nn.Module, torch.compile(twin, backend="aot_eager")), 4)
+    assert losses == twin_losses
+    for (name, a), b in zip(observed.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    compiled_series = written_series(tmp_path / "compiled")
+    assert {("lin", "grad_output"), ("act", "activation")} <= {
+        (key[0], key[2]) for key in compiled_series
+    }
+    assert_same_telemetry(written_series(tmp_path / "eager"), compiled_series)
+
+
 def accumulate(model: nn.Module, steps: int) -> list[float]:
     """Gradient accumulation: two forwards, then one backward of their summed loss, per
     step."""

@@ -364,15 +364,20 @@ def _row(value: Tensor) -> Tensor:
 
 
 class _GradientTap(torch.autograd.Function):
-    """Identity in the forward; in the backward, the statistics row of the incoming
-    gradient becomes row ``row`` of the gradient of ``sink`` (the gradient itself
-    passes on unchanged)."""
+    """Identity in the forward (a copy of its input); in the backward, the statistics row
+    of the incoming gradient becomes row ``row`` of the gradient of ``sink`` (the
+    gradient itself passes on unchanged).
+
+    The forward returns a copy, not a view: autograd forbids in-place changes to a view
+    that a custom Function returned, and models change module outputs in place
+    (``nn.ReLU(inplace=True)`` after a convolution, as in torchvision's ResNet). The copy
+    is made in sampled forwards only, of the tensors that require grad."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, sink: Tensor, row: int) -> Tensor:
         ctx.row = row
         ctx.rows = sink.shape[0]
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
