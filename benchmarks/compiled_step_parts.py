@@ -1,25 +1,33 @@
 """What each part of the observer adds to a compiled training step, side by side.
 
-    python benchmarks/compiled_step_parts.py                       # inductor, 15 blocks
-    python benchmarks/compiled_step_parts.py --backend aot_eager --blocks 21 --steps 400
+    python benchmarks/compiled_step_parts.py                       # inductor, 3 copies each
+    python benchmarks/compiled_step_parts.py --backend aot_eager --copies 2 --blocks 12
 
-Four copies of the example's ``ResidualMLP()`` (``examples/basic_training.py``, batch 64
-of 64 features, SGD), each compiled with ``torch.compile(backend=...)`` and trained in
+Copies of the example's ``ResidualMLP()`` (``examples/basic_training.py``, batch 64 of
+64 features, SGD), each compiled with ``torch.compile(backend=...)`` and trained in
 interleaved blocks of ``--steps`` steps, one CPU thread, after 1,600 warm-up steps (the
-default schedule's steady state):
+default schedule's steady state). Kinds of copy:
 
 - ``plain``: no observer;
-- ``no-op root hooks``: a forward pre-hook and a forward hook on the root that do
-  nothing (what a root hook costs around the compiled forward by itself);
+- ``no-op hooks``: a forward hook that does nothing on each module the observer
+  selects (what Dynamo's handling of hooks on inlined modules costs by itself: the
+  floor of any capture through module hooks);
 - ``observer, one sample``: ``inject_observer(..., sampling=10**9)``, so only the first
-  forward is sampled (the observer's fixed cost per forward: its eager root hooks);
+  forward is sampled (the observer's fixed cost per forward);
 - ``observer, default``: ``inject_observer`` at default sampling (adds the sampled
   forwards' graph variant with the reductions, and the flushes).
 
-Printed per copy: the fastest block's time per step, its ratio to the plain copy's
-fastest, and the median over blocks of the per-block ratio. Dynamo's
-``skip_nnmodule_hook_guards`` is set to False so that each copy gets its own compiled
-code (the copies are instances of one class). Measurement only; nothing is asserted.
+How the copies are kept comparable: compiled code is cached per code object, so each
+copy gets a class of its own whose ``forward`` is a fresh code object (no copy runs or
+guards against another's code; Dynamo's configuration stays the default). A first,
+untimed copy is compiled and trained before the others: the copy compiled first ran
+3 to 5 % slower than later plain copies of the same model in one process. ``--copies``
+copies of each kind are made in turn (plain, no-op hooks, ..., plain, ...), and a kind's
+time is the mean over its copies of each copy's median block.
+
+Printed: per copy its median block (us/step); per kind the mean of its copies' medians
+and its ratio to the plain copies', with the spread of the plain copies as the
+comparison's resolution. Measurement only; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,38 +50,56 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchinstruments import inject_observer, remove_observer
+from torchinstruments.capture import ForwardHook
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 WARMUP_STEPS = 1_600  # the default schedule reaches its steady interval by then
-COPIES = ("plain", "no-op root hooks", "observer, one sample", "observer, default")
+KINDS = ("plain", "no-op hooks", "observer, one sample", "observer, default")
 
 
-def _example_model() -> nn.Module:
+def _example_class() -> type[nn.Module]:
     spec = importlib.util.spec_from_file_location("basic_training", EXAMPLE)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    return example.ResidualMLP()
+    return example.ResidualMLP
 
 
-def _no_op_pre_hook(module: nn.Module, args: object) -> None:
-    return None
+def _own_class(base: type[nn.Module], number: int) -> type[nn.Module]:
+    """A subclass of ``base`` whose ``forward`` is a code object of its own."""
+    forward = base.forward
+    code = forward.__code__.replace()  # equal, not identical: Dynamo caches per object
+    own = types.FunctionType(
+        code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+    )
+    return type(f"{base.__name__}Copy{number}", (base,), {"forward": own})
 
 
 def _no_op_hook(module: nn.Module, args: object, output: object) -> None:
     return None
 
 
-def _make_copy(kind: str, backend: str, directory: Path) -> tuple[Callable[[], None], nn.Module]:
+def _make_copy(
+    kind: str, number: int, base: type[nn.Module], backend: str, directory: Path
+) -> tuple[Callable[[], None], nn.Module]:
     torch.manual_seed(0)
-    model = _example_model()
-    if kind == "no-op root hooks":
-        model.register_forward_pre_hook(_no_op_pre_hook)
-        model.register_forward_hook(_no_op_hook)
+    model = _own_class(base, number)()
+    if kind == "no-op hooks":
+        # The modules the observer selects: those it puts a forward hook of its own on.
+        inject_observer(model, output_dir=directory / f"probe-{number}", sampling=10**9)
+        selected = [
+            module
+            for module in model.modules()
+            if module is not model
+            and any(isinstance(hook, ForwardHook) for hook in module._forward_hooks.values())
+        ]
+        remove_observer(model)
+        for module in selected:
+            module.register_forward_hook(_no_op_hook)
     elif kind == "observer, one sample":
-        inject_observer(model, output_dir=directory / "one-sample", sampling=10**9)
+        inject_observer(model, output_dir=directory / f"one-{number}", sampling=10**9)
     elif kind == "observer, default":
-        inject_observer(model, output_dir=directory / "default")
+        inject_observer(model, output_dir=directory / f"default-{number}")
     compiled: Any = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)
@@ -90,40 +117,49 @@ def _make_copy(kind: str, backend: str, directory: Path) -> tuple[Callable[[], N
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--blocks", type=int, default=15, help="interleaved blocks per copy")
+    parser.add_argument("--copies", type=int, default=3, help="copies of each kind")
+    parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks per copy")
     parser.add_argument("--steps", type=int, default=200, help="training steps per block")
     args = parser.parse_args(argv)
-    import torch._dynamo.config as dynamo_config
-
     torch.set_num_threads(1)
-    dynamo_config.skip_nnmodule_hook_guards = False
+    base = _example_class()
     with tempfile.TemporaryDirectory() as tmp:
-        copies = {kind: _make_copy(kind, args.backend, Path(tmp)) for kind in COPIES}
-        for step, _ in copies.values():
-            for _ in range(WARMUP_STEPS):
-                step()
-        times: dict[str, list[float]] = {kind: [] for kind in COPIES}
+        warm, _ = _make_copy("plain", 0, base, args.backend, Path(tmp))
+        for _ in range(WARMUP_STEPS // 4):
+            warm()
+        copies: list[tuple[str, Callable[[], None], nn.Module]] = []
+        for round_ in range(args.copies):
+            for offset, kind in enumerate(KINDS):
+                number = 1 + round_ * len(KINDS) + offset
+                step, model = _make_copy(kind, number, base, args.backend, Path(tmp))
+                for _ in range(WARMUP_STEPS):
+                    step()
+                copies.append((kind, step, model))
+        times: list[list[float]] = [[] for _ in copies]
         for _ in range(args.blocks):
-            for kind, (step, _) in copies.items():
+            for index, (_, step, _) in enumerate(copies):
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     step()
-                times[kind].append((time.perf_counter() - start) / args.steps)
-        for kind, (_, model) in copies.items():
+                times[index].append((time.perf_counter() - start) / args.steps)
+        for kind, _, model in copies:
             if kind.startswith("observer"):
                 remove_observer(model)
-    plain = times["plain"]
+    medians: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for (kind, _, _), blocks in zip(copies, times, strict=True):
+        medians[kind].append(statistics.median(blocks))
+    plain = statistics.mean(medians["plain"])
     print(
-        f"torch {torch.__version__}, backend {args.backend}, {args.blocks} blocks of "
-        f"{args.steps} steps per copy, 1 thread"
+        f"torch {torch.__version__}, backend {args.backend}, {args.copies} copies of each "
+        f"kind, {args.blocks} blocks of {args.steps} steps per copy, 1 thread"
     )
-    print(f"{'copy':22s} {'fastest us/step':>15s} {'fastest ratio':>13s} {'median ratio':>12s}")
-    for kind in COPIES:
-        ratios = [a / b for a, b in zip(times[kind], plain, strict=True)]
-        print(
-            f"{kind:22s} {min(times[kind]) * 1e6:15.0f} {min(times[kind]) / min(plain):13.3f} "
-            f"{statistics.median(ratios):12.3f}"
-        )
+    print(f"{'kind':22s} {'us/step':>8s} {'ratio':>6s}  copies' median blocks (us/step)")
+    for kind in KINDS:
+        mean = statistics.mean(medians[kind])
+        each = ", ".join(f"{value * 1e6:.0f}" for value in medians[kind])
+        print(f"{kind:22s} {mean * 1e6:8.0f} {mean / plain:6.3f}  {each}")
+    spread = (max(medians["plain"]) - min(medians["plain"])) / plain
+    print(f"spread of the plain copies: {spread:.3f} of their mean")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,20 @@ def _event_excerpt(event: dict[str, Any]) -> str:
     shown["history"]["points_not_shown_here"] = len(points) - len(near)
     shown["interpretation"] = textwrap.shorten(shown["interpretation"], 160, placeholder=" ...")
     shown["next_experiment"] = textwrap.shorten(shown["next_experiment"], 160, placeholder=" ...")
-    return "```json\n" + json.dumps(shown, indent=1) + "\n```\n"
+    return "```json\n" + json.dumps(_rounded(shown), indent=1) + "\n```\n"
+
+
+def _rounded(value: Any, digits: int = 4) -> Any:
+    """``value`` with every float rounded to ``digits`` significant digits: the report
+    writes six, whose last can differ between CPUs (vectorised float32 sums), and the
+    docs need not follow it."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {key: _rounded(item, digits) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item, digits) for item in value]
+    return value
 
 
 def _event_markdown(path: Path, event_id: str) -> str:

@@ -229,8 +229,18 @@ def test_unwritable_output_dir_warns_once_counts_and_never_stops_training(tmp_pa
         handle.flush()
         report = handle.report()
         remove_observer(model)
-    ours = [w for w in caught if "could not write its report" in str(w.message)]
+    ours = [str(w.message) for w in caught if "could not write its report" in str(w.message)]
     assert len(ours) == 1
+    # Both warnings name the directory given, not the parent that could not be made.
+    directory = repr(str(blocker / "stats"))
+    assert ours[0].startswith(f"torchinstruments could not write its report to {directory} (")
+    # Removal says that no report of the run was written, and why.
+    final = [str(w.message) for w in caught if "wrote no report" in str(w.message)]
+    assert final == [
+        f"torchinstruments wrote no report to {directory} in this run: every write "
+        f"failed, the last with [Errno 20] Not a directory: {str(blocker / 'stats')!r}. "
+        "Give inject_observer an output_dir this process can create and write."
+    ]
     assert report is not None
     # report.json with index.md, and series.json, each at the first report and two flushes
     assert report["coverage"]["errors_total"] == 6

@@ -370,3 +370,58 @@ def test_torch_compile_before_and_after_injection(tmp_path: Path, order: str) ->
     for name in ("fc1", "act", "fc2"):
         assert seen.get(act(name)) == 4 and seen.get(grad(name)) == 4, (name, sorted(seen))
     assert report["coverage"]["errors_total"] == 0
+
+
+def test_between_unsampled_compiled_forwards_the_root_post_hook_is_parked(
+    tmp_path: Path,
+) -> None:
+    """Compiled, the submodule hooks stay in place, but the root's post-hook is out of
+    the root between forwards that need nothing at its end, as in eager training: over
+    48 forwards sampled every 16th it is out after each of the 45 unsampled ones (put
+    back for the forwards the root sentinel checks, which take it out again at their
+    end), no graph is compiled after the first two, and the forward, sample and root
+    sentinel counts are the eager twin's."""
+    from torch._dynamo.utils import counters
+
+    from torchinstruments._sentinel import ROOT_SENTINEL_INTERVAL, root_sentinel_due
+    from torchinstruments.capture import RootPostHook
+
+    class ParkedPostNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(6, 8)
+            self.fc2 = nn.Linear(8, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = ParkedPostNet()
+    eager = copy.deepcopy(model)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=16)
+    train_on_noise(eager, 48)
+    eager_report = remove_observer_and_read(eager, tmp_path / "eager")
+    inject_observer(model, output_dir=tmp_path / "compiled", sampling=16)
+    compiled = cast(nn.Module, torch.compile(model, backend="aot_eager"))
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    out_after = []
+    graphs = 0
+    for step in range(48):
+        optimizer.zero_grad()
+        compiled(torch.randn(8, 6, generator=generator)).square().mean().backward()
+        optimizer.step()
+        if step == 1:
+            graphs = counters["stats"]["unique_graphs"]
+        if not any(isinstance(hook, RootPostHook) for hook in model._forward_hooks.values()):
+            out_after.append(step)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert out_after == [step for step in range(48) if step % 16]
+    report = remove_observer_and_read(model, tmp_path / "compiled")
+    for key in ("forwards_seen", "samples_seen"):
+        assert report["run"][key] == eager_report["run"][key]
+    assert report["coverage"]["samples_observed"] == 3
+    checks = sum(root_sentinel_due(step, ROOT_SENTINEL_INTERVAL) for step in range(48) if step % 16)
+    assert checks == 6
+    assert report["coverage"]["sentinel_checks"] == eager_report["coverage"]["sentinel_checks"]
+    assert report["coverage"]["sentinel_checks"] == checks

@@ -324,3 +324,22 @@ def test_a_cross_section_of_differences_is_headed_so(
     assert header.format("difference") in index
     others = [e for e in report["events"][1:] if (e.get("cross_section") or {}).get("rows")]
     assert index.count(header.format("ratio")) == len(others)
+
+
+def test_the_headline_counts_stopped_modules_once_whatever_their_calls() -> None:
+    from torchinstruments.report import _stopped_text
+
+    one_module_two_calls = [
+        {"module": "a", "call_index": 0, "last_sample": 5, "last_forward": 50},
+        {"module": "a", "call_index": 1, "last_sample": 5, "last_forward": 50},
+    ]
+    assert _stopped_text(one_module_two_calls) == (
+        " 1 module(s) (2 calls) stopped being called: `a` (call 0) last ran at sample 5, "
+        "training forward 50 and 1 more call(s)."
+    )
+    two_modules = [one_module_two_calls[0], {**one_module_two_calls[1], "module": "b"}]
+    assert _stopped_text(two_modules) == (
+        " 2 module(s) stopped being called: `a` (call 0) last ran at sample 5, "
+        "training forward 50 and 1 more call(s)."
+    )
+    assert _stopped_text([]) == ""

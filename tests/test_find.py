@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from torchinstruments.config import TrackConfig
-from torchinstruments.find import CATEGORIES, RULES, Candidate, run_rules
+from torchinstruments.find import CATEGORIES, RULES, Candidate, model_wide_texts, run_rules
 from torchinstruments.find.base import ORIGIN_SHARE, is_early
 from torchinstruments.reduce import cpu_statistics, finish_statistics
 from torchinstruments.series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
@@ -478,6 +478,7 @@ def test_most_modules_moving_at_once_is_one_model_wide_event():
     assert len(drift) == 1
     event = drift[0]
     assert event.model_wide == 8 / 9
+    assert event.model_wide_modules == (8, 9)
     assert len(event.echoes) == 7
     assert event.series.module == "block0"  # first in forward order, values shown
     # The gradient step at the same samples is a member, not a finding of its own.
@@ -755,3 +756,32 @@ def test_a_series_that_falls_back_across_a_longer_gap_is_no_regime_change():
     assert math.exp(-change.step_without_trend) < 1.3
     assert notable(regime) == []
     assert notable(found["activation_scale_drift"]) == []
+
+
+def test_a_model_wide_event_counts_the_modules_that_moved_not_only_its_members():
+    """Most modules moving at once by less than a finding's step, one of them by a
+    notable step: the event says how many moved (a departure of 3 residual spreads or
+    more at the onset) out of how many observed, and how many of those are notable on
+    their own."""
+    series = [stepped_activation("block0", 0, 3.0, seed=80)]
+    series += [stepped_activation(f"block{i}", i, 1.1, seed=80 + i) for i in range(1, 6)]
+    series += [quiet_activation(f"block{i}", i, seed=80 + i) for i in range(6, 9)]
+    drift = notable(run_rules(series)["activation_scale_drift"])
+    assert names(drift) == ["block0"]
+    event = drift[0]
+
+    def departure(single: TensorSeries) -> float:
+        alone = next(iter(run_rules([single])["activation_scale_drift"]))
+        found = alone.judged.departure_at(STEP_AT)
+        return 0.0 if found is None else abs(found.z)
+
+    moved = [s.module for s in series if departure(s) >= 3.0]
+    assert moved == [f"block{i}" for i in range(6)]
+    assert event.model_wide_modules == (6, 9)
+    assert event.model_wide == 6 / 9
+    interpretation, _ = model_wide_texts(event, None)
+    assert interpretation.startswith(
+        f"Model-wide: 6 of the 9 observed modules (66.67%) moved their activation.rms at "
+        f"about sample {STEP_AT}, 1 of them notably; the first of those in propagation "
+        "order is block0 ("
+    )

@@ -153,6 +153,19 @@ def test_quiet_run_says_no_finding_stands_out(tmp_path: Path) -> None:
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert "No finding stands out" in index
     assert "infer" in index and "warmup_complete" in index
+    # The loss gradient ranks nothing against itself: in report.json, not in the table.
+    zero = [
+        f
+        for f in report["findings"]
+        if not f["notable"] and not (f.get("ranking") or {}).get("value")
+    ]
+    assert any(f["module"] == "<root>" and f["signal"] == "grad_output" for f in zero)
+    table = index.split("## Other ranked series (below their noise floor)")[1]
+    table = table.split("## Coverage and limits")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(report["findings"]) - len(zero)  # the header, then rows
+    assert " 0.0 |" not in table and "`<root>` | 0 | grad_output" not in table
+    assert f"{len(zero)} more with a ranking of 0 in report.json." in table
 
 
 def test_run_without_a_training_forward_says_so(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from ._context_cadence import (
     MAX_SAMPLES_AWAITING_BACKWARD,
     _ContextCadence,
 )
-from ._parking import root_calls_on_stack
+from ._parking import COMPILE_IN_USE, root_calls_on_stack
 from ._sentinel import ROOT_SENTINEL_INTERVAL, next_root_sentinel, root_sentinel_due
 from ._state import IDLE, RECOMPUTE, SAMPLED, SENTINEL, SKIP
 from .capture import _graph_task_id, compiled_frames, in_backward
@@ -154,7 +154,9 @@ class ForwardContext(_ContextCadence):
             quiet = (
                 (index < self._quiet_until or index == self._quiet_sentinel)
                 and _training_context(module)
-                and compiled_frames() == parking.frames_at_park
+                and (
+                    parking.status == COMPILE_IN_USE or compiled_frames() == parking.frames_at_park
+                )
                 and (  # not called by the root's own forward (see _nested_root_call)
                     (caller := _getframe(parking.caller_depth)).f_code
                     is not parking.root_forward_code
@@ -193,18 +195,22 @@ class ForwardContext(_ContextCadence):
         stack.append(self.state)
         decision: bool | None = None
         if (
-            parking.parked
+            (
+                parking.status == COMPILE_IN_USE
+                or (parking.parked and compiled_frames() == parking.frames_at_park)
+            )
             and len(stack) == 1
             and not self._forced_samples
             and not self.full_sentinel
             and _training_context(module)
-            and compiled_frames() == parking.frames_at_park
         ):
             # The steady state: a top-level training forward while the submodule hooks
-            # are parked. Unsampled, it only counts the forward (no further calls): the
-            # state _open_training_forward leaves, set here with fewer calls (this runs
-            # on nearly every forward, inside a step whose kernels have evicted this code
-            # from the caches, where every call costs).
+            # are parked (or stay in place for good: torch.compile is in use, and each
+            # returns inside the graph's unsampled variant). Unsampled, it only counts
+            # the forward (no further calls): the state _open_training_forward leaves,
+            # set here with fewer calls (this runs on nearly every forward, inside a
+            # step whose kernels have evicted this code from the caches, where every
+            # call costs).
             try:
                 index = self.forwards_seen
                 decision = bool(self.policy.should_sample(index))
@@ -430,7 +436,11 @@ class ForwardContext(_ContextCadence):
             parking = self.parking
             if parking.parked and compiled_frames() != parking.frames_at_park:
                 parking.restore(reset=True)  # something was compiled during this forward
-            if parking.parked and stack[0] is IDLE and parking.park_root_post():
+            if (
+                (parking.parked or parking.status == COMPILE_IN_USE)
+                and stack[0] is IDLE
+                and parking.park_root_post()
+            ):
                 # Hooks stay parked: leave the forward open-ended, so that the next ones
                 # can be quiet (this hook is called from a copy of the hook dict).
                 stack.pop()

@@ -145,7 +145,7 @@ class AtExit:
     def __call__(self) -> None:
         observer = self._observer()
         if observer is not None and observer.attached:
-            observer.write_report()
+            observer.write_final_report()
 
 
 def sink_for_child(sink: object) -> object:

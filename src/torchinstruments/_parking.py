@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from ._error_log import ErrorLog
     from .capture import ForwardHook, RootPostHook
 
-__all__ = ["HookParking", "find_caller_depth", "root_calls_on_stack"]
+__all__ = ["COMPILE_IN_USE", "HookParking", "find_caller_depth", "root_calls_on_stack"]
+
+#: ``HookParking.status`` once ``torch.compile`` compiled anything in the process.
+COMPILE_IN_USE = "off: torch.compile in use"
 
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
 _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
@@ -85,7 +88,7 @@ class HookParking:
         """
         frames = compiled_frames()
         if frames != 0:
-            self.status = "off: torch.compile in use"
+            self.status = COMPILE_IN_USE
             return
         if reentrant_pending:
             return
@@ -113,7 +116,7 @@ class HookParking:
             else:
                 hooks[key] = hook
         if compiled_frames() != self.frames_at_park:
-            self.status = "off: torch.compile in use"
+            self.status = COMPILE_IN_USE
             root = self._root()
             if reset and root is not None:
                 # Code compiled while the hooks were parked would never call them.
@@ -129,9 +132,19 @@ class HookParking:
         (see ``ForwardContext.close_open_ended``), from the root hooks; False if it must
         stay: it is not the root's only forward hook, a submodule hook of ours is not
         parked (it would see the state between forwards), the root has been seen calling
-        itself (:attr:`root_post_off`), or where its caller sits on the stack is unknown."""
+        itself (:attr:`root_post_off`), or where its caller sits on the stack is unknown.
+
+        Under ``torch.compile`` (:attr:`status` ``COMPILE_IN_USE``) the submodule hooks
+        are never parked, and the post-hook is taken out all the same: the root's hooks
+        run outside the compiled frame, so no guard reads them, and a submodule hook
+        called eagerly between forwards returns on the SKIP state the open-ended forward
+        leaves (as it would not be called at all while parked)."""
         slot = self.root_post
-        if slot is None or self.root_post_off or len(self.parked) != len(self.parkable):
+        if (
+            slot is None
+            or self.root_post_off
+            or (self.status != COMPILE_IN_USE and len(self.parked) != len(self.parkable))
+        ):
             return False
         hooks, always, key, _ = slot
         if len(hooks) != 1 or key not in hooks:

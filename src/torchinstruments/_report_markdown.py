@@ -358,7 +358,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {f['signal']}.{f['metric']} | {_blank(f.get('change_sample'))} |"
             )
         lines.append("")
-    others = [f for f in findings if not f["notable"]]
+    below = [f for f in findings if not f["notable"]]
+    # A ranking of 0 ranks nothing (the loss gradient against itself, a series that
+    # never moved): such rows stay in report.json only.
+    others = [f for f in below if (f.get("ranking") or {}).get("value")]
     if others:
         lines += [
             "## Other ranked series (below their noise floor)",
@@ -376,6 +379,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {ranking.get('basis')} {_number_text(ranking.get('value'))} "
                 f"| {_number_text(latest.get('value'))} @{latest.get('sample')} |"
             )
+        if len(below) > len(others):
+            lines += ["", f"{len(below) - len(others)} more with a ranking of 0 in report.json."]
         lines.append("")
     lines += [
         "## Coverage and limits",

@@ -18,7 +18,7 @@ from ._lifecycle import warn
 if TYPE_CHECKING:
     from .observer import Observer
 
-__all__ = ["write_report_files"]
+__all__ = ["warn_if_never_written", "write_report_files"]
 
 
 def write_report_files(observer: Observer, block: bool, flush: bool, files_only: bool) -> None:
@@ -75,7 +75,7 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
             observer.reports_written += 1
         except Exception as error:  # each file is written on its own: go on
             observer.record_error("write", "", error)
-            _warn_write(observer, error)
+            _warn_write(observer, error, writer)
             failed[id(writer)] = error
     for sink in sinks:
         try:
@@ -108,7 +108,7 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
             directory.commit()
         except Exception as error:
             observer.record_error("write", "", error)
-            _warn_write(observer, error)
+            _warn_write(observer, error, directory)
             failed.setdefault(id(directory), error)
         # Say beside the files whether they are this report or an earlier one.
         if id(directory) in failed:
@@ -117,10 +117,35 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
             directory.note_written(report)
 
 
-def _warn_write(observer: Observer, error: Exception) -> None:
+def _warn_write(observer: Observer, error: Exception, target: object) -> None:
+    observer.last_write_error = error
     if not observer.warned_write:
         observer.warned_write = True
         warn(
-            f"torchinstruments could not write its report ({error}); training "
-            "continues, the error is counted and the next write is retried"
+            f"torchinstruments could not write its report to {_where(target)} ({error}); "
+            "training continues, the error is counted and the next write is retried"
         )
+
+
+def _where(target: object) -> str:
+    path = getattr(target, "path", None)
+    return repr(str(path)) if path is not None else type(target).__name__
+
+
+def warn_if_never_written(observer: Observer) -> None:
+    """After the final report (removal, or interpreter exit): warn once more for each
+    directory of the observer that no report of this run ever reached, with the last
+    write error, so that a run into an unwritable ``output_dir`` does not end
+    silently."""
+    from .sinks import DirectorySink
+
+    error = observer.last_write_error
+    if error is None:
+        return
+    for target in (observer.writer, *observer.sinks):
+        if isinstance(target, DirectorySink) and not target.written_once:
+            warn(
+                f"torchinstruments wrote no report to {_where(target)} in this run: "
+                f"every write failed, the last with {error}. Give inject_observer an "
+                "output_dir this process can create and write."
+            )

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._parking import COMPILE_IN_USE
 from ._records import ROOT_INDEX
 from .capture import compiled_frames
 from .compiled import last_invalidation
@@ -230,7 +231,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         capture_direct_forwards=observer.capture_direct_forwards,
         full_sentinel=observer.full_sentinel,
         hook_parking=(
-            "off: torch.compile in use"  # parking would stop at the next try
+            COMPILE_IN_USE  # parking would stop at the next try
             if observer.parking.status == "on" and compiled_frames() != 0
             else observer.parking.status
         ),

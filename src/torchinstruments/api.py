@@ -97,7 +97,7 @@ class ObserverHandle:
         observer = self._observer
         if observer is not None:
             observer.detach()
-            observer.write_report()
+            observer.write_final_report()
             for sink in observer.sinks:
                 try:
                     sink.flush()

@@ -35,7 +35,7 @@ from ._error_log import ErrorLog
 from ._lifecycle import AtExit, on_termination, sink_for_child
 from ._parking import HookParking
 from ._records import ROOT_INDEX
-from ._report_write import write_report_files
+from ._report_write import warn_if_never_written, write_report_files
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
@@ -99,6 +99,8 @@ class Observer:
         self.series_summary_omitted = 0
         #: True once a failed write was warned of (one warning a run).
         self.warned_write = False
+        #: The last error a report write met (None while none failed).
+        self.last_write_error: Exception | None = None
         #: True while a report is being built and written (see _lifecycle.py).
         self.writing = False
         #: In a process forked after injection: the parent's pid, and the training
@@ -354,6 +356,16 @@ class Observer:
             self.writing = False
             self.capture.note_cost(time.perf_counter() - started)
         on_termination.deliver_deferred()
+
+    def write_final_report(self) -> None:
+        """The last report of the run (at removal or interpreter exit); then, if no
+        report ever reached a directory of this observer, a warning that says so, with
+        the last write error. Never raises."""
+        self.write_report()
+        try:
+            warn_if_never_written(self)
+        except Exception as error:  # never into training, whatever the warning filters
+            self.record_error("write", "", error)
 
     def adopt_parents(self) -> None:
         """After the first sampled training forward: observe the parent of every

@@ -490,14 +490,18 @@ def _first_non_finite(
 
 
 def _stopped_text(stopped: Sequence[dict[str, Any]]) -> str:
+    """The headline's sentence on ``coverage.modules_stopped`` (one entry per module
+    call): modules are counted once, whatever their calls."""
     if not stopped:
         return ""
     first = stopped[0]
-    more = f" and {len(stopped) - 1} more" if len(stopped) > 1 else ""
+    modules = len({entry["module"] for entry in stopped})
+    calls = f" ({len(stopped)} calls)" if len(stopped) > modules else ""
+    more = f" and {len(stopped) - 1} more call(s)" if len(stopped) > 1 else ""
     forward = first.get("last_forward")
     at = f", training forward {forward}" if forward is not None else ""
     return (
-        f" {len(stopped)} module(s) stopped being called: `{first['module']}` (call "
+        f" {modules} module(s){calls} stopped being called: `{first['module']}` (call "
         f"{first['call_index']}) last ran at sample {first['last_sample']}{at}{more}."
     )
 

@@ -256,6 +256,11 @@ class DirectorySink(_SinkBase):
         (``WRITE_FAILED.txt``)."""
         return self.path / WRITE_FAILED_NAME
 
+    @property
+    def written_once(self) -> bool:
+        """True once a report of this run was put in place here."""
+        return self._last_written is not None
+
     def note_failed_write(self, report: dict[str, Any], error: BaseException) -> None:
         """Say beside the files that ``report`` could not be put in place: the report
         there is an earlier one (named by number and time), or there is none yet.

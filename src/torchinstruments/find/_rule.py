@@ -136,10 +136,13 @@ def model_wide_texts(c: Candidate, forward: int | None) -> tuple[str, str]:
     when = f"sample {c.onset}" + (f" (training forward {forward})" if forward is not None else "")
     measure = c.metric if c.judged is c.tracker else RMS_TO_ROOT
     size = f" ({format_value(abs(change.step_z))} residual spreads)" if change is not None else ""
+    moved, observed = c.model_wide_modules or (0, 0)  # set with model_wide
+    notable = len({e.series.module for e in c.echoes} | {c.series.module})
     interpretation = (
-        f"Model-wide: {len(c.echoes) + 1} modules, {format_value(share * 100)}% of those "
-        f"observed, changed their {c.series.signal}.{measure} at about {when}; the first in "
-        f"propagation order is {display_module(c.series.module)}{size}. A change that moves "
+        f"Model-wide: {moved} of the {observed} observed modules "
+        f"({format_value(share * 100)}%) moved their {c.series.signal}.{measure} at about "
+        f"{when}, {notable} of them notably; the first of those in propagation order is "
+        f"{display_module(c.series.module)}{size}. A change that moves "
         "most of the model at once has a run-level cause, not a module: the learning rate "
         "or its schedule, the optimizer state, the data, or the loss scale."
     )

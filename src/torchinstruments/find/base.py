@@ -136,8 +136,12 @@ class Candidate:
         group_score: strongest score in this candidate's echo group.
         change: the change point the candidate rests on, if any (on the judged tracker).
         model_wide: for the origin of a model-wide group: the share of observed modules
-            (of its signal) in the group; None otherwise. Such a candidate is reported
-            as module ``<model>``.
+            (of its signal) that moved at its onset; None otherwise. Such a candidate is
+            reported as module ``<model>``.
+        model_wide_modules: with ``model_wide``: how many observed modules (of its
+            signal) moved at its onset, and how many are observed (``model_wide`` is
+            their ratio); members of the group, notable on their own, are among those
+            that moved (``len(echoes) + 1`` at most).
         secondary: judged on its category's secondary metric, where only that one made
             a notable step (``activation_scale_drift``'s ``mean_abs``): weaker evidence
             than the category's own metric, so :func:`rank_candidates` lists it after
@@ -160,6 +164,7 @@ class Candidate:
     group_score: float = 0.0
     change: ChangePoint | None = None
     model_wide: float | None = None
+    model_wide_modules: tuple[int, int] | None = None
     secondary: bool = False
 
     @property
@@ -242,9 +247,10 @@ def _raw_step(candidate: Candidate) -> float:
 
 def _model_wide_share(
     group: list[Candidate], candidates: Sequence[Candidate], first_position: int, window: int
-) -> float | None:
-    """The cross-section of a group at its onset: the share of observed modules (of the
-    group's signal, the root excluded) that moved, a module having moved when it is a
+) -> tuple[int, int] | None:
+    """The cross-section of a group at its onset: how many observed modules (of the
+    group's signal, the root excluded) moved, and how many are observed; a module has
+    moved when it is a
     member or its series departed from its own trend by ``UPSTREAM_DEPARTURE_SPREADS`` or
     more at that sample (below a finding's floor, but moved); in a group of breaks of
     trend also when its own break of trend has its corner within ``window`` samples of
@@ -285,7 +291,7 @@ def _model_wide_share(
     before -= members
     if before and len(before & moved) < 0.5 * len(before):
         return None
-    return len(moved) / max(len(observed), 1)
+    return len(moved), max(len(observed), 1)
 
 
 def rank_candidates(
@@ -336,9 +342,10 @@ def rank_candidates(
         extent = (modules_observed or {}).get(origin.series.signal)
         if extent is not None and extent[0] >= 4:
             window = group_window(_earliest(group), onset_tolerance)
-            share = _model_wide_share(group, candidates, extent[1], window)
-            if share is not None and share >= MODEL_WIDE_SHARE:
-                origin.model_wide = share
+            counts = _model_wide_share(group, candidates, extent[1], window)
+            if counts is not None and counts[0] >= MODEL_WIDE_SHARE * counts[1]:
+                origin.model_wide = counts[0] / counts[1]
+                origin.model_wide_modules = counts
         origins.append(origin)
     for candidate in others:
         candidate.group_score = candidate.score
