@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -343,3 +343,104 @@ def test_the_headline_counts_stopped_modules_once_whatever_their_calls() -> None
         "training forward 50 and 1 more call(s)."
     )
     assert _stopped_text([]) == ""
+    assert _stopped_text(two_modules, ["a"]).endswith(
+        "and 1 more call(s). `a` was replaced in the model by another module object, which "
+        "is not observed: check what took its place and when."
+    )
+
+
+def test_the_input_that_moved_too_is_checked_first() -> None:
+    from torchinstruments._event_texts import _input_experiment
+
+    row = {"offset": -1, "module": "h.2.ln_2", "ratio": 1.5, "in_spreads": 23.35}
+    assert _input_experiment(row, "h.2.mlp.c_fc", "rms", "sample 34") == (
+        "Its input moved at the same samples (h.2.ln_2: 1.5x, 23.35 residual spreads): "
+        "check h.2.ln_2 first (removed, bypassed, re-initialized, rescaled or switched "
+        "between train and eval at sample 34), then h.2.mlp.c_fc itself; restore one at "
+        "a time and check whether h.2.mlp.c_fc's rms returns to its trend."
+    )
+    # A move below 3 residual spreads, or an unknown input, leaves the module's own advice.
+    assert _input_experiment({**row, "in_spreads": -2.9}, "c_fc", "rms", "sample 34") is None
+    assert _input_experiment(None, "c_fc", "rms", "sample 34") is None
+
+
+def test_echoes_before_the_lead_are_counted_apart_and_the_largest_named() -> None:
+    from types import SimpleNamespace
+
+    from torchinstruments._event_texts import _echoes_text
+
+    def candidate(module: str, position: int, step_z: float, signal: str = "activation") -> Any:
+        series = SimpleNamespace(module=module, call_index=0, signal=signal)
+        return SimpleNamespace(
+            series=series, position=position, change=SimpleNamespace(step_z=step_z), echoes=[]
+        )
+
+    lead = candidate("c_fc", 5, 51.7)
+    lead.echoes = [candidate("ln_2", 4, -23.35), candidate("attn", 2, 4.0)]
+    lead.echoes += [candidate("act", 6, 30.0), candidate("c_proj", 7, 9.0)]
+    event = cast(Any, SimpleNamespace(facets=[SimpleNamespace(candidate=lead)]))
+    assert _echoes_text(event, lead) == (
+        " 2 module(s) after it in propagation order moved at the same samples. 2 module(s) "
+        "before it in propagation order moved at the same samples too (the largest step: "
+        "ln_2, 23.35 residual spreads); the change may begin there."
+    )
+    # Output gradients propagate backwards: a larger forward position is before.
+    gradient = candidate("c_fc", 5, 8.0, "grad_output")
+    gradient.echoes = [candidate("c_proj", 7, 5.0, "grad_output")]
+    event = cast(Any, SimpleNamespace(facets=[SimpleNamespace(candidate=gradient)]))
+    assert _echoes_text(event, gradient) == (
+        " 1 module(s) before it in propagation order moved at the same samples too (the "
+        "largest step: c_proj, 5 residual spreads); the change may begin there."
+    )
+
+
+def test_a_gradient_step_whose_later_modules_held_is_at_the_module_itself() -> None:
+    from torchinstruments._event_texts import _gradient_experiment
+
+    held = [
+        {"offset": -1, "module": "attn", "in_spreads": 9.0},
+        {"offset": 0, "module": "ln_2", "in_spreads": 40.0},
+        {"offset": 1, "module": "c_fc", "in_spreads": 1.2},
+        {"offset": 2, "module": "act", "in_spreads": -2.5},
+    ]
+    assert _gradient_experiment(held, "ln_2", "sample 34") == (
+        "The gradient reaching ln_2 changed at sample 34 while those of the modules after "
+        "it in forward order held (c_fc, act within 3 residual spreads): the change is at "
+        "ln_2 itself, whose output now takes another path back (its forward bypassed or "
+        "replaced, its output changed in place, detached or rerouted). Check ln_2's "
+        "forward at sample 34."
+    )
+    moved = [*held[:3], {**held[3], "in_spreads": 3.0}]
+    assert _gradient_experiment(moved, "ln_2", "sample 34").startswith(
+        "The gradient reaching ln_2 changed at sample 34 while the loss gradient did not "
+        "account for it: something after ln_2 in forward order changed its backward."
+    )
+    assert _gradient_experiment(None, "ln_2", "sample 34").startswith(
+        "The gradient reaching ln_2 changed at sample 34 while the loss gradient did not"
+    )
+
+
+def test_an_event_is_led_by_its_most_upstream_facet() -> None:
+    from types import SimpleNamespace
+
+    from torchinstruments._event_groups import Event, _lead_from_upstream
+
+    def facet(category: str, module: str, position: int, onset: int, signal: str) -> Any:
+        series = SimpleNamespace(module=module, call_index=0, signal=signal)
+        candidate = SimpleNamespace(series=series, position=position, onset=onset, model_wide=None)
+        return SimpleNamespace(category=category, candidate=candidate)
+
+    kurtosis = facet("heavy_tail_growth", "c_fc", 5, 34, "activation")
+    scale = facet("activation_scale_drift", "ln_2", 4, 34, "activation")
+    later = facet("regime_change", "attn", 2, 40, "activation")  # 6 samples later
+    gradient = facet("gradient_scale_change", "head", 9, 34, "grad_output")
+    event = Event(number=1, facets=[kurtosis, scale, later, gradient])
+    _lead_from_upstream(event)
+    assert [f.candidate.series.module for f in event.facets] == ["ln_2", "c_fc", "attn", "head"]
+    # Output gradients: backward order, the largest forward position first.
+    first = facet("gradient_scale_change", "fc1", 1, 34, "grad_output")
+    event = Event(
+        number=1, facets=[first, facet("relative_volatility", "fc2", 3, 33, "grad_output")]
+    )
+    _lead_from_upstream(event)
+    assert [f.candidate.series.module for f in event.facets] == ["fc2", "fc1"]

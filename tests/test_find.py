@@ -781,7 +781,25 @@ def test_a_model_wide_event_counts_the_modules_that_moved_not_only_its_members()
     assert event.model_wide == 6 / 9
     interpretation, _ = model_wide_texts(event, None)
     assert interpretation.startswith(
-        f"Model-wide: 6 of the 9 observed modules (66.67%) moved their activation.rms at "
+        f"Model-wide: 6 of the 9 observed modules besides the root (66.67%) moved their "
+        f"activation.rms at "
         f"about sample {STEP_AT}, 1 of them notably; the first of those in propagation "
         "order is block0 ("
     )
+
+
+def test_a_change_just_before_a_module_stops_being_called_is_not_notable():
+    """A series that ends (its module stopped being called) 3 samples after a step: the
+    step rests on those samples alone, and the stop is what the report names."""
+    rng = random.Random(90)
+    ending = new_series("block0", 0)
+    for sample in range(STEP_AT + 4):
+        level = 3.0 if sample >= STEP_AT else 1.0
+        ending.update(CONFIG, sample, {"rms": noisy(rng, level)})
+    assert names(notable(run_rules([ending])["activation_scale_drift"])) == ["block0"]
+    found = run_rules([ending], stopped={("block0", 0): STEP_AT + 3})["activation_scale_drift"]
+    assert notable(found) == []
+    assert found[0].evidence["series_ended"] == {"last_sample": STEP_AT + 3}
+    # Five samples or more after the onset, the step stands.
+    later = run_rules([ending], stopped={("block0", 0): STEP_AT + 5})["activation_scale_drift"]
+    assert names(notable(later)) == ["block0"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .find import Candidate, display_module
 from .find.base import ONSET_TOLERANCE_SAMPLES, group_window
-from .series import TensorSeries, forward_positions
+from .series import GRAD_OUTPUT, TensorSeries, forward_positions
 
 
 class SameTensor:
@@ -222,4 +222,32 @@ def build_events(facets: Sequence[Facet]) -> list[Event]:
         event.facets.append(facet)
         event.members |= _members(c)
         facet.event = event
+    for event in events:
+        _lead_from_upstream(event)
     return events
+
+
+def _lead_from_upstream(event: Event) -> None:
+    """Put first the facet whose module comes first in propagation order (forward
+    order for activations, backward order for output gradients) among the facets of
+    the first facet's signal whose onset is within ``ONSET_TOLERANCE_SAMPLES`` of its
+    own: each facet is its category's origin at those samples, and the change begins
+    at the most upstream of them (an upstream LayerNorm's scale step beside a larger
+    kurtosis step in the Linear after it). Model-wide events keep their order."""
+    first = event.facets[0].candidate
+    if first.model_wide is not None or first.onset is None:
+        return
+    onset = first.onset
+    backward = first.series.signal == GRAD_OUTPUT
+    peers = [
+        f
+        for f in event.facets
+        if f.candidate.series.signal == first.series.signal
+        and f.candidate.model_wide is None
+        and f.candidate.onset is not None
+        and abs(f.candidate.onset - onset) <= ONSET_TOLERANCE_SAMPLES
+    ]
+    lead = min(peers, key=lambda f: -f.candidate.position if backward else f.candidate.position)
+    if lead is not event.facets[0] and lead.candidate.position != first.position:
+        event.facets.remove(lead)
+        event.facets.insert(0, lead)

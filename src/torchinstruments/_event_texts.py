@@ -67,6 +67,85 @@ def _trend_word(c: Candidate, previous: tuple[int, int, float] | None) -> str:
     return "rising" if movement > 0 else "falling"
 
 
+def _gradient_experiment(section: list[dict[str, Any]] | None, module: str, when: str) -> str:
+    """The next experiment of an output-gradient step at ``module``: where the gradients
+    of the modules after it in forward order (which the gradient passes first) held,
+    within ``MOVED_SPREADS`` in the cross-section ``section``, the change is at the
+    module itself; otherwise at something after it."""
+    after_rows = [r for r in section or () if r["offset"] > 0 and r["in_spreads"] is not None]
+    if after_rows and all(abs(r["in_spreads"]) < MOVED_SPREADS for r in after_rows):
+        held = ", ".join(r["module"] for r in after_rows[:2])
+        return (
+            f"The gradient reaching {module} changed at {when} while those of the "
+            f"modules after it in forward order held ({held} within "
+            f"{format_value(MOVED_SPREADS)} residual spreads): the change is at {module} "
+            "itself, whose output now takes another path back (its forward bypassed or "
+            f"replaced, its output changed in place, detached or rerouted). Check "
+            f"{module}'s forward at {when}."
+        )
+    return (
+        f"The gradient reaching {module} changed at {when} while the loss gradient did "
+        f"not account for it: something after {module} in forward order changed its "
+        f"backward. Restore the modules after {module} one at a time, nearest first, and "
+        f"rerun to just past {when}."
+    )
+
+
+def _input_experiment(
+    previous_row: dict[str, Any] | None, module: str, measure: str, when: str
+) -> str | None:
+    """The next experiment of an activation step whose input moved too: the row of the
+    module just before it in forward order (a cross-section row) departed by
+    ``MOVED_SPREADS`` or more at the same sample, so that module is checked first.
+    None when it did not move, or is not known."""
+    if previous_row is None or abs(previous_row["in_spreads"]) < MOVED_SPREADS:
+        return None
+    before = previous_row["module"]
+    ratio = previous_row.get("ratio")
+    ratio_text = f"{format_value(ratio)}x, " if ratio is not None else ""
+    return (
+        f"Its input moved at the same samples ({before}: {ratio_text}"
+        f"{format_value(previous_row['in_spreads'])} residual spreads): check {before} "
+        f"first (removed, bypassed, re-initialized, rescaled or switched between train "
+        f"and eval at {when}), then {module} itself; restore one at a time and check "
+        f"whether {module}'s {measure} returns to its trend."
+    )
+
+
+def _echoes_text(event: Event, c: Candidate) -> str:
+    """How many modules of the lead's signal moved at the same samples (the echoes of
+    the event's findings), those after the lead in propagation order (forward order
+    for activations, backward order for output gradients) and those before it apart:
+    the origin is where the profile of change jumps, so a module that moved can sit
+    before it; the one with the largest step of those is named."""
+    s = c.series
+    echoes: dict[tuple[str, int], Candidate] = {}
+    for facet in event.facets:
+        if facet.candidate.series.signal == s.signal:
+            for echo in facet.candidate.echoes:
+                echoes.setdefault((echo.series.module, echo.series.call_index), echo)
+    if s.signal == GRAD_OUTPUT:
+        before = [e for e in echoes.values() if e.position > c.position]
+    else:
+        before = [e for e in echoes.values() if e.position < c.position]
+    after = len(echoes) - len(before)
+    text = ""
+    if after:
+        text += f" {after} module(s) after it in propagation order moved at the same samples."
+    if before:
+
+        def size(e: Candidate) -> float:
+            return abs(e.change.step_z) if e.change is not None else 0.0
+
+        largest = max(before, key=size)
+        text += (
+            f" {len(before)} module(s) before it in propagation order moved at the same "
+            f"samples too (the largest step: {display_module(largest.series.module)}, "
+            f"{format_value(size(largest))} residual spreads); the change may begin there."
+        )
+    return text
+
+
 def _stopped_near(
     stopped: Sequence[dict[str, Any]], module: str, start: int
 ) -> dict[str, Any] | None:
@@ -135,6 +214,12 @@ def _step_texts(
             f"{previous[0]} to {format_value(after)}."
         )
     section = cross_section(c, observer, same)
+    # The module just before this one in forward order, for activations: its input.
+    previous_row = next(
+        (r for r in section or () if r["offset"] == -1 and r["in_spreads"] is not None), None
+    )
+    if s.signal == GRAD_OUTPUT:
+        previous_row = None
     if section:
         known = [r for r in section if r["offset"] < 0 and r["in_spreads"] is not None]
         moved_before = [r for r in known if abs(r["in_spreads"]) >= MOVED_SPREADS]
@@ -145,14 +230,7 @@ def _step_texts(
                 f"({', '.join(r['module'] for r in quiet_before[-2:])} within 3 spreads): "
                 "the change begins here."
             )
-    echoes = {
-        (e.series.module, e.series.call_index)
-        for f in event.facets
-        if f.candidate.series.signal == s.signal
-        for e in f.candidate.echoes
-    }
-    if echoes:
-        text += f" {len(echoes)} module(s) after it in propagation order moved at the same samples."
+    text += _echoes_text(event, c)
     other = sorted({f.candidate.series.signal for f in event.facets} - {s.signal})
     if other:
         facets = [f.category for f in event.facets if f.candidate.series.signal != s.signal]
@@ -186,15 +264,17 @@ def _step_texts(
         )
         return text, _keep_fixed(experiment)
     if s.signal == GRAD_OUTPUT:
-        experiment = (
-            f"The gradient reaching {module} changed at {when} while the loss gradient did "
-            f"not account for it: something after {module} in forward order changed its "
-            f"backward. Restore the modules after {module} one at a time, nearest first, "
-            f"and rerun to just past {when}."
-        )
+        experiment = _gradient_experiment(section, module, when)
         return text, _keep_fixed(experiment)
     zero = any(f.category == "zero_fraction_growth" for f in event.facets)
-    if (zero and change.step > 0) or measure == "zero_fraction":
+    from_input = (
+        None
+        if s.tensor_path.startswith(ATTENTION_LOGITS_PATH)
+        else _input_experiment(previous_row, module, measure, when)
+    )
+    if from_input is not None:
+        experiment = from_input
+    elif (zero and change.step > 0) or measure == "zero_fraction":
         experiment = (
             f"Units at {module} stopped firing at {when}: check the scale and bias of "
             f"its input (the module before it) and the learning rate at that point; "
@@ -220,6 +300,13 @@ def _step_texts(
             f"just after {when} (two checkpoints, or a rerun to just past it); a step in "
             "its output with its input steady means its weights (or a scale applied to "
             "them) changed there. Restore them at this module only."
+        )
+    elif family == "nonlinearity" and previous_row is not None:
+        experiment = (
+            f"{module} is a {kinds.get(s.module)}, which has no weights, and its input did "
+            f"not move ({previous_row['module']} within {format_value(MOVED_SPREADS)} "
+            f"residual spreads): check whether the nonlinearity itself changed at {when} "
+            "(replaced, swapped for another function, or its arguments changed)."
         )
     elif family == "nonlinearity":
         experiment = (

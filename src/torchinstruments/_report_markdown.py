@@ -195,9 +195,8 @@ def _placement_text(coverage: dict[str, Any]) -> str:
     replaced = coverage.get("modules_replaced") or []
     if replaced:
         parts.append(
-            " Replaced after injection, no longer observed: "
-            + ", ".join(map(md_code, replaced))
-            + "."
+            " Replaced in the model after the observer was injected (the module now in "
+            "their place is not observed): " + ", ".join(map(md_code, replaced)) + "."
         )
     return "".join(parts)
 

@@ -19,7 +19,10 @@ module turns the notable ones into events and the others into compact rows:
   output gradients at the same samples), or when it has no onset (volatility,
   oscillation) and is at one of those modules. Model-wide facets (``<model>``) join the
   model-wide event at their onset (within the window of a group of breaks of trend,
-  :func:`~torchinstruments.find.base.group_window`).
+  :func:`~torchinstruments.find.base.group_window`). Once joined, the facet whose module
+  comes first in propagation order among those of the first facet's signal and onset
+  (within ``ONSET_TOLERANCE_SAMPLES``) becomes the first: each facet is its category's
+  origin there, and the change begins at the most upstream of them.
 - **Shape.** What the event's first facet looks like decides its texts: ``step`` (a
   change point that held), ``spike`` (one that returned to the old trend), ``bend``
   (a break of trend), ``non_finite``, ``model_wide``, ``oscillation``, ``volatility``,

@@ -186,14 +186,15 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
         ``observer.report_config.max_bytes`` long.
     """
     config = observer.report_config
+    stopped = modules_stopped(observer)
     ranked = run_rules(
         observer.series.values(),
         loss_scaled=observer.counters.loss_scaled_samples > 0,
         nonfinite_between_samples=_sentinel_hits(observer),
+        stopped={(m["module"], m["call_index"]): m["last_sample"] for m in stopped},
     )
     same = SameTensor(observer.series.values())
     kinds = dict(observer.module_kinds)
-    stopped = modules_stopped(observer)
     # Entries per category: a Facet (notable), a Candidate (a quiet row) or a <model>
     # finding dict; each with its round-robin key.
     per_category: dict[str, list[tuple[object, tuple[Any, ...]]]] = {}
@@ -489,12 +490,19 @@ def _first_non_finite(
     return {**sampled, "earlier_between_samples": sentinel}
 
 
-def _stopped_text(stopped: Sequence[dict[str, Any]]) -> str:
+def _stopped_text(stopped: Sequence[dict[str, Any]], replaced: Sequence[str] = ()) -> str:
     """The headline's sentence on ``coverage.modules_stopped`` (one entry per module
-    call): modules are counted once, whatever their calls."""
+    call): modules are counted once, whatever their calls; where the first was replaced
+    in the model (``coverage.modules_replaced``), it says so."""
     if not stopped:
         return ""
     first = stopped[0]
+    swap = (
+        f" `{first['module']}` was replaced in the model by another module object, which "
+        "is not observed: check what took its place and when."
+        if first["module"] in replaced
+        else ""
+    )
     modules = len({entry["module"] for entry in stopped})
     calls = f" ({len(stopped)} calls)" if len(stopped) > modules else ""
     more = f" and {len(stopped) - 1} more call(s)" if len(stopped) > 1 else ""
@@ -502,7 +510,7 @@ def _stopped_text(stopped: Sequence[dict[str, Any]]) -> str:
     at = f", training forward {forward}" if forward is not None else ""
     return (
         f" {modules} module(s){calls} stopped being called: `{first['module']}` (call "
-        f"{first['call_index']}) last ran at sample {first['last_sample']}{at}{more}."
+        f"{first['call_index']}) last ran at sample {first['last_sample']}{at}{more}.{swap}"
     )
 
 
@@ -519,7 +527,7 @@ def _headline(
             "torch.func transform), so there is "
             "nothing to report. Train in model.train() mode with gradients enabled."
         )
-    tail = _stopped_text(stopped)
+    tail = _stopped_text(stopped, [display_module(name) for name in observer.modules_replaced])
     if notable == 0:
         if observer.sentinel_events:
             event = min(observer.sentinel_events, key=lambda e: int(str(e["forward_index"])))

@@ -592,7 +592,10 @@ def test_a_module_replaced_after_injection_is_named(tmp_path: Path) -> None:
     assert coverage["modules_replaced"] == ["fc"]
     assert "modules_replaced" in coverage["limits_hit"]
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
-    assert "Replaced after injection, no longer observed: `fc`." in index
+    assert (
+        "Replaced in the model after the observer was injected (the module now in their "
+        "place is not observed): `fc`." in index
+    )
 
 
 def test_a_scripted_submodule_is_skipped_and_named(tmp_path: Path) -> None:

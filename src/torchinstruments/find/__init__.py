@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ..series import ACTIVATION, GRAD_OUTPUT, TensorSeries, forward_positions
 from .base import (
@@ -42,13 +42,16 @@ def run_rules(
     *,
     loss_scaled: bool = False,
     nonfinite_between_samples: tuple[NonFiniteBetweenSamples, ...] = (),
+    stopped: Mapping[tuple[str, int], int] | None = None,
 ) -> dict[str, list[Candidate]]:
     """Run every rule over the series; return ranked candidates per category.
 
     Output gradients take the forward call position of the activation of the same
     module call and tensor path (:func:`~torchinstruments.series.forward_positions`).
     ``loss_scaled`` says a ``torch.amp.GradScaler`` scaled some samples' losses;
-    ``nonfinite_between_samples`` are the sentinels' hits between samples.
+    ``nonfinite_between_samples`` are the sentinels' hits between samples; ``stopped``
+    gives the last sample of each (module, call index) that stopped being called (see
+    :func:`_ended_before_confirmed`).
     """
     items = list(series)
     context = RuleContext(
@@ -89,7 +92,7 @@ def run_rules(
     }
     ranked = {
         category: rank_candidates(
-            rule.candidates(items, context),
+            _ended_before_confirmed(rule.candidates(items, context), stopped or {}),
             rule.onset_tolerance,
             modules_observed if rule.model_wide else None,
         )
@@ -97,6 +100,26 @@ def run_rules(
     }
     _fold_into_model_wide(ranked)
     return ranked
+
+
+def _ended_before_confirmed(
+    candidates: list[Candidate], stopped: Mapping[tuple[str, int], int]
+) -> list[Candidate]:
+    """Notable changes of a module call that stopped being called, with their onset
+    within ``ONSET_TOLERANCE_SAMPLES`` of its last sample, are not notable: the series
+    ended before later samples could tell the change from its trend's own curvature (a
+    healthy bump that would have returned is confirmed by the two or three samples
+    left), and the stop itself, at the same samples, is what the report names
+    (``coverage.modules_stopped``, the headline). The evidence keeps the last sample
+    under ``series_ended``. Returns ``candidates``, changed in place."""
+    for c in candidates:
+        last = stopped.get((c.series.module, c.series.call_index))
+        if last is None or not c.notable or c.onset is None:
+            continue
+        if last - c.onset < ONSET_TOLERANCE_SAMPLES:
+            c.notable = False
+            c.evidence["series_ended"] = {"last_sample": last}
+    return candidates
 
 
 def _fold_into_model_wide(ranked: dict[str, list[Candidate]]) -> None:

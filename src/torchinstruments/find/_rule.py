@@ -139,7 +139,7 @@ def model_wide_texts(c: Candidate, forward: int | None) -> tuple[str, str]:
     moved, observed = c.model_wide_modules or (0, 0)  # set with model_wide
     notable = len({e.series.module for e in c.echoes} | {c.series.module})
     interpretation = (
-        f"Model-wide: {moved} of the {observed} observed modules "
+        f"Model-wide: {moved} of the {observed} observed modules besides the root "
         f"({format_value(share * 100)}%) moved their {c.series.signal}.{measure} at about "
         f"{when}, {notable} of them notably; the first of those in propagation order is "
         f"{display_module(c.series.module)}{size}. A change that moves "
