@@ -517,6 +517,53 @@ def test_the_origin_at_a_first_difference_is_where_the_profile_along_depth_jumps
     assert ordered[0].module == "blocks.0.attn.qkv"
 
 
+def _gradient(position: int, module: str, departure: float) -> _Event:
+    return _Event(
+        37, "value", "candidate", module, 0, "grad_output", "output", "rms_to_root", position,
+        {"departure": departure, "sample": 37},
+    )  # fmt: skip
+
+
+def test_gradients_that_depart_from_the_loss_end_on_are_a_model_wide_divergence() -> None:
+    # A ResNet-18 whose SGD momentum went from 0.9 to 0.995 11 steps before the sample
+    # (rms_to_root departures in backward order, none of the activations): the gradient
+    # nearest the loss departs, and the departures grow backwards without a jump.
+    profile = [
+        _gradient(34, "avgpool", 5.4),
+        _gradient(32, "layer4.0.downsample.1", 13.8),
+        _gradient(28, "layer4.0.relu", 20.8),
+        _gradient(22, "layer3.0.bn2", 32.6),
+        _gradient(14, "layer2.0.bn2", 48.7),
+        _gradient(1, "bn1", 52.7),
+    ]
+    ordered, model_wide = _profile_at_first_difference(
+        list(profile), 37, 32, "conv1", 5.0, (10, "avgpool")
+    )
+    assert model_wide is not None
+    assert (model_wide["module"], model_wide["signal"]) == ("<model>", "grad_output")
+    assert model_wide["first_in_backward_order"]["module"] == "avgpool"
+    assert (model_wide["modules_departing"], model_wide["modules_compared"]) == (6, 10)
+    assert model_wide["share_of_modules"] == 0.6
+    # A gradient fault at layer3.0.bn2: the gradients nearer the loss did not depart.
+    cut = [e for e in profile if e.position <= 22]
+    ordered, model_wide = _profile_at_first_difference(
+        list(cut), 37, 32, "conv1", 5.0, (10, "avgpool")
+    )
+    assert model_wide is None
+    assert ordered[0].module == "layer3.0.bn2"
+    # A gradient fault one module back from the loss end, seven optimizer steps before
+    # the sample (the fc_grad_x20 run of the test above): the loss end moved 35 units,
+    # fc 252 (7.2x): a jump, not compounding.
+    jump = [_gradient(3, "act", -35.0), _gradient(2, "fc", 252.1), _gradient(1, "norm", 260.1)]
+    _, model_wide = _profile_at_first_difference(list(jump), 37, 5, "inp", 5.0, (5, "act"))
+    assert model_wide is None
+    # The loss end departing, but fewer than half of the modules: not model-wide.
+    _, model_wide = _profile_at_first_difference(
+        list(profile[:4]), 37, 32, "conv1", 5.0, (10, "avgpool")
+    )
+    assert model_wide is None
+
+
 def test_a_run_level_change_after_an_identical_prefix_is_model_wide(tmp_path: Path) -> None:
     base = _same_seed_run(tmp_path / "base", None)
     cand = _same_seed_run(tmp_path / "cand", "weights_x0.5")

@@ -242,12 +242,25 @@ def _where_the_profile_jumps(ordered: list[_Event], threshold: float) -> _Event:
     return best
 
 
+def _largest_jump(ordered: list[_Event]) -> float:
+    """The largest ratio of a departure to the largest before it in ``ordered`` (after
+    the first), 1 for fewer than two departures."""
+    sizes = [abs(e.fields["departure"] or 0.0) for e in ordered]
+    largest, before = 1.0, sizes[0] if sizes else 0.0
+    for size in sizes[1:]:
+        if before > 0.0:
+            largest = max(largest, size / before)
+        before = max(before, size)
+    return largest
+
+
 def _profile_at_first_difference(
     events: list[_Event],
     first_difference: int,
     modules_compared: int,
     first_module: str,
     threshold: float,
+    gradient_modules: tuple[int, str | None] = (0, None),
 ) -> tuple[list[_Event], dict[str, Any] | None]:
     """Order the activation departures at an identical pair's first difference by where
     their profile along depth jumps (:func:`_where_the_profile_jumps`, departures beyond
@@ -259,7 +272,22 @@ def _profile_at_first_difference(
     the first module as much as any. Returns the events in their new order and the
     model-wide record, or None. When the output gradients depart far more than the
     activations there (``GRADIENT_LEADS_FACTOR``), the output gradient of a scale metric
-    where their profile in backward order jumps leads instead."""
+    where their profile in backward order jumps leads instead; unless the gradients
+    depart from the loss end on and grow backwards without a jump: the first module in
+    backward order (``gradient_modules``: how many modules' output gradients are
+    compared, and the first of them in backward order) among
+    ``MODEL_WIDE_DIVERGENCE_SHARE`` of them that depart, and no departure
+    ``GRADIENT_LEADS_FACTOR`` times the largest before it (:func:`_largest_jump`). A
+    fault of one module's backward leaves the gradients after it in forward order as
+    they were, or moved only through the optimizer steps since the last sample, and
+    multiplies the departure at that module (7.2x at ``fc``, seven steps after its
+    output gradient was scaled by 20, in the test suite's ``ResidualNet``); an optimizer
+    setting changes every weight, the last layer's too, and the difference it makes
+    to the gradient compounds backwards from the loss end (at most 2.6x from one module
+    to the next in a ResNet-18 whose SGD momentum went from 0.9 to 0.995), while
+    BatchNorm or LayerNorm can keep the activations within noise. That is a model-wide
+    divergence too. The factor is ``GRADIENT_LEADS_FACTOR``'s, not fitted: those two
+    examples sit on either side of it."""
     at = [
         e
         for e in events
@@ -294,13 +322,20 @@ def _profile_at_first_difference(
         # A fault of the backward pass: the gradients lead, from where their profile in
         # backward order jumps (activations that all moved, through the optimizer steps
         # since the last sample, are its echoes).
-        origin = _where_the_profile_jumps(
-            [e for e in gradients if e.metric in LOG_SCALE_METRICS], threshold
-        )
+        scaled = [e for e in gradients if e.metric in LOG_SCALE_METRICS]
+        origin = _where_the_profile_jumps(scaled, threshold)
         anchor = at[0] if at else gradients[0]
         if origin is not anchor:
             ordered.remove(origin)
             ordered.insert(ordered.index(anchor), origin)
+        compared, loss_end = gradient_modules
+        moved = {e.module for e in scaled if e.module not in ("", root)}
+        if (
+            loss_end in moved
+            and _largest_jump(scaled) < GRADIENT_LEADS_FACTOR
+            and len(moved) >= MODEL_WIDE_DIVERGENCE_SHARE * max(compared, 1)
+        ):
+            return ordered, _model_wide_record(scaled[0], moved, compared, GRAD_OUTPUT)
         return ordered, None
     if not at:
         return events, None
@@ -312,17 +347,43 @@ def _profile_at_first_difference(
         ordered.insert(ordered.index(at[0]), origin)
     if not model_wide:
         return ordered, None
-    origin = at[0]
+    return ordered, _model_wide_record(at[0], departing, modules_compared, ACTIVATION)
+
+
+def _model_wide_record(
+    origin: _Event, departing: set[str], modules_compared: int, signal: str
+) -> dict[str, Any]:
+    """The model-wide first divergence of ``signal``, led by ``origin``: the first
+    departure in propagation order (forward order for activations, under
+    ``first_in_forward_order``; backward order for output gradients, under
+    ``first_in_backward_order``)."""
+    share = len(departing) / max(modules_compared, 1)
     when = {
         k: origin.fields[k] for k in ("sample", "forward", "candidate_sample") if k in origin.fields
     }
     described = _describe_when(when)
-    record = {
+    if signal == GRAD_OUTPUT:
+        seen = (
+            f"{len(departing)} of {modules_compared} compared modules' output gradients "
+            f"depart at once ({share:.0%}), from the one nearest the loss "
+            f"({origin.module}) on, while no activation departs as far: the backward "
+            "changed from the loss end, where every weight's update changed, the last "
+            "layer's too"
+        )
+        first_key = "first_in_backward_order"
+    else:
+        seen = (
+            f"{len(departing)} of {modules_compared} compared modules' activations depart "
+            f"at once ({share:.0%}), the model's first module ({origin.module}) among them: "
+            "every weight moved differently"
+        )
+        first_key = "first_in_forward_order"
+    return {
         "kind": "model_wide",
         "side": "candidate",
         "module": MODEL,
         "call_index": None,
-        "signal": ACTIVATION,
+        "signal": signal,
         "tensor_path": None,
         "metric": origin.metric,
         "forward_position": origin.position,
@@ -330,7 +391,7 @@ def _profile_at_first_difference(
         "share_of_modules": share,
         "modules_departing": len(departing),
         "modules_compared": modules_compared,
-        "first_in_forward_order": {
+        first_key: {
             "module": origin.module,
             "call_index": origin.call_index,
             "tensor_path": origin.tensor_path,
@@ -339,12 +400,9 @@ def _profile_at_first_difference(
         },
         "last_agreeing": origin.fields.get("last_agreeing"),
         "interpretation": (
-            f"The runs were identical before {described}; there "
-            f"{len(departing)} of {modules_compared} compared modules' activations depart "
-            f"at once ({share:.0%}), the model's first module ({origin.module}) among them: "
-            f"every weight moved differently, the mark of a run-level "
-            f"change (learning rate or schedule, optimizer settings or state, data, loss "
-            f"scale), not of one module."
+            f"The runs were identical before {described}; there {seen}, the mark of a "
+            "run-level change (learning rate or schedule, optimizer settings or state, "
+            "data, loss scale), not of one module."
         ),
         "next_experiment": (
             "Diff the two runs' optimizer settings and state, learning-rate schedule, data "
@@ -352,7 +410,6 @@ def _profile_at_first_difference(
             "candidate with each restored in turn."
         ),
     }
-    return ordered, record
 
 
 def _event_record(event: _Event) -> dict[str, Any]:

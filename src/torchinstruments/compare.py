@@ -78,7 +78,7 @@ from ._series_file import MAX_SERIES_FILE_BYTES, SeriesFile, read_series_file
 from ._validate import require_float, require_int
 from .errors import ConfigError
 from .find import display_module
-from .series import ACTIVATION, GRAD_OUTPUT
+from .series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT
 
 __all__ = [
     "COMPARISON_INDEX_NAME",
@@ -233,10 +233,27 @@ def _compare(baseline: SeriesFile, candidate: SeriesFile, threshold: float) -> _
             for k in common_keys
             if k[2] == ACTIVATION and k[0] not in ("", root) and k[4] == "rms"
         ]
+        # Output gradients of the compared modules, and the one nearest the loss (the
+        # first in backward order) whose gradient is not the loss gradient itself (a
+        # last layer whose output is the root's has a constant ratio to it).
+        gradient_keys = [
+            k
+            for k in common_keys
+            if k[2] == GRAD_OUTPUT and k[0] not in ("", root) and k[4] == RMS_TO_ROOT
+        ]
+        varying = [k for k in gradient_keys if len(set(baseline.series[k].values)) > 1]
+        loss_end = (
+            max(varying, key=lambda k: baseline.series[k].forward_position)[0] if varying else None
+        )
         if scales:
             first_module = min(scales, key=lambda k: baseline.series[k].forward_position)[0]
             events, model_wide = _profile_at_first_difference(
-                events, first_difference, len({k[0] for k in scales}), first_module, threshold
+                events,
+                first_difference,
+                len({k[0] for k in scales}),
+                first_module,
+                threshold,
+                (len({k[0] for k in gradient_keys}), loss_end),
             )
 
     sections: dict[str, list[dict[str, Any]]] = {}
