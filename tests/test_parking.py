@@ -468,6 +468,39 @@ class SelfCalling(nn.Module):
         return self.body(x)
 
 
+class SelfCallingByAnotherName(SelfCalling):
+    """``SelfCalling`` whose forward names its instance otherwise than ``self``."""
+
+    def forward(this, x: Tensor) -> Tensor:
+        if this.recurse and not this.inside:
+            this.inside = True
+            try:
+                x = x + this(x)
+            finally:
+                this.inside = False
+        return this.body(x)
+
+
+def test_a_self_call_is_told_whatever_the_forward_names_its_instance(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """The root's caller is recognised by the forward's first argument, not by the name
+    ``self``: the first self call, inside a quiet forward, is not counted as a forward."""
+    torch.manual_seed(0)
+    model = SelfCallingByAnotherName(teacher=False)
+    handle = inject_observer(model, output_dir=tmp_path, sampling=EveryNSampling(100))
+    observer = handle._observer
+    assert observer is not None
+    train(model, 12)
+    assert observer.context._quiet_until > observer.context.forwards_seen  # forward 12 is quiet
+    model.recurse = True
+    train(model, 20, seed=1)
+    assert observer.parking.root_post_off == "root module calls itself"
+    remove_observer(model)
+    coverage = read_report(tmp_path)["coverage"]
+    assert (coverage["forwards_seen"], coverage["eval_forwards_skipped"]) == (32, 0)
+
+
 @pytest.mark.parametrize("teacher", [False, True], ids=["grad", "no_grad"])
 def test_a_root_that_starts_calling_itself_stops_open_ended_forwards(
     tmp_path: Path, fresh_dynamo, teacher: bool

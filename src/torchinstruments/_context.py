@@ -21,6 +21,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
@@ -160,7 +161,7 @@ class ForwardContext(_ContextCadence):
                 and (  # not called by the root's own forward (see _nested_root_call)
                     (caller := _getframe(parking.caller_depth)).f_code
                     is not parking.root_forward_code
-                    or caller.f_locals.get("self") is not module
+                    or _receiver(caller) is not module
                 )
             )
         except ValueError:  # fewer frames than that: the root's caller is not Python code
@@ -276,7 +277,7 @@ class ForwardContext(_ContextCadence):
             caller = _getframe(parking.caller_depth + 1)
         except ValueError:
             return False
-        if caller.f_code is parking.root_forward_code and caller.f_locals.get("self") is module:
+        if caller.f_code is parking.root_forward_code and _receiver(caller) is module:
             return True
         if _training_context(module):
             return False
@@ -478,6 +479,13 @@ class ForwardContext(_ContextCadence):
         self.exit_root()
 
     # ------------------------------------------------------------------ cadence
+
+
+def _receiver(frame: FrameType) -> object:
+    """The first argument of the function running in ``frame`` (``self`` of a method,
+    whatever it is named), or None for a function without arguments."""
+    code = frame.f_code
+    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
 
 
 def _training_context(module: nn.Module) -> bool:
