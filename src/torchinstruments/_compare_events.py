@@ -5,7 +5,7 @@ the first difference of an identical pair (its origin, or a model-wide divergenc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ._compare_align import _Axis, _describe_when
@@ -224,6 +224,15 @@ def _non_finite_event(
     )
 
 
+def _jumps(ordered: list[_Event], before: float) -> Iterator[tuple[_Event, float]]:
+    """Each departure of ``ordered`` with its ratio to the largest before it (``before``
+    standing for what came before the first)."""
+    for event in ordered:
+        size = abs(event.fields["departure"] or 0.0)
+        yield event, size / before if before > 0.0 else 0.0
+        before = max(before, size)
+
+
 def _where_the_profile_jumps(ordered: list[_Event], threshold: float) -> _Event:
     """The departure at which the profile along depth jumps most: the largest ratio of a
     departure to the largest one before it in ``ordered`` (forward order for activations,
@@ -232,26 +241,20 @@ def _where_the_profile_jumps(ordered: list[_Event], threshold: float) -> _Event:
     carries a fault's gradient upstream, so modules before the faulty one move a little
     and by about as much as each other, and modules after it echo it by about as much as
     it moved: the fault is where the departure multiplies. ``ordered`` is not empty."""
-    best, best_jump, before = ordered[0], 0.0, threshold
-    for event in ordered:
-        size = abs(event.fields["departure"] or 0.0)
-        jump = size / before
+    best, best_jump = ordered[0], 0.0
+    for event, jump in _jumps(ordered, threshold):
         if jump > best_jump:
             best, best_jump = event, jump
-        before = max(before, size)
     return best
 
 
 def _largest_jump(ordered: list[_Event]) -> float:
     """The largest ratio of a departure to the largest before it in ``ordered`` (after
     the first), 1 for fewer than two departures."""
-    sizes = [abs(e.fields["departure"] or 0.0) for e in ordered]
-    largest, before = 1.0, sizes[0] if sizes else 0.0
-    for size in sizes[1:]:
-        if before > 0.0:
-            largest = max(largest, size / before)
-        before = max(before, size)
-    return largest
+    if not ordered:
+        return 1.0
+    first = abs(ordered[0].fields["departure"] or 0.0)
+    return max([1.0, *(jump for _, jump in _jumps(ordered[1:], first))])
 
 
 def _profile_at_first_difference(

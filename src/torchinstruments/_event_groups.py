@@ -248,6 +248,6 @@ def _lead_from_upstream(event: Event) -> None:
         and abs(f.candidate.onset - onset) <= ONSET_TOLERANCE_SAMPLES
     ]
     lead = min(peers, key=lambda f: -f.candidate.position if backward else f.candidate.position)
-    if lead is not event.facets[0] and lead.candidate.position != first.position:
+    if lead is not event.facets[0]:  # min keeps the first of equal positions
         event.facets.remove(lead)
         event.facets.insert(0, lead)

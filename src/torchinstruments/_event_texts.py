@@ -215,11 +215,14 @@ def _step_texts(
         )
     section = cross_section(c, observer, same)
     # The module just before this one in forward order, for activations: its input.
-    previous_row = next(
-        (r for r in section or () if r["offset"] == -1 and r["in_spreads"] is not None), None
+    previous_row = (
+        None
+        if s.signal == GRAD_OUTPUT
+        else next(
+            (r for r in section or () if r["offset"] == -1 and r["in_spreads"] is not None),
+            None,
+        )
     )
-    if s.signal == GRAD_OUTPUT:
-        previous_row = None
     if section:
         known = [r for r in section if r["offset"] < 0 and r["in_spreads"] is not None]
         moved_before = [r for r in known if abs(r["in_spreads"]) >= MOVED_SPREADS]

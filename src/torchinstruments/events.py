@@ -193,12 +193,13 @@ def event_body(
         ],
     }
     if event.model_wide:
-        moved, observed = c.model_wide_modules or (0, 0)  # set with model_wide
+        assert c.model_wide_modules is not None
+        moved, observed = c.model_wide_modules
         body["model_wide"] = {
             "share_of_modules": c.model_wide,
             "modules": moved,
             "modules_observed": observed,
-            "modules_notable": len({e.series.module for e in c.echoes} | {s.module}),
+            "modules_notable": len(c.group_modules),
             "first_in_propagation_order": display_module(s.module),
             "first_call_index": s.call_index,
             "first_tensor_path": s.tensor_path,

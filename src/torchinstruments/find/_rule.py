@@ -128,16 +128,17 @@ def _keep_fixed(text: str) -> str:
 
 
 def model_wide_texts(c: Candidate, forward: int | None) -> tuple[str, str]:
-    """Interpretation and next experiment of a model-wide event (``c.model_wide`` set by
+    """Interpretation and next experiment of a model-wide event (``c.model_wide_modules`` set by
     :func:`~torchinstruments.find.rank_candidates`; ``forward``: training forward of its
     onset, if known)."""
     change = c.change
-    share = c.model_wide or 0.0
     when = f"sample {c.onset}" + (f" (training forward {forward})" if forward is not None else "")
     measure = c.metric if c.judged is c.tracker else RMS_TO_ROOT
     size = f" ({format_value(abs(change.step_z))} residual spreads)" if change is not None else ""
-    moved, observed = c.model_wide_modules or (0, 0)  # set with model_wide
-    notable = len({e.series.module for e in c.echoes} | {c.series.module})
+    assert c.model_wide_modules is not None and c.model_wide is not None
+    moved, observed = c.model_wide_modules
+    share = c.model_wide
+    notable = len(c.group_modules)
     interpretation = (
         f"Model-wide: {moved} of the {observed} observed modules besides the root "
         f"({format_value(share * 100)}%) moved their {c.series.signal}.{measure} at about "

@@ -135,13 +135,10 @@ class Candidate:
         echoes: candidates folded into this one by :func:`rank_candidates`.
         group_score: strongest score in this candidate's echo group.
         change: the change point the candidate rests on, if any (on the judged tracker).
-        model_wide: for the origin of a model-wide group: the share of observed modules
-            (of its signal) that moved at its onset; None otherwise. Such a candidate is
-            reported as module ``<model>``.
-        model_wide_modules: with ``model_wide``: how many observed modules (of its
-            signal) moved at its onset, and how many are observed (``model_wide`` is
-            their ratio); members of the group, notable on their own, are among those
-            that moved (``len(echoes) + 1`` at most).
+        model_wide_modules: for the origin of a model-wide group: how many observed
+            modules (of its signal) moved at its onset, and how many are observed; None
+            otherwise. Such a candidate is reported as module ``<model>``; the group's
+            members (:attr:`group_modules`) are among those that moved.
         secondary: judged on its category's secondary metric, where only that one made
             a notable step (``activation_scale_drift``'s ``mean_abs``): weaker evidence
             than the category's own metric, so :func:`rank_candidates` lists it after
@@ -163,9 +160,20 @@ class Candidate:
     echoes: list[Candidate] = field(default_factory=list)
     group_score: float = 0.0
     change: ChangePoint | None = None
-    model_wide: float | None = None
     model_wide_modules: tuple[int, int] | None = None
     secondary: bool = False
+
+    @property
+    def model_wide(self) -> float | None:
+        """The share of observed modules that moved at a model-wide group's onset (see
+        :attr:`model_wide_modules`), or None when this is not a model-wide origin."""
+        counts = self.model_wide_modules
+        return None if counts is None else counts[0] / counts[1]
+
+    @property
+    def group_modules(self) -> set[str]:
+        """The modules of this candidate and of its echoes."""
+        return {e.series.module for e in self.echoes} | {self.series.module}
 
     @property
     def judged(self) -> SeriesTracker:
@@ -344,7 +352,6 @@ def rank_candidates(
             window = group_window(_earliest(group), onset_tolerance)
             counts = _model_wide_share(group, candidates, extent[1], window)
             if counts is not None and counts[0] >= MODEL_WIDE_SHARE * counts[1]:
-                origin.model_wide = counts[0] / counts[1]
                 origin.model_wide_modules = counts
         origins.append(origin)
     for candidate in others:
