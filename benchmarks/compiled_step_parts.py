@@ -2,11 +2,19 @@
 
     python benchmarks/compiled_step_parts.py                       # inductor, 3 copies each
     python benchmarks/compiled_step_parts.py --backend aot_eager --copies 2 --blocks 12
+    python benchmarks/compiled_step_parts.py --model gpt2 --copies 2   # needs transformers
 
-Copies of the example's ``ResidualMLP()`` (``examples/basic_training.py``, batch 64 of
-64 features, SGD), each compiled with ``torch.compile(backend=...)`` and trained in
+Copies of a model, each compiled with ``torch.compile(backend=...)`` and trained in
 interleaved blocks of ``--steps`` steps, one CPU thread, after 1,600 warm-up steps (the
-default schedule's steady state). Kinds of copy:
+default schedule's steady state). Models (``--model``):
+
+- ``example`` (default): the example's ``ResidualMLP()`` (``examples/basic_training.py``),
+  batch 64 of 64 features, cross-entropy, SGD;
+- ``gpt2``: a ``transformers`` ``GPT2LMHeadModel`` from a small config (4 layers of
+  width 128, 4 heads, vocabulary 512, dropout 0, random init), batch 8 of 64 tokens,
+  its language-model loss, SGD.
+
+Kinds of copy:
 
 - ``plain``: no observer;
 - ``no-op hooks``: a forward hook that does nothing on each module the observer
@@ -55,6 +63,7 @@ from torchinstruments.capture import ForwardHook
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 WARMUP_STEPS = 1_600  # the default schedule reaches its steady interval by then
 KINDS = ("plain", "no-op hooks", "observer, one sample", "observer, default")
+GPT2_VOCABULARY, GPT2_TOKENS = 512, 64
 
 
 def _example_class() -> type[nn.Module]:
@@ -63,6 +72,31 @@ def _example_class() -> type[nn.Module]:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example.ResidualMLP
+
+
+def _gpt2_class() -> type[nn.Module]:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=GPT2_VOCABULARY,
+        n_positions=GPT2_TOKENS,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+
+    class SmallGPT2(transformers.GPT2LMHeadModel):
+        def __init__(self) -> None:
+            super().__init__(config)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids=input_ids, labels=input_ids).loss
+
+    return SmallGPT2
 
 
 def _own_class(base: type[nn.Module], number: int) -> type[nn.Module]:
@@ -80,7 +114,7 @@ def _no_op_hook(module: nn.Module, args: object, output: object) -> None:
 
 
 def _make_copy(
-    kind: str, number: int, base: type[nn.Module], backend: str, directory: Path
+    kind: str, number: int, base: type[nn.Module], backend: str, directory: Path, model_name: str
 ) -> tuple[Callable[[], None], nn.Module]:
     torch.manual_seed(0)
     model = _own_class(base, number)()
@@ -103,6 +137,15 @@ def _make_copy(
     compiled: Any = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)
+    if model_name == "gpt2":
+        ids = torch.randint(0, GPT2_VOCABULARY, (8, GPT2_TOKENS), generator=generator)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            compiled(ids).backward()
+            optimizer.step()
+
+        return step, model
     x = torch.randn(64, 64, generator=generator)
     y = torch.randint(0, 10, (64,), generator=generator)
 
@@ -120,18 +163,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--copies", type=int, default=3, help="copies of each kind")
     parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks per copy")
     parser.add_argument("--steps", type=int, default=200, help="training steps per block")
+    parser.add_argument("--model", choices=("example", "gpt2"), default="example")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    base = _example_class()
+    base = _gpt2_class() if args.model == "gpt2" else _example_class()
     with tempfile.TemporaryDirectory() as tmp:
-        warm, _ = _make_copy("plain", 0, base, args.backend, Path(tmp))
+        warm, _ = _make_copy("plain", 0, base, args.backend, Path(tmp), args.model)
         for _ in range(WARMUP_STEPS // 4):
             warm()
         copies: list[tuple[str, Callable[[], None], nn.Module]] = []
         for round_ in range(args.copies):
             for offset, kind in enumerate(KINDS):
                 number = 1 + round_ * len(KINDS) + offset
-                step, model = _make_copy(kind, number, base, args.backend, Path(tmp))
+                step, model = _make_copy(kind, number, base, args.backend, Path(tmp), args.model)
                 for _ in range(WARMUP_STEPS):
                     step()
                 copies.append((kind, step, model))
@@ -150,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         medians[kind].append(statistics.median(blocks))
     plain = statistics.mean(medians["plain"])
     print(
-        f"torch {torch.__version__}, backend {args.backend}, {args.copies} copies of each "
-        f"kind, {args.blocks} blocks of {args.steps} steps per copy, 1 thread"
+        f"{args.model}: torch {torch.__version__}, backend {args.backend}, {args.copies} "
+        f"copies of each kind, {args.blocks} blocks of {args.steps} steps per copy, 1 thread"
     )
     print(f"{'kind':22s} {'us/step':>8s} {'ratio':>6s}  copies' median blocks (us/step)")
     for kind in KINDS:

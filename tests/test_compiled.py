@@ -20,6 +20,7 @@ from typing import Any, cast
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.harness import (
     REPO,
@@ -37,6 +38,7 @@ from tests.harness import (
 )
 from tests.harness.scenarios import (
     CompileNet,
+    Series,
     assert_identical_training,
     assert_same_telemetry,
     example_batches,
@@ -255,6 +257,93 @@ def test_an_in_place_op_on_a_tapped_output_compiles_and_trains_identically(
         (key[0], key[2]) for key in compiled_series
     }
     assert_same_telemetry(written_series(tmp_path / "eager"), compiled_series)
+
+
+class NonReentrantNet(nn.Module):
+    """Linear -> a block (Linear, Tanh, Linear) that runs as
+    ``checkpoint(compiled_block, h, use_reentrant=False)`` once compiled -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.block = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+        self.head = nn.Linear(12, 1)
+        self.run_block: Callable[[Tensor], Tensor] = self.block
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(self.run_block, self.inp(x), use_reentrant=False)
+        assert isinstance(h, Tensor)
+        return self.head(h)
+
+
+class ReentrantNet(NonReentrantNet):
+    """:class:`NonReentrantNet` with ``use_reentrant=True`` (a forward of its own: Dynamo
+    caches per code object)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(self.run_block, self.inp(x), use_reentrant=True)
+        assert isinstance(h, Tensor)
+        return self.head(h)
+
+
+def observe_checkpointed_compiled_block(
+    base: NonReentrantNet, directory: Path
+) -> tuple[Series, Series, dict[str, Any]]:
+    """Train ``base``'s three copies 8 steps, sampled every 2nd forward: observed eagerly,
+    observed with the block compiled (aot_eager) and checkpointed, and that compiled
+    model without the observer; training must be bit-identical to the last's. The eager
+    and compiled series and the compiled run's report."""
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=directory / "eager", sampling=2)
+    train_steps(eager, 8)
+    remove_observer(eager)
+    inject_observer(observed, output_dir=directory / "compiled", sampling=2)
+    observed.run_block = cast(
+        Callable[[Tensor], Tensor], torch.compile(observed.block, backend="aot_eager")
+    )
+    losses = train_steps(observed, 8)
+    report = remove_observer_and_read(observed, directory / "compiled")
+    twin.run_block = cast(
+        Callable[[Tensor], Tensor], torch.compile(twin.block, backend="aot_eager")
+    )
+    assert losses == train_steps(twin, 8)
+    assert_same_model(observed, twin)
+    return written_series(directory / "eager"), written_series(directory / "compiled"), report
+
+
+def test_a_compiled_block_under_non_reentrant_checkpointing(tmp_path: Path) -> None:
+    """``checkpoint(compiled_block, h, use_reentrant=False)`` recomputes the block's graph
+    in the backward, where the sample is over: were the hooks traced into the graph, the
+    recomputation would run the unsampled variant and ``torch.utils.checkpoint`` would
+    raise (another number of saved tensors). Traced under the checkpoint's saved-tensor
+    hooks, they stay graph breaks: training equals the compiled twin's, every series
+    (the block's output gradients included) the eager path's, and the coverage says so."""
+    torch.manual_seed(0)
+    eager, compiled, report = observe_checkpointed_compiled_block(NonReentrantNet(), tmp_path)
+    assert ("block.1", 0, "grad_output", "output", "rms") in compiled
+    assert_same_telemetry(eager, compiled)
+    coverage = report["coverage"]["compiled_capture"]
+    assert coverage["mode"] == (
+        "graph_breaks: traced under saved-tensor hooks (activation checkpointing)"
+    )
+    assert coverage["slots"] == 0
+    assert coverage["calls_under_saved_tensor_hooks"] >= 3  # block.0, block.1, block.2
+    assert report["coverage"]["errors_total"] == 0
+
+
+def test_a_compiled_block_under_reentrant_checkpointing(tmp_path: Path) -> None:
+    """``checkpoint(compiled_block, h, use_reentrant=True)``: the first pass (no grad) is
+    reduced inside the graph, and training equals the compiled twin's. The block's
+    activations equal the eager path's; its output gradients are not captured (the
+    recomputation in the backward runs the unsampled graph, as documented in
+    ``_compiled_capture.py``); every other series equals the eager path's."""
+    torch.manual_seed(0)
+    eager, compiled, report = observe_checkpointed_compiled_block(ReentrantNet(), tmp_path)
+    block_gradients = {k for k in eager if k[0].startswith("block.") and k[2] == "grad_output"}
+    assert len(block_gradients) > 0 and not block_gradients & set(compiled)
+    assert_same_telemetry({k: v for k, v in eager.items() if k not in block_gradients}, compiled)
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert report["coverage"]["compiled_capture"]["slots"] == 3
 
 
 def accumulate(model: nn.Module, steps: int) -> list[float]:

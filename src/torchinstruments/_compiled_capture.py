@@ -35,7 +35,11 @@ by the series store.
 What is not captured inside compiled graphs: histograms and the full sentinel; output
 gradients of outputs that are other containers (counted); output gradients of a sample
 whose backward ran only after the next sampled forward (two sampled forwards before one
-backward). Where Dynamo cannot take the
+backward); output gradients of a compiled frame that a reentrant checkpoint recomputes
+(``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
+backward, after the sample, and takes the unsampled graph). A frame traced under
+saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph breaks, observed
+eagerly (see :func:`_recomputable`). Where Dynamo cannot take the
 capture (a torch without ``torch.compiler.assume_constant_result``), forward hooks stay
 ``torch.compiler.disable``d: each observed module call is a graph break, and
 ``fullgraph=True`` fails; :meth:`CompiledCapture.mode` says so in the report.
@@ -136,6 +140,10 @@ class CompiledCapture:
         #: is not captured in graphs (containers other than a tuple or list of tensors).
         self.slots_dropped = 0
         self.gradients_not_tapped = 0
+        #: Hook calls traced under saved-tensor hooks (a compiled frame that
+        #: ``torch.utils.checkpoint`` recomputes), left graph breaks: see
+        #: :func:`_recomputable`.
+        self.calls_under_saved_tensor_hooks = 0
         # Calls traced per (module, signal, path) in this sample and trace.
         self._calls: dict[tuple[int, str, str], int] = {}
         self._trace: object = None
@@ -144,11 +152,17 @@ class CompiledCapture:
 
     def mode(self) -> str:
         """``coverage.compiled_capture.mode``: ``"in_graph"`` once a compiled graph
-        reduced a module output, ``"unused"`` while none did, ``"off: <reason>"`` where
-        hooks traced by Dynamo fall back to a graph break each."""
+        reduced a module output; ``"graph_breaks: ..."`` where every hook Dynamo met
+        ran under saved-tensor hooks and stayed a graph break (see
+        :func:`_recomputable`); ``"unused"`` while Dynamo met none; ``"off: <reason>"``
+        where hooks traced by Dynamo fall back to a graph break each."""
         if _status.startswith("off"):
             return _status
-        return "in_graph" if self.slot_keys else "unused"
+        if self.slot_keys:
+            return "in_graph"
+        if self.calls_under_saved_tensor_hooks:
+            return "graph_breaks: traced under saved-tensor hooks (activation checkpointing)"
+        return "unused"
 
     # ---------------------------------------------------------------- trace time
     def assign(self, index: int, signal: str, path: str, device: str) -> int:
@@ -285,9 +299,37 @@ def _assign(key: int, index: int, signal: str, path: str, device: str) -> int:
     return -1 if capture is None else capture.assign(index, signal, path, device)
 
 
+def _recomputable(key: int) -> bool:
+    """True (and counted) if the frame traced now runs under saved-tensor hooks.
+
+    Non-reentrant activation checkpointing (``checkpoint(compiled_block, x,
+    use_reentrant=False)``) saves nothing in the forward and recomputes the frame in the
+    backward, where the sample that ran it is over: the recomputation would run the
+    other graph variant (chosen by :attr:`CompiledCapture.active`), whose saved tensors
+    differ, and ``torch.utils.checkpoint`` raises. Under any saved-tensor hooks (the
+    checkpoint's, ``save_on_cpu``, a user's), the hook stays a graph break instead, the
+    same graph serves sampled and unsampled forwards, and the eager path observes the
+    call (it tells recomputations from forwards). Checkpointing traced by Dynamo
+    (``torch.compile`` of a function that calls ``checkpoint``) runs no hooks while
+    tracing, and keeps the in-graph capture."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except Exception:
+        return False
+    if hooks is None:
+        return False
+    capture = _CAPTURES.get(key)
+    if capture is not None:
+        capture.calls_under_saved_tensor_hooks += 1
+    return True
+
+
 #: :func:`_assign` as Dynamo sees it (called while tracing, its result a constant); set
 #: by :func:`enable` once Dynamo is loaded, None before and where torch lacks it.
 _assign_constant: Callable[..., int] | None = None
+#: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
+#: :func:`enable`.
+_recomputable_constant: Callable[[int], bool] = _recomputable
 #: ``ForwardHook.__call__`` as :func:`enable` found it (``torch.compiler.disable``d).
 _opaque_call: Callable[..., Any] | None = None
 
@@ -323,7 +365,7 @@ def _forward_hook_call(
     (returns at once in unsampled forwards); traced by Dynamo, the in-graph capture."""
     if _is_compiling():
         compiled = self.compiled
-        if isinstance(compiled, CompiledCapture):
+        if isinstance(compiled, CompiledCapture) and not _recomputable_constant(compiled.key):
             return traced_activation(compiled, self._index, output)
         assert _opaque_call is not None
         return _opaque_call(self, module, args, output)
@@ -339,13 +381,14 @@ def enable() -> None:
     the hooks were made opaque: run the root hooks eagerly, make the slot assignment a
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
-    global _assign_constant, _opaque_call, _status
+    global _assign_constant, _opaque_call, _recomputable_constant, _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return
     try:
         _run_root_hooks_eagerly()
         _assign_constant = _assume_constant(_assign)
+        _recomputable_constant = _assume_constant(_recomputable)
     except Exception as error:
         _assign_constant = None
         _status = f"off: {type(error).__name__}: {error}"[:200]

@@ -101,6 +101,9 @@ class CompiledCaptureCounts:
     #: Traced outputs whose gradient is not tapped (containers other than a tuple or
     #: list of tensors).
     gradients_not_captured: int = 0
+    #: Hook calls that Dynamo met under saved-tensor hooks (a compiled frame that
+    #: non-reentrant checkpointing recomputes), left graph breaks and observed eagerly.
+    calls_under_saved_tensor_hooks: int = 0
     #: How injection or removal last invalidated compiled code (``compiled.last_invalidation``).
     compiled_code_invalidation: str = "none"
 
@@ -265,6 +268,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         slots=len(compiled.slot_keys),
         slots_dropped=compiled.slots_dropped,
         gradients_not_captured=compiled.gradients_not_tapped,
+        calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
         compiled_code_invalidation=last_invalidation(),
     )
 
