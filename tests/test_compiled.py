@@ -206,6 +206,46 @@ def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Pa
     assert compile_coverage["slots_dropped"] == 0
 
 
+class DeepNet(nn.Module):
+    """40 blocks of Linear(6, 6) and Tanh: 80 observed outputs with gradients, more than
+    one gradient sink holds (``SINK_ROWS``, 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(m for _ in range(40) for m in (nn.Linear(6, 6), nn.Tanh())))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layers(x))
+
+
+def test_more_outputs_than_one_gradient_sink_holds_trace_into_one_graph(tmp_path: Path) -> None:
+    """Slots beyond the first gradient sink's 64 rows: the sinks exist before Dynamo
+    reads them (a sink added while tracing was missing from Dynamo's view of the dict,
+    and the whole frame ran eagerly, each hook a frame of its own). With
+    ``fullgraph=True`` the model compiles into one graph; 2 x 81 slots; training equals
+    the compiled twin's and every series the eager path's."""
+    from torchinstruments._compiled_capture import SINK_ROWS
+
+    torch.manual_seed(0)
+    base = DeepNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=2)
+    train_steps(eager, 4)
+    remove_observer(eager)
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=2)
+    compiled = torch.compile(observed, backend="aot_eager", fullgraph=True)
+    losses = train_steps(cast(nn.Module, compiled), 4)
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    assert losses == train_steps(cast(nn.Module, torch.compile(twin, backend="aot_eager")), 4)
+    assert_same_model(observed, twin)
+    coverage = report["coverage"]["compiled_capture"]
+    assert coverage["slots"] == 2 * 81 > 2 * SINK_ROWS
+    compiled_series = written_series(tmp_path / "compiled")
+    assert ("layers.0", 0, "grad_output", "output", "rms") in compiled_series
+    assert_same_telemetry(written_series(tmp_path / "eager"), compiled_series)
+
+
 class InPlaceReLUNet(nn.Module):
     """Linear, then ReLU(inplace=True) on its output (torchvision ResNet's pattern)."""
 

@@ -119,8 +119,13 @@ class CompiledCapture:
     gradient the backward graph computes for the sink holds the row).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: Callable[[], nn.Module | None] | None = None) -> None:
+        """``model``: the observed model, by weak reference (or None): before the first
+        sampled forward once Dynamo is loaded, the buffers and sinks of the devices of
+        its parameters and buffers are allocated (see :meth:`_allocate`)."""
         self.key = next(_keys)
+        self._model = model
+        self._devices_allocated = False
         _CAPTURES[self.key] = self
         #: Activation buffers by device string (``"cpu"``, ``"cuda:0"``): float64,
         #: ``(MAX_SLOTS, STAT_WIDTH)``; row ``slot`` is written by every sampled graph.
@@ -191,16 +196,41 @@ class CompiledCapture:
             self.slots[key] = slot
             self.slot_keys.append(key)
             self.slot_devices.append(device)
-        if signal == ACTIVATION:
-            if device not in self.buffers:
-                self.buffers[device] = torch.zeros(
-                    MAX_SLOTS, STAT_WIDTH, dtype=torch.float64, device=device
-                )
-        elif _sink_key(device, slot) not in self.sinks:
-            self.sinks[_sink_key(device, slot)] = torch.zeros(
+        if device not in self.buffers:
+            self._allocate(device)
+        return slot
+
+    def _allocate(self, device: str) -> None:
+        """The activation buffer and every gradient sink of ``device``, at once.
+
+        Traced code reads :attr:`buffers` and :attr:`sinks`, and Dynamo keeps its own
+        view of a dict from its first read in a trace: an entry added later in that
+        trace (by :meth:`assign`, which runs for real) is missing from that view, the
+        lookup fails while tracing, and Dynamo runs the whole frame eagerly. So the
+        entries of a device are made together, at its first slot, and for the model's
+        own devices before the first sampled forward (:meth:`begin_sample`): about
+        0.6 MB a device (a ``(MAX_SLOTS, STAT_WIDTH)`` float64 buffer and
+        ``MAX_SLOTS // SINK_ROWS`` sinks)."""
+        self.buffers[device] = torch.zeros(
+            MAX_SLOTS, STAT_WIDTH, dtype=torch.float64, device=device
+        )
+        for first in range(0, MAX_SLOTS, SINK_ROWS):
+            self.sinks[_sink_key(device, first)] = torch.zeros(
                 SINK_ROWS, STAT_WIDTH, dtype=torch.float64, device=device, requires_grad=True
             )
-        return slot
+
+    def _allocate_model_devices(self) -> None:
+        """:meth:`_allocate` for each device of the model's parameters and buffers (not
+        ``meta``), once, when Dynamo is loaded."""
+        if self._devices_allocated or _status != "ready":
+            return
+        self._devices_allocated = True
+        model = None if self._model is None else self._model()
+        if model is None:
+            return
+        devices = {str(t.device) for t in itertools.chain(model.parameters(), model.buffers())}
+        for device in sorted(devices - {"meta"} - set(self.buffers)):
+            self._allocate(device)
 
     # ---------------------------------------------------------------- run time
     def begin_sample(self, context: ForwardContext) -> None:
@@ -209,6 +239,7 @@ class CompiledCapture:
         that slots no graph writes in this sample (a module not called) count 0
         elements. Never raises: an error is counted, and the sample runs without."""
         try:
+            self._allocate_model_devices()
             if self._gradient_sample >= 0:
                 self.take_gradients(context.buffer)
             self._gradient_sample = -1

@@ -144,7 +144,7 @@ class Observer:
         self.sentinel = Sentinel(self.names, self.buffer)
         #: Statistics of submodule outputs reduced inside torch.compile'd graphs (see
         #: _compiled_capture.py); None with forward wrappers, whose calls Dynamo skips.
-        self.compiled_capture = None if capture_direct_forwards else CompiledCapture()
+        self.compiled_capture = None if capture_direct_forwards else CompiledCapture(self._root)
         #: The state machine the hooks call (see _context.py).
         self.context = ForwardContext(
             owner=self,
