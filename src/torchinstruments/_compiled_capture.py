@@ -67,6 +67,7 @@ from .capture import (
     _never_compiling,
     iter_output_tensors,
     on_compiler_loaded,
+    passive,
 )
 from .reduce import STAT_WIDTH, _statistics_rows
 from .series import ACTIVATION, GRAD_OUTPUT
@@ -239,7 +240,8 @@ class CompiledCapture:
         that slots no graph writes in this sample (a module not called) count 0
         elements. Never raises: an error is counted, and the sample runs without."""
         try:
-            self._allocate_model_devices()
+            with passive():  # made under a user's dispatch mode, it would see them
+                self._allocate_model_devices()
             if self._gradient_sample >= 0:
                 self.take_gradients(context.buffer)
             self._gradient_sample = -1
