@@ -228,22 +228,13 @@ def test_more_outputs_than_one_gradient_sink_holds_trace_into_one_graph(tmp_path
     from torchinstruments._compiled_capture import SINK_ROWS
 
     torch.manual_seed(0)
-    base = DeepNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=2)
-    train_steps(eager, 4)
-    remove_observer(eager)
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=2)
-    compiled = torch.compile(observed, backend="aot_eager", fullgraph=True)
-    losses = train_steps(cast(nn.Module, compiled), 4)
-    report = remove_observer_and_read(observed, tmp_path / "compiled")
-    assert losses == train_steps(cast(nn.Module, torch.compile(twin, backend="aot_eager")), 4)
-    assert_same_model(observed, twin)
+    eager, compiled, report = observe_eager_and_compiled(
+        DeepNet(), tmp_path, functools.partial(aot_eager, fullgraph=True), sampling=2, steps=4
+    )
     coverage = report["coverage"]["compiled_capture"]
     assert coverage["slots"] == 2 * 81 > 2 * SINK_ROWS
-    compiled_series = written_series(tmp_path / "compiled")
-    assert ("layers.0", 0, "grad_output", "output", "rms") in compiled_series
-    assert_same_telemetry(written_series(tmp_path / "eager"), compiled_series)
+    assert ("layers.0", 0, "grad_output", "output", "rms") in compiled
+    assert_same_telemetry(eager, compiled)
 
 
 class InPlaceReLUNet(nn.Module):
@@ -280,23 +271,11 @@ def test_an_in_place_op_on_a_tapped_output_compiles_and_trains_identically(
     autograd forbids on a view a custom Function returned) trains as without the
     observer, and the telemetry equals the eager path's."""
     torch.manual_seed(0)
-    base = InPlaceReLUNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
-    train_steps(eager, 4)
-    remove_observer(eager)
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
-    losses = train_steps(cast(nn.Module, torch.compile(observed, backend="aot_eager")), 4)
-    remove_observer(observed)
-    twin_losses = train_steps(cast(nn.Module, torch.compile(twin, backend="aot_eager")), 4)
-    assert losses == twin_losses
-    for (name, a), b in zip(observed.named_parameters(), twin.parameters(), strict=True):
-        assert torch.equal(a, b), name
-    compiled_series = written_series(tmp_path / "compiled")
-    assert {("lin", "grad_output"), ("act", "activation")} <= {
-        (key[0], key[2]) for key in compiled_series
-    }
-    assert_same_telemetry(written_series(tmp_path / "eager"), compiled_series)
+    eager, compiled, _ = observe_eager_and_compiled(
+        InPlaceReLUNet(), tmp_path, aot_eager, sampling=1, steps=4
+    )
+    assert {("lin", "grad_output"), ("act", "activation")} <= {(key[0], key[2]) for key in compiled}
+    assert_same_telemetry(eager, compiled)
 
 
 class NonReentrantNet(nn.Module):
@@ -326,29 +305,40 @@ class ReentrantNet(NonReentrantNet):
         return self.head(h)
 
 
-def observe_checkpointed_compiled_block(
-    base: NonReentrantNet, directory: Path
+def observe_eager_and_compiled(
+    base: nn.Module,
+    directory: Path,
+    compile_model: Callable[[nn.Module], nn.Module],
+    *,
+    sampling: int,
+    steps: int,
 ) -> tuple[Series, Series, dict[str, Any]]:
-    """Train ``base``'s three copies 8 steps, sampled every 2nd forward: observed eagerly,
-    observed with the block compiled (aot_eager) and checkpointed, and that compiled
-    model without the observer; training must be bit-identical to the last's. The eager
+    """Train three copies of ``base`` ``steps`` SGD steps: observed eagerly, observed and
+    compiled by ``compile_model`` (which returns what to train), and compiled the same
+    way without the observer; training must be bit-identical to the last's. The eager
     and compiled series and the compiled run's report."""
     eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=directory / "eager", sampling=2)
-    train_steps(eager, 8)
+    inject_observer(eager, output_dir=directory / "eager", sampling=sampling)
+    train_steps(eager, steps)
     remove_observer(eager)
-    inject_observer(observed, output_dir=directory / "compiled", sampling=2)
-    observed.run_block = cast(
-        Callable[[Tensor], Tensor], torch.compile(observed.block, backend="aot_eager")
-    )
-    losses = train_steps(observed, 8)
+    inject_observer(observed, output_dir=directory / "compiled", sampling=sampling)
+    losses = train_steps(compile_model(observed), steps)
     report = remove_observer_and_read(observed, directory / "compiled")
-    twin.run_block = cast(
-        Callable[[Tensor], Tensor], torch.compile(twin.block, backend="aot_eager")
-    )
-    assert losses == train_steps(twin, 8)
+    assert losses == train_steps(compile_model(twin), steps)
     assert_same_model(observed, twin)
     return written_series(directory / "eager"), written_series(directory / "compiled"), report
+
+
+def compile_block(model: nn.Module) -> nn.Module:
+    """:class:`NonReentrantNet` (or a subclass) with its block compiled (aot_eager)."""
+    assert isinstance(model, NonReentrantNet)
+    compiled = torch.compile(model.block, backend="aot_eager")
+    model.run_block = cast(Callable[[Tensor], Tensor], compiled)
+    return model
+
+
+def aot_eager(model: nn.Module, **options: Any) -> nn.Module:
+    return cast(nn.Module, torch.compile(model, backend="aot_eager", **options))
 
 
 def test_a_compiled_block_under_non_reentrant_checkpointing(tmp_path: Path) -> None:
@@ -359,7 +349,9 @@ def test_a_compiled_block_under_non_reentrant_checkpointing(tmp_path: Path) -> N
     hooks, they stay graph breaks: training equals the compiled twin's, every series
     (the block's output gradients included) the eager path's, and the coverage says so."""
     torch.manual_seed(0)
-    eager, compiled, report = observe_checkpointed_compiled_block(NonReentrantNet(), tmp_path)
+    eager, compiled, report = observe_eager_and_compiled(
+        NonReentrantNet(), tmp_path, compile_block, sampling=2, steps=8
+    )
     assert ("block.1", 0, "grad_output", "output", "rms") in compiled
     assert_same_telemetry(eager, compiled)
     coverage = report["coverage"]["compiled_capture"]
@@ -378,7 +370,9 @@ def test_a_compiled_block_under_reentrant_checkpointing(tmp_path: Path) -> None:
     recomputation in the backward runs the unsampled graph, as documented in
     ``_compiled_capture.py``); every other series equals the eager path's."""
     torch.manual_seed(0)
-    eager, compiled, report = observe_checkpointed_compiled_block(ReentrantNet(), tmp_path)
+    eager, compiled, report = observe_eager_and_compiled(
+        ReentrantNet(), tmp_path, compile_block, sampling=2, steps=8
+    )
     block_gradients = {k for k in eager if k[0].startswith("block.") and k[2] == "grad_output"}
     assert len(block_gradients) > 0 and not block_gradients & set(compiled)
     assert_same_telemetry({k: v for k, v in eager.items() if k not in block_gradients}, compiled)

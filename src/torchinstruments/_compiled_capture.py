@@ -222,9 +222,7 @@ class CompiledCapture:
 
     def _allocate_model_devices(self) -> None:
         """:meth:`_allocate` for each device of the model's parameters and buffers (not
-        ``meta``), once, when Dynamo is loaded."""
-        if self._devices_allocated or _status != "ready":
-            return
+        ``meta``), once; called when Dynamo is loaded."""
         self._devices_allocated = True
         model = None if self._model is None else self._model()
         if model is None:
@@ -240,8 +238,9 @@ class CompiledCapture:
         that slots no graph writes in this sample (a module not called) count 0
         elements. Never raises: an error is counted, and the sample runs without."""
         try:
-            with passive():  # made under a user's dispatch mode, it would see them
-                self._allocate_model_devices()
+            if not self._devices_allocated and _status == "ready":
+                with passive():  # made under a user's dispatch mode, it would see them
+                    self._allocate_model_devices()
             if self._gradient_sample >= 0:
                 self.take_gradients(context.buffer)
             self._gradient_sample = -1
