@@ -27,21 +27,28 @@ Kinds of copy:
 
 How the copies are kept comparable: compiled code is cached per code object, so each
 copy gets a class of its own whose ``forward`` is a fresh code object (no copy runs or
-guards against another's code; Dynamo's configuration stays the default). A first,
-untimed copy is compiled and trained before the others: the copy compiled first ran
-3 to 5 % slower than later plain copies of the same model in one process. ``--copies``
-copies of each kind are made in turn (plain, no-op hooks, ..., plain, ...), and a kind's
-time is the mean over its copies of each copy's median block.
+guards against another's code; Dynamo's configuration stays the default). Every copy
+uses the parameter and buffer tensors of one untimed copy, compiled and trained first
+(the copy compiled first ran 3 to 5 % slower than later plain copies), so that no copy's
+weights sit in better-placed memory than another's. ``--copies`` copies of each kind are
+made in turn (plain, no-op hooks, ..., plain, ...) and trained ``WARMUP_STEPS`` each.
+Then ``--blocks`` rounds run one block of ``--steps`` steps of every copy in turn. On a
+shared machine the time of a block varies by 10 % and more from one moment to the next,
+and slowly over minutes, so kinds are compared within a round: a kind's ratio in a round
+is the mean time of its copies' blocks over that of the plain copies' blocks, and its
+ratio is the median over rounds.
 
-Printed: per copy its median block (us/step); per kind the mean of its copies' medians
-and its ratio to the plain copies', with the spread of the plain copies as the
-comparison's resolution. Measurement only; nothing is asserted.
+Printed per kind: the mean of its copies' median blocks (us/step), the median ratio to
+plain and the half-width of its approximate 95 % interval, and each copy's median block;
+then the same ratio between the first two plain copies (what the comparison can resolve).
+Measurement only; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import random
 import statistics
 import sys
 import tempfile
@@ -122,11 +129,29 @@ def _no_op_hook(module: nn.Module, args: object, output: object) -> None:
     return None
 
 
+def _share_tensors(model: nn.Module, reference: nn.Module) -> None:
+    """Make ``model`` use ``reference``'s parameter and buffer tensors (same names)."""
+    for name, module in model.named_modules():
+        source = reference.get_submodule(name)
+        for key in list(module._parameters):
+            module._parameters[key] = source._parameters[key]
+        for key in list(module._buffers):
+            module._buffers[key] = source._buffers[key]
+
+
 def _make_copy(
-    kind: str, number: int, base: type[nn.Module], backend: str, directory: Path, model_name: str
+    kind: str,
+    number: int,
+    base: type[nn.Module],
+    backend: str,
+    directory: Path,
+    model_name: str,
+    reference: nn.Module | None = None,
 ) -> tuple[Callable[[], None], nn.Module]:
     torch.manual_seed(0)
     model = _own_class(base, number)()
+    if reference is not None:
+        _share_tensors(model, reference)
     if kind == "no-op hooks":
         # The modules the observer selects: those it puts a forward hook of its own on.
         inject_observer(model, output_dir=directory / f"probe-{number}", sampling=10**9)
@@ -170,27 +195,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--copies", type=int, default=3, help="copies of each kind")
-    parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks per copy")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per block")
+    parser.add_argument("--blocks", type=int, default=200, help="rounds of one block per copy")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per block")
     parser.add_argument("--model", choices=("example", "gpt2"), default="example")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     base = _gpt2_class() if args.model == "gpt2" else _example_class()
     with tempfile.TemporaryDirectory() as tmp:
-        warm, _ = _make_copy("plain", 0, base, args.backend, Path(tmp), args.model)
+        warm, reference = _make_copy("plain", 0, base, args.backend, Path(tmp), args.model)
         for _ in range(WARMUP_STEPS // 4):
             warm()
         copies: list[tuple[str, Callable[[], None], nn.Module]] = []
         for round_ in range(args.copies):
             for offset, kind in enumerate(KINDS):
                 number = 1 + round_ * len(KINDS) + offset
-                step, model = _make_copy(kind, number, base, args.backend, Path(tmp), args.model)
+                step, model = _make_copy(
+                    kind, number, base, args.backend, Path(tmp), args.model, reference
+                )
                 for _ in range(WARMUP_STEPS):
                     step()
                 copies.append((kind, step, model))
         times: list[list[float]] = [[] for _ in copies]
+        order = list(range(len(copies)))
+        shuffle = random.Random(0).shuffle
         for _ in range(args.blocks):
-            for index, (_, step, _) in enumerate(copies):
+            shuffle(order)  # no copy always runs after the same one
+            for index in order:
+                step = copies[index][1]
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     step()
@@ -198,21 +229,44 @@ def main(argv: Sequence[str] | None = None) -> None:
         for kind, _, model in copies:
             if kind.startswith("observer"):
                 remove_observer(model)
-    medians: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    for (kind, _, _), blocks in zip(copies, times, strict=True):
-        medians[kind].append(statistics.median(blocks))
-    plain = statistics.mean(medians["plain"])
     print(
         f"{args.model}: torch {torch.__version__}, backend {args.backend}, {args.copies} "
-        f"copies of each kind, {args.blocks} blocks of {args.steps} steps per copy, 1 thread"
+        f"copies of each kind sharing one set of parameters, {args.blocks} rounds of "
+        f"{args.steps} steps per copy, 1 thread"
     )
-    print(f"{'kind':22s} {'us/step':>8s} {'ratio':>6s}  copies' median blocks (us/step)")
+    print(f"{'kind':22s} {'us/step':>8s} {'ratio':>6s} {'+-':>6s}  copies' median blocks (us/step)")
+    plain_rounds = _mean_per_round(copies, times, "plain")
     for kind in KINDS:
-        mean = statistics.mean(medians[kind])
-        each = ", ".join(f"{value * 1e6:.0f}" for value in medians[kind])
-        print(f"{kind:22s} {mean * 1e6:8.0f} {mean / plain:6.3f}  {each}")
-    spread = (max(medians["plain"]) - min(medians["plain"])) / plain
-    print(f"spread of the plain copies: {spread:.3f} of their mean")
+        ratios = [
+            a / b for a, b in zip(_mean_per_round(copies, times, kind), plain_rounds, strict=True)
+        ]
+        ratio, notch = _median_and_notch(ratios)
+        medians = [
+            statistics.median(t) for (k, _, _), t in zip(copies, times, strict=True) if k == kind
+        ]
+        each = ", ".join(f"{value * 1e6:.0f}" for value in medians)
+        print(f"{kind:22s} {statistics.mean(medians) * 1e6:8.0f} {ratio:6.3f} {notch:6.3f}  {each}")
+    plain_indices = [index for index, (kind, _, _) in enumerate(copies) if kind == "plain"]
+    if len(plain_indices) >= 2:
+        first, second = (times[index] for index in plain_indices[:2])
+        ratio, notch = _median_and_notch([a / b for a, b in zip(second, first, strict=True)])
+        print(f"plain copy 2 / plain copy 1: {ratio:.3f} +- {notch:.3f} (the resolution)")
+
+
+def _mean_per_round(
+    copies: Sequence[tuple[str, object, object]], times: Sequence[Sequence[float]], kind: str
+) -> list[float]:
+    """Per round, the mean time per step of the copies of ``kind``."""
+    rows = [blocks for (each, _, _), blocks in zip(copies, times, strict=True) if each == kind]
+    return [statistics.mean(values) for values in zip(*rows, strict=True)]
+
+
+def _median_and_notch(values: Sequence[float]) -> tuple[float, float]:
+    """The median of ``values`` and the half-width of its approximate 95 % interval,
+    1.58 * IQR / sqrt(n) (the notch of a notched box plot: McGill, Tukey and Larsen,
+    "Variations of Box Plots", The American Statistician 32, 1978)."""
+    quartiles = statistics.quantiles(values, n=4)
+    return statistics.median(values), 1.58 * (quartiles[2] - quartiles[0]) / len(values) ** 0.5
 
 
 if __name__ == "__main__":

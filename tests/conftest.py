@@ -17,8 +17,10 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @pytest.fixture
 def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dynamo's compile counters at zero for the test: hook parking (and what builds on
-    it) stops for good once anything was compiled in the process, as other tests do."""
+    """Dynamo's compile counters at zero for the test: where compiled code does not
+    guard on hooks, hook parking (and what builds on it) stops for good once anything
+    was compiled in the process, as other tests do; where it does, a compilation during
+    a parked forward still changes what the observer does next."""
     import torch._dynamo.utils
 
     torch._dynamo.reset()

@@ -498,12 +498,12 @@ def test_torch_compile_before_and_after_injection(tmp_path: Path, order: str) ->
 def test_between_unsampled_compiled_forwards_the_root_post_hook_is_parked(
     tmp_path: Path,
 ) -> None:
-    """Compiled, the submodule hooks stay in place, but the root's post-hook is out of
-    the root between forwards that need nothing at its end, as in eager training: over
-    48 forwards sampled every 16th it is out after each of the 45 unsampled ones (put
-    back for the forwards the root sentinel checks, which take it out again at their
-    end), no graph is compiled after the first two, and the forward, sample and root
-    sentinel counts are the eager twin's."""
+    """Compiled, the submodule hooks are parked in unsampled forwards and the root's
+    post-hook is out of the root between forwards that need nothing at its end, as in
+    eager training: over 48 forwards sampled every 16th it is out after each of the 45
+    unsampled ones (put back for the forwards the root sentinel checks, which take it
+    out again at their end), no graph is compiled after the first two, and the forward,
+    sample and root sentinel counts are the eager twin's."""
     from torch._dynamo.utils import counters
 
     from torchinstruments._sentinel import ROOT_SENTINEL_INTERVAL, root_sentinel_due

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -258,11 +259,78 @@ def test_a_module_with_another_hook_keeps_its_hooks_in_order(tmp_path: Path, fre
     assert probe["latest"]["value"] == pytest.approx(seen[3], rel=1e-5)
 
 
-def test_parking_stops_once_the_model_is_compiled(tmp_path: Path, fresh_dynamo) -> None:
+class CompiledNet(nn.Module):
+    """:class:`Net` without its records (Python state Dynamo would guard on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.probe = nn.Tanh()
+        self.fc2 = nn.Linear(12, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.probe(self.fc1(x)))
+
+
+def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> None:
+    """Compiled code guards on hook dictionaries (set when Dynamo loads): the hooks are
+    parked in unsampled compiled forwards as in eager ones, and Dynamo holds one entry
+    per hook state (in place, parked), compiled once, not one per park and restore.
+    Losses equal the compiled twin's; every submodule is observed in each sample."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, twin = CompiledNet(), CompiledNet()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
+    losses, hooks_after = [], []
+    graphs = 0
+    for step in range(14):
+        losses += train(model if step < 2 else compiled, 1, seed=step)
+        hooks_after.append(len(model.probe._forward_hooks))
+        if step == 3:  # compiled the sampled entry (forward 2), then the parked one
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs == 2
+    remove_observer(model)
+    torch._dynamo.reset()
+    twin_losses = [
+        train(twin if step < 2 else twin_compiled, 1, seed=step)[0] for step in range(14)
+    ]
+    assert losses == twin_losses
+    # Sampled forwards 0, 2, ..., 12 have our hook in place (eager or compiled); it is
+    # parked in the others, and stays out until the next sampled forward.
+    assert hooks_after == [1, 0] * 7
+    report = read_report(tmp_path)
+    assert report["run"]["hook_parking"] == "on"
+    seen = observations(read_series(tmp_path))
+    for name in ("fc1", "probe", "fc2"):
+        assert seen[(name, "activation")] == 7, (name, seen)
+        assert seen[(name, "grad_output")] == 7, (name, seen)
+
+
+@pytest.fixture
+def hook_guards_off_later() -> Iterator[Callable[[], None]]:
+    """Returns what turns Dynamo's hook guards off, as a user may do after injecting
+    (injection turns them on); on again at the test's end."""
+    config = torch._dynamo.config
+
+    def turn_off() -> None:
+        config.skip_nnmodule_hook_guards = True
+
+    yield turn_off
+    config.skip_nnmodule_hook_guards = False
+
+
+def test_without_hook_guards_parking_stops_once_the_model_is_compiled(
+    tmp_path: Path, fresh_dynamo, hook_guards_off_later: Callable[[], None]
+) -> None:
     torch.manual_seed(0)
     model, twin = Net(), Net()
     twin.load_state_dict(model.state_dict())
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
+    hook_guards_off_later()
     train(model, 2)  # eager, parked in forward 1
     compiled = cast(nn.Module, torch.compile(model, backend="eager"))
     twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
@@ -293,16 +361,21 @@ class Outer(nn.Module):
         return self.fc2(self.block(self.fc1(x)))
 
 
+@pytest.mark.parametrize("hook_guards", [True, False], ids=["hook-guards", "no-hook-guards"])
 def test_code_first_compiled_in_a_parked_forward_is_traced_again(
-    tmp_path: Path, fresh_dynamo
+    tmp_path: Path, fresh_dynamo, hook_guards_off_later: Callable[[], None], hook_guards: bool
 ) -> None:
+    """With hook guards the block's entry compiled while parked fails them once the
+    hooks are back (a second entry is compiled); without, the entry is invalidated."""
     model = Outer()
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=OddForwards())
+    if not hook_guards:
+        hook_guards_off_later()
     train(model, 6)  # forward 0 is parked and compiles the block without our hooks
     remove_observer(model)
     torch._dynamo.reset()
     report = read_report(tmp_path)
-    assert report["run"]["hook_parking"] == "off: torch.compile in use"
+    assert report["run"]["hook_parking"] == ("on" if hook_guards else "off: torch.compile in use")
     seen = observations(read_series(tmp_path))
     inner = [name for name, _ in seen if name.startswith("block.")]
     assert inner, sorted(seen)
@@ -531,13 +604,16 @@ def test_a_root_that_starts_calling_itself_stops_open_ended_forwards(
     assert coverage["errors_total"] == 0
 
 
+@pytest.mark.parametrize("hook_guards", [True, False], ids=["hook-guards", "no-hook-guards"])
 def test_compiling_after_quiet_forwards_observes_the_compiled_model(
-    tmp_path: Path, fresh_dynamo
+    tmp_path: Path, fresh_dynamo, hook_guards_off_later: Callable[[], None], hook_guards: bool
 ) -> None:
     torch.manual_seed(0)
     model, twin = Net(), Net()
     twin.load_state_dict(model.state_dict())
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(10))
+    if not hook_guards:
+        hook_guards_off_later()
     losses = train(model, 13)  # eager: forwards 2-6 and 11-12 quiet, the last left open
     compiled = cast(nn.Module, torch.compile(model, backend="eager"))
     losses += train(compiled, 20, seed=1)
@@ -546,7 +622,7 @@ def test_compiling_after_quiet_forwards_observes_the_compiled_model(
     twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
     assert losses == train(twin, 13) + train(twin_compiled, 20, seed=1)
     report = read_report(tmp_path)
-    assert report["run"]["hook_parking"] == "off: torch.compile in use"
+    assert report["run"]["hook_parking"] == ("on" if hook_guards else "off: torch.compile in use")
     assert report["coverage"]["forwards_seen"] == 33
     seen = observations(read_series(tmp_path))
     # Sampled forwards 0 and 10 (eager), 20 and 30 (compiled): every submodule each time.

@@ -22,8 +22,9 @@ The sampling decision is taken where it always is, in the root's forward pre-hoo
 which runs eagerly around the compiled model (see :func:`_run_root_hooks_eagerly`).
 Traced code reads :attr:`CompiledCapture.active`, so Dynamo guards on it: a sampled
 forward runs a graph variant with the reductions and taps, an unsampled one a variant
-without them; each is compiled once and chosen by its guards at every call, so the
-sampling decision never recompiles. A sampled forward zeroes the buffers first
+without them (in the steady state the variant traced with the hooks parked, see
+``_parking.py``, whose hook dictionaries are empty); each is compiled once and chosen
+by its guards at every call, so the sampling decision never recompiles. A sampled forward zeroes the buffers first
 (:meth:`CompiledCapture.begin_sample`); when the root returns
 (:meth:`CompiledCapture.end_sample`) one device copy of each buffer becomes that
 sample's pending rows in the statistics buffer; once its backward has run, the next

@@ -326,7 +326,7 @@ class ForwardContext(_ContextCadence):
         self._unsampled_training = False
         parking = self.parking
         if parking.parked and compiled_frames() != parking.frames_at_park:
-            parking.restore(reset=True)  # something was compiled during that forward
+            parking.compiled_while_parked()  # something was compiled during that forward
 
     def _drop_unclosed_forwards(self, module: nn.Module) -> None:
         """Forget root forwards that never closed (a KeyboardInterrupt skips even the
@@ -419,7 +419,7 @@ class ForwardContext(_ContextCadence):
             self.state = IDLE
         parking = self.parking
         if parking.parked and not stack and compiled_frames() != parking.frames_at_park:
-            parking.restore(reset=True)  # something was compiled during this forward
+            parking.compiled_while_parked()  # something was compiled during this forward
         if self.state is IDLE:
             self._unsampled_training = False
 
@@ -436,7 +436,7 @@ class ForwardContext(_ContextCadence):
                 self._root_sentinel(output)
             parking = self.parking
             if parking.parked and compiled_frames() != parking.frames_at_park:
-                parking.restore(reset=True)  # something was compiled during this forward
+                parking.compiled_while_parked()  # something was compiled during this forward
             if (
                 (parking.parked or parking.status == COMPILE_IN_USE)
                 and stack[0] is IDLE

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .capture import compiled_frames
+from .compiled import hooks_guarded
 
 if TYPE_CHECKING:
     from ._error_log import ErrorLog
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPILE_IN_USE", "HookParking", "find_caller_depth", "root_calls_on_stack"]
 
-#: ``HookParking.status`` once ``torch.compile`` compiled anything in the process.
+#: ``HookParking.status`` once ``torch.compile`` compiled anything in the process while
+#: compiled code does not guard on module hooks (see ``HookParking.park``).
 COMPILE_IN_USE = "off: torch.compile in use"
 
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
@@ -79,15 +81,21 @@ class HookParking:
         calls of submodules outside any root forward are not seen (they are only ever
         counted, under ``calls_outside_root_skipped``).
 
-        Under ``torch.compile`` each park and restore would be a hook change that fails
-        the compiled code's hook guards (a recompilation), so parking stops for good once
-        ``torch.compile`` has compiled anything in the process; if something was compiled
-        during a parked forward, that code of this model is invalidated
+        Under ``torch.compile`` parking goes on while compiled code guards on module hook
+        dictionaries (:func:`~torchinstruments.compiled.hooks_guarded`, the setting made
+        when Dynamo loads): the compiled frame then has two cache entries, one traced with
+        our hooks in place (sampled forwards, whose reductions are traced into the graph)
+        and one traced with them parked (an empty hook dictionary is a guard of its own),
+        each compiled once, so parking and restoring never recompile. Where the hook
+        guards are off (a user set ``skip_nnmodule_hook_guards`` back to True), compiled
+        code would not see the hooks come and go: parking stops for good once
+        ``torch.compile`` has compiled anything in the process, and if something was
+        compiled during a parked forward, that code of this model is invalidated
         (:func:`~torchinstruments.compiled.forget_compiled_code`, in :meth:`restore`) so
         that it is traced again with the hooks in place.
         """
         frames = compiled_frames()
-        if frames != 0:
+        if frames != 0 and not hooks_guarded():
             self.status = COMPILE_IN_USE
             return
         if reentrant_pending:
@@ -99,9 +107,20 @@ class HookParking:
             del hooks[key]
         self.parked = parked
 
+    def compiled_while_parked(self) -> None:
+        """Something was compiled since the hooks were parked (``compiled_frames()``
+        moved). Where compiled code guards on hooks, that code runs only while they are
+        out, and they stay out; otherwise they are put back and this model's compiled code
+        is invalidated (see :meth:`park`)."""
+        if hooks_guarded():
+            self.frames_at_park = compiled_frames()
+            return
+        self.restore(reset=True)
+
     def restore(self, *, reset: bool) -> None:
         """Put parked hooks back; with ``reset``, also invalidate this model's compiled
-        code if something was compiled since they were parked."""
+        code if something was compiled since they were parked while compiled code does
+        not guard on hooks (see :meth:`park`)."""
         parked = self.parked
         if not parked:
             return
@@ -115,7 +134,7 @@ class HookParking:
                 hooks.update(others)
             else:
                 hooks[key] = hook
-        if compiled_frames() != self.frames_at_park:
+        if compiled_frames() != self.frames_at_park and not hooks_guarded():
             self.status = COMPILE_IN_USE
             root = self._root()
             if reset and root is not None:
@@ -134,11 +153,11 @@ class HookParking:
         parked (it would see the state between forwards), the root has been seen calling
         itself (:attr:`root_post_off`), or where its caller sits on the stack is unknown.
 
-        Under ``torch.compile`` (:attr:`status` ``COMPILE_IN_USE``) the submodule hooks
-        are never parked, and the post-hook is taken out all the same: the root's hooks
-        run outside the compiled frame, so no guard reads them, and a submodule hook
-        called eagerly between forwards returns on the SKIP state the open-ended forward
-        leaves (as it would not be called at all while parked)."""
+        Where the submodule hooks stay in place under ``torch.compile`` (:attr:`status`
+        ``COMPILE_IN_USE``, see :meth:`park`) the post-hook is taken out all the same:
+        the root's hooks run outside the compiled frame, so no guard reads them, and a
+        submodule hook called eagerly between forwards returns on the SKIP state the
+        open-ended forward leaves (as it would not be called at all while parked)."""
         slot = self.root_post
         if (
             slot is None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ._parking import COMPILE_IN_USE
 from ._records import ROOT_INDEX
 from .capture import compiled_frames
-from .compiled import last_invalidation
+from .compiled import hooks_guarded, last_invalidation
 
 if TYPE_CHECKING:
     from ._error_log import ErrorEntry
@@ -235,7 +235,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         full_sentinel=observer.full_sentinel,
         hook_parking=(
             COMPILE_IN_USE  # parking would stop at the next try
-            if observer.parking.status == "on" and compiled_frames() != 0
+            if observer.parking.status == "on" and compiled_frames() != 0 and not hooks_guarded()
             else observer.parking.status
         ),
         rank_info=observer.rank_info,

@@ -71,6 +71,17 @@ def guard_on_hooks() -> bool:
     return True
 
 
+def hooks_guarded() -> bool:
+    """True if Dynamo is loaded and code it compiles guards on module hook dictionaries
+    (``skip_nnmodule_hook_guards`` is False, as :func:`guard_on_hooks` sets it)."""
+    dynamo = _dynamo()
+    config = getattr(dynamo, "config", None) if dynamo is not None else None
+    try:
+        return config is not None and getattr(config, HOOK_GUARD_FLAG) is False
+    except Exception:
+        return False
+
+
 def _module_codes(modules: Iterable[nn.Module]) -> set[types.CodeType]:
     """The ``forward`` code objects of ``modules`` (class and instance ``forward``), with
     those of the decorators' wrappers around them (``functools.wraps``' ``__wrapped__``
