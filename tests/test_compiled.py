@@ -439,7 +439,8 @@ def test_unsampled_forwards_run_a_graph_of_their_own_compiled_once(tmp_path: Pat
 
 def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
     """A ``transformers`` GPT-2 (two blocks, from a config): no graph break with the
-    observer, one graph; every observed submodule output traced into it."""
+    observer, one graph; every observed submodule output traced into it. Its attention
+    logits are not measured inside the graph: the report counts the two traced calls."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -456,6 +457,8 @@ def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
     assert observer is not None and observer.compiled_capture is not None
     traced = {observer.names[key[0]] for key in observer.compiled_capture.slot_keys}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.act", "lm_head"} <= traced
+    coverage = read_report(tmp_path)["coverage"]["compiled_capture"]
+    assert coverage["attention_calls_not_measured"] == 2
 
 
 # -------------------------------------------------- compile before and after injection

@@ -39,7 +39,8 @@ the host and no random number is drawn):
   there (counted under ``coverage.tensors_skipped`` as ``attention_mask_on_device``).
 
 Inside compiled graphs (``torch.compile``) the wrapper is the original function: the
-logits are not captured there.
+logits are not captured there, and each call Dynamo traces in a sampled forward is
+counted (once per compilation, under ``coverage.compiled_capture.attention_calls_not_measured``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._state import SAMPLED
-from .capture import _is_compiling, passive
+from .capture import _is_compiling, on_compiler_loaded, passive
 from .reduce import skip_reason
 from .series import ACTIVATION, ATTENTION_LOGITS_PATH
 
@@ -126,9 +127,44 @@ def _observed_attention(*args: Any, **kwargs: Any) -> Any:
     if original is None:  # put back while a caller held the wrapper
         original = torch._C._nn.scaled_dot_product_attention
     result = original(*args, **kwargs)
-    if _active and not _is_compiling():
-        _measure(args, kwargs, sys._getframe(1))
+    if _active:
+        if not _is_compiling():
+            _measure(args, kwargs, sys._getframe(1))
+        elif _count_traced is not None:
+            _count_traced()
     return result
+
+
+#: Per context, the calls of the wrapper that Dynamo traced into compiled graphs in
+#: sampled forwards (``coverage.compiled_capture.attention_calls_not_measured``).
+calls_traced: weakref.WeakKeyDictionary[ForwardContext, int] = weakref.WeakKeyDictionary()
+
+
+def _count_calls_traced() -> int:
+    """At trace time: one more traced call for each context in a sampled forward."""
+    for ref, _ in list(_active.values()):
+        ctx = ref()
+        if ctx is not None:
+            calls_traced[ctx] = calls_traced.get(ctx, 0) + 1
+    return 0
+
+
+#: :func:`_count_calls_traced` as a trace-time constant (Dynamo calls it once per trace
+#: of the call and keeps its result), once Dynamo is loaded; None before.
+_count_traced: Callable[[], int] | None = None
+
+
+def _enable_count() -> None:
+    global _count_traced
+    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    if assume is not None:
+        try:
+            _count_traced = assume(_count_calls_traced)
+        except Exception:  # a torch whose Dynamo refuses it: the calls go uncounted
+            _count_traced = None
+
+
+on_compiler_loaded(_enable_count)
 
 
 _observed_attention.__wrapped_by_torchinstruments__ = True  # type: ignore[attr-defined]

@@ -24,24 +24,25 @@ Traced code reads :attr:`CompiledCapture.active`, so Dynamo guards on it: a samp
 forward runs a graph variant with the reductions and taps, an unsampled one a variant
 without them (in the steady state the variant traced with the hooks parked, see
 ``_parking.py``, whose hook dictionaries are empty); each is compiled once and chosen
-by its guards at every call, so the sampling decision never recompiles. A sampled forward zeroes the buffers first
-(:meth:`CompiledCapture.begin_sample`); when the root returns
-(:meth:`CompiledCapture.end_sample`) one device copy of each buffer becomes that
+by its guards at every call, so the sampling decision never recompiles. A sampled
+forward zeroes the buffers first (:meth:`CompiledCapture.begin_sample`); when the root
+returns (:meth:`CompiledCapture.end_sample`) one device copy of each buffer becomes that
 sample's pending rows in the statistics buffer; once its backward has run, the next
 flush or sampled forward makes the sinks' gradients its output-gradient rows
 (:meth:`CompiledCapture.take_gradients`). Nothing is read back to the host inside a
 forward; a slot that no graph wrote in a sample (its row counts 0 elements) is left out
 by the series store.
 
-What is not captured inside compiled graphs: histograms and the full sentinel; output
-gradients of outputs that are other containers (counted); output gradients of a sample
-whose backward ran only after the next sampled forward (two sampled forwards before one
-backward); output gradients of a compiled frame that a reentrant checkpoint recomputes
-(``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
-backward, after the sample, and takes the unsampled graph). A frame traced under
-saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph breaks, observed
-eagerly (see :func:`_recomputable`). Where Dynamo cannot take the
-capture (a torch without ``torch.compiler.assume_constant_result``), forward hooks stay
+What is not captured inside compiled graphs: histograms, the full sentinel and attention
+logits (counted, see ``_attention.py``); output gradients of outputs that are other
+containers (counted); output gradients of a sample whose backward ran only after the
+next sampled forward (two sampled forwards before one backward); output gradients of a
+compiled frame that a reentrant checkpoint recomputes (``checkpoint(compiled_block, x,
+use_reentrant=True)``: the recomputation runs in the backward, after the sample, and
+takes the unsampled graph). A frame traced under saved-tensor hooks
+(``use_reentrant=False``) keeps its hooks as graph breaks, observed eagerly (see
+:func:`_recomputable`). Where Dynamo cannot take the capture (a torch without
+``torch.compiler.assume_constant_result``), forward hooks stay
 ``torch.compiler.disable``d: each observed module call is a graph break, and
 ``fullgraph=True`` fails; :meth:`CompiledCapture.mode` says so in the report.
 """

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._attention import calls_traced as attention_calls_traced
 from ._parking import COMPILE_IN_USE
 from ._records import ROOT_INDEX
 from .capture import compiled_frames
@@ -104,6 +105,9 @@ class CompiledCaptureCounts:
     #: Hook calls that Dynamo met under saved-tensor hooks (a compiled frame that
     #: non-reentrant checkpointing recomputes), left graph breaks and observed eagerly.
     calls_under_saved_tensor_hooks: int = 0
+    #: Calls of ``scaled_dot_product_attention`` traced into compiled graphs in sampled
+    #: forwards (once per compilation), whose attention logits are not measured.
+    attention_calls_not_measured: int = 0
     #: How injection or removal last invalidated compiled code (``compiled.last_invalidation``).
     compiled_code_invalidation: str = "none"
 
@@ -269,6 +273,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         slots_dropped=compiled.slots_dropped,
         gradients_not_captured=compiled.gradients_not_tapped,
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
+        attention_calls_not_measured=attention_calls_traced.get(observer.context, 0),
         compiled_code_invalidation=last_invalidation(),
     )
 
