@@ -111,14 +111,20 @@ def test_gpt2_under_inductor_fullgraph(tmp_path: Path) -> None:
     eager_series = written_series(tmp_path / "eager")
     compiled_series = written_series(tmp_path / "compiled")
     # Attention logits are measured in eager forwards only; the compiled report counts
-    # the two calls that Dynamo traced into the sampled graph (once: compiled once).
+    # the calls that Dynamo traced into sampled graphs: two per compilation, and the
+    # model is compiled twice (the attention modules, observed because they call
+    # scaled_dot_product_attention, get their hooks after the first sample).
     logits = {key for key in eager_series if key[3] == ATTENTION_LOGITS_PATH}
     assert {key[0] for key in logits} == {"transformer.h.0.attn", "transformer.h.1.attn"}
     assert sorted(compiled_series) == sorted(set(eager_series) - logits)
     coverage = read_report(tmp_path / "compiled")["coverage"]["compiled_capture"]
-    assert coverage["attention_calls_not_measured"] == 2
+    assert coverage["attention_calls_not_measured"] == 4
     # Inductor's kernels compute GPT-2's values (its gradients above all) in another
     # order than eager kernels: scale metrics agree to float32 rounding, while counts of
     # exact zeros (and the kurtosis of near-zero gradients) may not.
-    scale = {k: v for k, v in eager_series.items() if k[4] in ("rms", "mean_abs", "max_abs")}
+    scale = {
+        k: v
+        for k, v in eager_series.items()
+        if k[4] in ("rms", "mean_abs", "max_abs") and k not in logits
+    }
     assert_same_telemetry(scale, {k: compiled_series[k] for k in scale}, rel=1e-3)

@@ -136,16 +136,38 @@ def _observed_attention(*args: Any, **kwargs: Any) -> Any:
 
 
 #: Per context, the calls of the wrapper that Dynamo traced into compiled graphs in
-#: sampled forwards (``coverage.compiled_capture.attention_calls_not_measured``).
-calls_traced: weakref.WeakKeyDictionary[ForwardContext, int] = weakref.WeakKeyDictionary()
+#: sampled forwards, by compilation (Dynamo's compile id) and attempt at it: Dynamo may
+#: restart a trace, and only the attempt it kept counts (see :func:`calls_traced`).
+_traced: weakref.WeakKeyDictionary[ForwardContext, dict[object, dict[int, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def calls_traced(ctx: ForwardContext) -> int:
+    """Calls of ``scaled_dot_product_attention`` that Dynamo traced into the compiled
+    graphs of ``ctx``'s sampled forwards, whose attention logits are not measured: per
+    compilation, those of its last attempt
+    (``coverage.compiled_capture.attention_calls_not_measured``)."""
+    return sum(attempts[max(attempts)] for attempts in _traced.get(ctx, {}).values())
 
 
 def _count_calls_traced() -> int:
     """At trace time: one more traced call for each context in a sampled forward."""
+    compile_id: object = None
+    attempt = 0
+    try:
+        from torch._guards import CompileContext
+
+        trace = CompileContext.current_trace_id()
+        if trace is not None:
+            compile_id, attempt = trace.compile_id, trace.attempt
+    except Exception:  # a torch without trace ids: every attempt counts
+        pass
     for ref, _ in list(_active.values()):
         ctx = ref()
         if ctx is not None:
-            calls_traced[ctx] = calls_traced.get(ctx, 0) + 1
+            attempts = _traced.setdefault(ctx, {}).setdefault(compile_id, {})
+            attempts[attempt] = attempts.get(attempt, 0) + 1
     return 0
 
 

@@ -273,7 +273,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         slots_dropped=compiled.slots_dropped,
         gradients_not_captured=compiled.gradients_not_tapped,
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
-        attention_calls_not_measured=attention_calls_traced.get(observer.context, 0),
+        attention_calls_not_measured=attention_calls_traced(observer.context),
         compiled_code_invalidation=last_invalidation(),
     )
 
