@@ -71,6 +71,8 @@ from torchinstruments.capture import ForwardHook
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 WARMUP_STEPS = 1_600  # the default schedule reaches its steady interval by then
 KINDS = ("plain", "no-op hooks", "observer, one sample", "observer, default")
+#: ``--kinds`` names of the kinds.
+KIND_NAMES = dict(zip(("plain", "no-op", "one-sample", "default"), KINDS, strict=True))
 GPT2_VOCABULARY, GPT2_TOKENS = 512, 64
 
 
@@ -201,13 +203,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", choices=("example", "gpt2"), default="example")
     parser.add_argument(
         "--kinds",
-        default=",".join(KINDS),
-        help=f"comma-separated kinds of copy, plain among them (default: all of {KINDS})",
+        default=",".join(KIND_NAMES),
+        help=f"comma-separated kinds of copy, plain among them (default: {','.join(KIND_NAMES)})",
     )
     args = parser.parse_args(argv)
-    kinds = [kind.strip() for kind in args.kinds.split(",")]
-    if "plain" not in kinds or not set(kinds) <= set(KINDS):
-        parser.error(f"--kinds: expected 'plain' and others of {KINDS}, got {args.kinds!r}")
+    names = [name.strip() for name in args.kinds.split(",")]
+    if "plain" not in names or not set(names) <= set(KIND_NAMES):
+        parser.error(
+            f"--kinds: expected plain and others of {list(KIND_NAMES)}, got {args.kinds!r}"
+        )
+    kinds = [KIND_NAMES[name] for name in names]
     torch.set_num_threads(1)
     base = _gpt2_class() if args.model == "gpt2" else _example_class()
     with tempfile.TemporaryDirectory() as tmp:
