@@ -551,3 +551,52 @@ def test_between_unsampled_compiled_forwards_the_root_post_hook_is_parked(
     assert checks == 6
     assert report["coverage"]["sentinel_checks"] == eager_report["coverage"]["sentinel_checks"]
     assert report["coverage"]["sentinel_checks"] == checks
+
+
+def test_blocks_past_the_recompile_limit_are_named_in_limits_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of one class compiled one by one share their code object and each
+    sampled block is a cache entry of its own: with ``recompile_limit`` 3, five blocks
+    reach it once; the report counts it and names the limit. Training is unchanged."""
+    from torch._dynamo.utils import counters
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.tanh(self.fc(x))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(5))
+            self.head = nn.Linear(6, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    monkeypatch.setitem(counters, "unimplemented", type(counters["unimplemented"])())
+    torch.manual_seed(0)
+    model = Stack()
+    twin = copy.deepcopy(model)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for stack in (model, twin):
+        for block in stack.blocks:
+            block.compile(backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=3):
+        losses = train_on_noise(model, 3)
+        report = remove_observer_and_read(model, tmp_path)
+        torch._dynamo.reset()
+        assert losses == train_on_noise(twin, 3)
+    coverage = report["coverage"]
+    assert coverage["compiled_capture"]["mode"] == "in_graph"
+    assert coverage["compiled_capture"]["recompile_limit_hits"] == 1
+    assert "torch_compile_recompile_limit" in coverage["limits_hit"]
+    for index in range(5):  # observed in every sample, compiled or not
+        series = written_series(tmp_path)[(f"blocks.{index}.fc", 0, "activation", "output", "rms")]
+        assert len(series) == 3

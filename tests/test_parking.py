@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.harness import WIDE, forward_hook_counts, read_report, read_series, train_on_noise
+from tests.harness.scenarios import CompileNet
 from torchinstruments import EveryNSampling, inject_observer, remove_observer
 
 
@@ -82,6 +83,14 @@ def findings(rows: list[dict], metric: str) -> dict[tuple[str, str], dict]:
 
 def observations(rows: list[dict]) -> dict[tuple[str, str], int]:
     return {key: finding["observations"] for key, finding in findings(rows, "rms").items()}
+
+
+def assert_observed_in_each_sample(directory: Path, names: tuple[str, ...], samples: int) -> None:
+    """Each module of ``names``: activation and output gradient seen ``samples`` times."""
+    seen = observations(read_series(directory))
+    for name in names:
+        assert seen[(name, "activation")] == samples, (name, seen)
+        assert seen[(name, "grad_output")] == samples, (name, seen)
 
 
 def test_unsampled_forwards_run_without_submodule_hooks(tmp_path: Path, fresh_dynamo) -> None:
@@ -259,19 +268,6 @@ def test_a_module_with_another_hook_keeps_its_hooks_in_order(tmp_path: Path, fre
     assert probe["latest"]["value"] == pytest.approx(seen[3], rel=1e-5)
 
 
-class CompiledNet(nn.Module):
-    """:class:`Net` without its records (Python state Dynamo would guard on)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 12)
-        self.probe = nn.Tanh()
-        self.fc2 = nn.Linear(12, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.probe(self.fc1(x)))
-
-
 def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> None:
     """Compiled code guards on hook dictionaries (set when Dynamo loads): the hooks are
     parked in unsampled compiled forwards as in eager ones, and Dynamo holds one entry
@@ -280,7 +276,7 @@ def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> No
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model, twin = CompiledNet(), CompiledNet()
+    model, twin = CompileNet(), CompileNet()
     twin.load_state_dict(model.state_dict())
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
     compiled = cast(nn.Module, torch.compile(model, backend="eager"))
@@ -289,7 +285,7 @@ def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> No
     graphs = 0
     for step in range(14):
         losses += train(model if step < 2 else compiled, 1, seed=step)
-        hooks_after.append(len(model.probe._forward_hooks))
+        hooks_after.append(len(model.act._forward_hooks))
         if step == 3:  # compiled the sampled entry (forward 2), then the parked one
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs == 2
@@ -304,10 +300,7 @@ def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> No
     assert hooks_after == [1, 0] * 7
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == "on"
-    seen = observations(read_series(tmp_path))
-    for name in ("fc1", "probe", "fc2"):
-        assert seen[(name, "activation")] == 7, (name, seen)
-        assert seen[(name, "grad_output")] == 7, (name, seen)
+    assert_observed_in_each_sample(tmp_path, ("fc1", "act", "fc2"), 7)
 
 
 @pytest.fixture
@@ -341,11 +334,8 @@ def test_without_hook_guards_parking_stops_once_the_model_is_compiled(
     assert losses == train(twin_compiled, 6, seed=1)
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == "off: torch.compile in use"
-    seen = observations(read_series(tmp_path))
     # Sampled forwards 0, 2, 4, 6: every submodule observed in each, compiled or not.
-    for name in ("fc1", "probe", "fc2"):
-        assert seen[(name, "activation")] == 4, (name, seen)
-        assert seen[(name, "grad_output")] == 4, (name, seen)
+    assert_observed_in_each_sample(tmp_path, ("fc1", "probe", "fc2"), 4)
 
 
 class Outer(nn.Module):
@@ -624,11 +614,8 @@ def test_compiling_after_quiet_forwards_observes_the_compiled_model(
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == ("on" if hook_guards else "off: torch.compile in use")
     assert report["coverage"]["forwards_seen"] == 33
-    seen = observations(read_series(tmp_path))
     # Sampled forwards 0 and 10 (eager), 20 and 30 (compiled): every submodule each time.
-    for name in ("fc1", "probe", "fc2"):
-        assert seen[(name, "activation")] == 4, (name, seen)
-        assert seen[(name, "grad_output")] == 4, (name, seen)
+    assert_observed_in_each_sample(tmp_path, ("fc1", "probe", "fc2"), 4)
 
 
 def test_a_subclass_that_overrides_only_should_sample_is_asked_about_every_forward(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ._attention import calls_traced as attention_calls_traced
 from ._parking import COMPILE_IN_USE
 from ._records import ROOT_INDEX
-from .capture import compiled_frames
+from .capture import compiled_frames, recompile_limit_hits
 from .compiled import hooks_guarded, last_invalidation
 
 if TYPE_CHECKING:
@@ -108,6 +108,9 @@ class CompiledCaptureCounts:
     #: Calls of ``scaled_dot_product_attention`` traced into compiled graphs in sampled
     #: forwards (once per compilation), whose attention logits are not measured.
     attention_calls_not_measured: int = 0
+    #: Code objects Dynamo stopped compiling in this process (any model's) because they
+    #: reached ``recompile_limit``; their frames run uncompiled from then on.
+    recompile_limit_hits: int = 0
     #: How injection or removal last invalidated compiled code (``compiled.last_invalidation``).
     compiled_code_invalidation: str = "none"
 
@@ -274,6 +277,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         gradients_not_captured=compiled.gradients_not_tapped,
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
         attention_calls_not_measured=attention_calls_traced(observer.context),
+        recompile_limit_hits=recompile_limit_hits(),
         compiled_code_invalidation=last_invalidation(),
     )
 

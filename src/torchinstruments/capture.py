@@ -37,7 +37,13 @@ from ._state import SKIP
 if TYPE_CHECKING:
     from ._context import ForwardContext
 
-__all__ = ["compiled_frames", "in_backward", "iter_output_tensors", "passive"]
+__all__ = [
+    "compiled_frames",
+    "in_backward",
+    "iter_output_tensors",
+    "passive",
+    "recompile_limit_hits",
+]
 
 #: Found here by the pickles of models saved before they moved to ``_copies.py``
 #: (pickle names a class by module and name).
@@ -199,6 +205,28 @@ def compiled_frames() -> int:
         return int(counters["frames"]["total"]) + int(counters["stats"]["unique_graphs"])
     except Exception:
         return -1
+
+
+def recompile_limit_hits() -> int:
+    """How many times ``torch.compile`` (Dynamo) stopped compiling a code object in this
+    process because it reached ``torch._dynamo.config.recompile_limit``: from then on
+    that code runs uncompiled. From Dynamo's counters (``counters["unimplemented"]``,
+    keyed by the reason's text); 0 when Dynamo was never imported or the counters cannot
+    be read."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    try:
+        reasons = utils.counters.get("unimplemented")
+        if not reasons:
+            return 0
+        return sum(
+            int(count)
+            for reason, count in reasons.items()
+            if str(reason).lower().startswith(("dynamo recompile limit", "dynamo cache limit"))
+        )
+    except Exception:
+        return 0
 
 
 _dispatch_depth: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)

@@ -118,6 +118,11 @@ def _limits_hit(
         limits.append("max_tensors_per_output")
     if len(observer.errors) > observer.report_config.max_error_entries:
         limits.append("max_error_entries")
+    compiled = observer.compiled_capture
+    if compiled.slots_dropped:
+        limits.append("compiled_max_slots")
+    if compiled.mode == "in_graph" and compiled.recompile_limit_hits:
+        limits.append("torch_compile_recompile_limit")
     return limits
 
 
