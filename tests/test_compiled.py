@@ -600,3 +600,55 @@ def test_blocks_past_the_recompile_limit_are_named_in_limits_hit(
     for index in range(5):  # observed in every sample, compiled or not
         series = written_series(tmp_path)[(f"blocks.{index}.fc", 0, "activation", "output", "rms")]
         assert len(series) == 3
+
+
+def test_blocks_compiled_before_injection_keep_their_names(tmp_path: Path) -> None:
+    """``model.blocks[i] = torch.compile(block)`` before injecting: the blocks' modules
+    are named as when they are compiled after it (``blocks.0.fc``, no ``_orig_mod``), so
+    that reports of the two compare module by module."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.tanh(self.fc(x))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(6, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    model = Stack()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = cast(nn.Module, torch.compile(block, backend="eager"))
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train_on_noise(model, 2)
+    remove_observer(model)
+    modules = {key[0] for key in written_series(tmp_path)}
+    assert modules == {"<root>", "blocks.0.fc", "blocks.1.fc", "head"}
+
+
+def test_two_sampled_forwards_before_one_backward_are_counted(tmp_path: Path) -> None:
+    """Every forward sampled, two forwards before each backward: the first forward's
+    output gradients inside the graph are not recorded, and the report counts it."""
+    torch.manual_seed(0)
+    model = CompileNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    compiled = cast(nn.Module, torch.compile(model, backend="aot_eager"))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        losses = [
+            compiled(torch.randn(4, 6, generator=generator)).square().mean() for _ in range(2)
+        ]
+        torch.stack(losses).sum().backward()
+    report = remove_observer_and_read(model, tmp_path)
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 2
+    assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]

@@ -152,6 +152,9 @@ class CompiledCapture:
         #: ``torch.utils.checkpoint`` recomputes), left graph breaks: see
         #: :func:`_recomputable`.
         self.calls_under_saved_tensor_hooks = 0
+        #: Sampled forwards whose output gradients no backward took before the next
+        #: sampled forward (two sampled forwards before one backward): not recorded.
+        self.gradient_samples_lost = 0
         # Calls traced per (module, signal, path) in this sample and trace.
         self._calls: dict[tuple[int, str, str], int] = {}
         self._trace: object = None
@@ -245,6 +248,10 @@ class CompiledCapture:
                     self._allocate_model_devices()
             if self._gradient_sample >= 0:
                 self.take_gradients(context.buffer)
+                if self._gradient_sample >= 0 and any(k[2] == GRAD_OUTPUT for k in self.slot_keys):
+                    # No backward reached its taps before this sample: its output
+                    # gradients arrive with this sample's, and are not told apart.
+                    self.gradient_samples_lost += 1
             self._gradient_sample = -1
             self._calls = {}
             self._trace = None

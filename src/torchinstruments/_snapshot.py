@@ -111,6 +111,9 @@ class CompiledCaptureCounts:
     #: Code objects Dynamo stopped compiling in this process (any model's) because they
     #: reached ``recompile_limit``; their frames run uncompiled from then on.
     recompile_limit_hits: int = 0
+    #: Sampled forwards whose output gradients inside graphs were not recorded: no
+    #: backward ran before the next sampled forward.
+    gradient_samples_lost: int = 0
     #: How injection or removal last invalidated compiled code (``compiled.last_invalidation``).
     compiled_code_invalidation: str = "none"
 
@@ -278,6 +281,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
         attention_calls_not_measured=attention_calls_traced(observer.context),
         recompile_limit_hits=recompile_limit_hits(),
+        gradient_samples_lost=compiled.gradient_samples_lost,
         compiled_code_invalidation=last_invalidation(),
     )
 

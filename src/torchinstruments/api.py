@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ._validate import shown
+from .capture import is_compile_wrapper, without_compile_wrappers
 from .config import ReportConfig, TrackConfig
 from .distributed import RANK_POLICIES, detect_rank
 from .errors import ConfigError, ObserverStateError
@@ -214,12 +215,17 @@ def select_modules(
     modules matching any pattern or type, plus the root. ``exclude`` patterns remove
     modules (never the root, whose hooks define the sample). TorchScript submodules
     (``torch.jit.script`` or ``trace`` results) take no hooks and are never selected.
+    A submodule replaced by its ``torch.compile`` wrapper is selected as the module it
+    wraps, named without the wrapper's ``_orig_mod`` (as after injection).
     """
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
-    for name, module in root.named_modules():
-        if id(module) in seen or (module is not root and _is_scripted(module)):
+    for qualified, module in root.named_modules():
+        if id(module) in seen or (
+            module is not root and (_is_scripted(module) or is_compile_wrapper(module))
+        ):
             continue
+        name = without_compile_wrappers(qualified)
         if module is root:
             selected = True
         elif include is None and module_types is None:

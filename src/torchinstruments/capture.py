@@ -40,9 +40,11 @@ if TYPE_CHECKING:
 __all__ = [
     "compiled_frames",
     "in_backward",
+    "is_compile_wrapper",
     "iter_output_tensors",
     "passive",
     "recompile_limit_hits",
+    "without_compile_wrappers",
 ]
 
 #: Found here by the pickles of models saved before they moved to ``_copies.py``
@@ -205,6 +207,28 @@ def compiled_frames() -> int:
         return int(counters["frames"]["total"]) + int(counters["stats"]["unique_graphs"])
     except Exception:
         return -1
+
+
+#: The attribute under which ``torch.compile``'s ``OptimizedModule`` holds the module it
+#: wraps (``model.blocks[0] = torch.compile(block)`` names the block ``blocks.0._orig_mod``).
+COMPILED_WRAPPER_ATTRIBUTE = "_orig_mod"
+
+
+def without_compile_wrappers(name: str) -> str:
+    """``name`` (a qualified module name) without the ``_orig_mod`` parts that modules
+    replaced by their ``torch.compile`` wrapper add: ``blocks.0._orig_mod.fc`` becomes
+    ``blocks.0.fc``, as it is named when the block is compiled after injection."""
+    if COMPILED_WRAPPER_ATTRIBUTE not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != COMPILED_WRAPPER_ATTRIBUTE)
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """True for ``torch.compile``'s ``OptimizedModule`` (the module it wraps does the
+    work, and is the one observed)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, COMPILED_WRAPPER_ATTRIBUTE, None), nn.Module
+    )
 
 
 def recompile_limit_hits() -> int:

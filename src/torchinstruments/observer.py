@@ -40,7 +40,14 @@ from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
 from ._store import SeriesStore
-from .capture import ForwardHook, ForwardWrapper, RootPostHook, RootPreHook, passive
+from .capture import (
+    ForwardHook,
+    ForwardWrapper,
+    RootPostHook,
+    RootPreHook,
+    passive,
+    without_compile_wrappers,
+)
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
 from .histogram import HistogramSpec
@@ -424,7 +431,11 @@ class Observer:
         if not callers or options.get("include") or options.get("module_types"):
             return  # the user chose the modules
         excluded = [str(p) for p in options.get("exclude") or ()]  # type: ignore[union-attr]
-        names = {id(module): name for name, module in root.named_modules() if name}
+        names = {
+            id(module): without_compile_wrappers(name)
+            for name, module in root.named_modules()
+            if name
+        }
         for key, ref in callers.items():
             module = ref()
             name = names.get(key)

@@ -121,6 +121,8 @@ def _limits_hit(
     compiled = observer.compiled_capture
     if compiled.slots_dropped:
         limits.append("compiled_max_slots")
+    if compiled.gradient_samples_lost:
+        limits.append("compiled_gradient_samples")
     if compiled.mode == "in_graph" and compiled.recompile_limit_hits:
         limits.append("torch_compile_recompile_limit")
     return limits
