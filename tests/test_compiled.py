@@ -652,3 +652,9 @@ def test_two_sampled_forwards_before_one_backward_are_counted(tmp_path: Path) ->
     report = remove_observer_and_read(model, tmp_path)
     assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 2
     assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
+    index = (tmp_path / "index.md").read_text()
+    assert (
+        "- torch.compile: 6 (module, call, signal, tensor path) measured inside compiled "
+        "graphs; not measured there: histograms, the full sentinel, output gradients of 2 "
+        "samples." in index
+    )

@@ -394,6 +394,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Findings returned: {sum(coverage['findings_returned'].values())}; limits that "
         f"removed evidence: {', '.join(coverage['limits_hit']) or 'none'}.",
         f"- Hook errors: {coverage['errors_total']}.",
+        *_compiled_lines(coverage.get("compiled_capture") or {}),
         "",
     ]
     if report["errors"]:
@@ -420,3 +421,27 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _compiled_lines(compiled: dict) -> list[str]:
+    """The coverage line on ``torch.compile`` (none while no graph was met): what is
+    captured inside compiled graphs and what is not."""
+    if compiled.get("mode") != "in_graph":
+        return []
+    gaps = ["histograms", "the full sentinel"]
+    if compiled.get("attention_calls_not_measured"):
+        gaps.append(f"attention logits ({compiled['attention_calls_not_measured']} traced calls)")
+    if compiled.get("gradients_not_captured"):
+        gaps.append(f"output gradients of {compiled['gradients_not_captured']} container outputs")
+    if compiled.get("gradient_samples_lost"):
+        gaps.append(f"output gradients of {compiled['gradient_samples_lost']} samples")
+    line = (
+        f"- torch.compile: {compiled.get('slots', 0)} (module, call, signal, tensor path) "
+        f"measured inside compiled graphs; not measured there: {', '.join(gaps)}."
+    )
+    if compiled.get("recompile_limit_hits"):
+        line += (
+            f" Dynamo reached its recompile limit {compiled['recompile_limit_hits']} times in "
+            "the process: that code ran uncompiled (observed eagerly)."
+        )
+    return [line]
