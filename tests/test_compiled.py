@@ -553,6 +553,31 @@ def test_between_unsampled_compiled_forwards_the_root_post_hook_is_parked(
     assert report["coverage"]["sentinel_checks"] == checks
 
 
+class Block(nn.Module):
+    """One block of :class:`BlockStack` (every block shares this ``forward``'s code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class BlockStack(nn.Module):
+    """``blocks`` blocks of one class, then a linear head."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def test_blocks_past_the_recompile_limit_are_named_in_limits_hit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -561,28 +586,10 @@ def test_blocks_past_the_recompile_limit_are_named_in_limits_hit(
     reach it once; the report counts it and names the limit. Training is unchanged."""
     from torch._dynamo.utils import counters
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(6, 6)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return torch.tanh(self.fc(x))
-
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(5))
-            self.head = nn.Linear(6, 1)
-
-        def forward(self, x: Tensor) -> Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
-
     monkeypatch.setitem(counters, "unimplemented", type(counters["unimplemented"])())
     torch.manual_seed(0)
-    model = Stack()
+    torch._dynamo.reset()  # no entry of Block.forward from another test
+    model = BlockStack(5)
     twin = copy.deepcopy(model)
     inject_observer(model, output_dir=tmp_path, sampling=1)
     for stack in (model, twin):
@@ -607,26 +614,7 @@ def test_blocks_compiled_before_injection_keep_their_names(tmp_path: Path) -> No
     are named as when they are compiled after it (``blocks.0.fc``, no ``_orig_mod``), so
     that reports of the two compare module by module."""
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(6, 6)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return torch.tanh(self.fc(x))
-
-    class Stack(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(2))
-            self.head = nn.Linear(6, 1)
-
-        def forward(self, x: Tensor) -> Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
-
-    model = Stack()
+    model = BlockStack(2)
     for index, block in enumerate(model.blocks):
         model.blocks[index] = cast(nn.Module, torch.compile(block, backend="eager"))
     inject_observer(model, output_dir=tmp_path, sampling=1)
