@@ -646,3 +646,22 @@ def test_two_sampled_forwards_before_one_backward_are_counted(tmp_path: Path) ->
         "graphs; not measured there: histograms, the full sentinel, output gradients of 2 "
         "samples." in index
     )
+
+
+def test_injecting_into_a_model_never_compiled_invalidates_nothing(tmp_path: Path) -> None:
+    """Dynamo loaded, but no compiled code of the model (a class of its own): the
+    report says ``none``."""
+
+    class NeverCompiled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc(x)
+
+    model = NeverCompiled()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train_on_noise(model, 1)
+    report = remove_observer_and_read(model, tmp_path)
+    assert report["coverage"]["compiled_capture"]["compiled_code_invalidation"] == "none"

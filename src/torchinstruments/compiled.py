@@ -196,7 +196,7 @@ def forget_compiled_code(modules: Iterable[nn.Module]) -> int:
                 reset_codes += 1
             except Exception:
                 return _reset_all(dynamo)
-    _last_method = "reset_code" if reset_codes else "cache_entries"
+    _last_method = "reset_code" if reset_codes else "cache_entries" if invalidated else "none"
     return invalidated
 
 
@@ -211,6 +211,6 @@ def _reset_all(dynamo: Any) -> int:
 
 def last_invalidation() -> str:
     """How the last :func:`forget_compiled_code` invalidated code: ``"none"`` (Dynamo not
-    loaded), ``"cache_entries"`` (per entry), ``"reset_code"`` (per code object) or
-    ``"global_reset"`` (every model's compiled code)."""
+    loaded, or no entry to invalidate), ``"cache_entries"`` (per entry), ``"reset_code"``
+    (per code object) or ``"global_reset"`` (every model's compiled code)."""
     return _last_method
