@@ -42,6 +42,10 @@ ratio is the median over rounds.
 Printed per kind: the mean of its copies' median blocks (us/step), the median ratio to
 plain and the half-width of its approximate 95 % interval, and each copy's median block;
 then the same ratio between the first two plain copies (what the comparison can resolve).
+With ``--then-remove`` the observers are removed and the same copies are timed again:
+their compiled code stays, so a kind's ratio before over its ratio after removal is its
+observer's own cost (its hooks and eager work; not the hook-dictionary guards, which
+the compiled entries keep), free of the copies' own offsets.
 Measurement only; nothing is asserted.
 """
 
@@ -206,6 +210,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=",".join(KIND_NAMES),
         help=f"comma-separated kinds of copy, plain among them (default: {','.join(KIND_NAMES)})",
     )
+    parser.add_argument(
+        "--then-remove",
+        action="store_true",
+        help="then remove the observers and time the same copies again",
+    )
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.kinds.split(",")]
     if "plain" not in names or not set(names) <= set(KIND_NAMES):
@@ -230,42 +239,77 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for _ in range(WARMUP_STEPS):
                     step()
                 copies.append((kind, step, model))
-        times: list[list[float]] = [[] for _ in copies]
-        order = list(range(len(copies)))
-        shuffle = random.Random(0).shuffle
-        for _ in range(args.blocks):
-            shuffle(order)  # no copy always runs after the same one
-            for index in order:
-                step = copies[index][1]
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                times[index].append((time.perf_counter() - start) / args.steps)
+        times = _time_rounds(copies, args.blocks, args.steps, seed=0)
+        removed_times: list[list[float]] | None = None
         for kind, _, model in copies:
             if kind.startswith("observer"):
                 remove_observer(model)
+        if args.then_remove:
+            # The same copies again, observers removed: their compiled entries stay (they
+            # guard on the hook dictionaries, empty now as when parked), and so does each
+            # copy's own offset, which then cancels out of the quotient below.
+            removed_times = _time_rounds(copies, args.blocks, args.steps, seed=1)
     print(
         f"{args.model}: torch {torch.__version__}, backend {args.backend}, {args.copies} "
         f"copies of each kind sharing one set of parameters, {args.blocks} rounds of "
         f"{args.steps} steps per copy, 1 thread"
     )
-    print(f"{'kind':22s} {'us/step':>8s} {'ratio':>6s} {'+-':>6s}  copies' median blocks (us/step)")
-    plain_rounds = _mean_per_round(copies, times, "plain")
-    for kind in kinds:
-        ratios = [
-            a / b for a, b in zip(_mean_per_round(copies, times, kind), plain_rounds, strict=True)
-        ]
-        ratio, notch = _median_and_notch(ratios)
-        medians = [
-            statistics.median(t) for (k, _, _), t in zip(copies, times, strict=True) if k == kind
-        ]
-        each = ", ".join(f"{value * 1e6:.0f}" for value in medians)
-        print(f"{kind:22s} {statistics.mean(medians) * 1e6:8.0f} {ratio:6.3f} {notch:6.3f}  {each}")
+    ratios = _print_ratios(copies, times, kinds)
     plain_indices = [index for index, (kind, _, _) in enumerate(copies) if kind == "plain"]
     if len(plain_indices) >= 2:
         first, second = (times[index] for index in plain_indices[:2])
         ratio, notch = _median_and_notch([a / b for a, b in zip(second, first, strict=True)])
         print(f"plain copy 2 / plain copy 1: {ratio:.3f} +- {notch:.3f} (the resolution)")
+    if removed_times is not None:
+        print("the same copies after remove_observer:")
+        removed = _print_ratios(copies, removed_times, kinds)
+        for kind in kinds:
+            if kind.startswith("observer"):
+                print(
+                    f"{kind}: its observer's own cost on the same copies "
+                    f"{ratios[kind] / removed[kind]:.3f} (ratio before / ratio after removal)"
+                )
+
+
+def _time_rounds(
+    copies: Sequence[tuple[str, Callable[[], None], nn.Module]], blocks: int, steps: int, seed: int
+) -> list[list[float]]:
+    """Per copy, the time per step (s) of each of ``blocks`` rounds of ``steps`` steps."""
+    times: list[list[float]] = [[] for _ in copies]
+    order = list(range(len(copies)))
+    shuffle = random.Random(seed).shuffle
+    for _ in range(blocks):
+        shuffle(order)  # no copy always runs after the same one
+        for index in order:
+            step = copies[index][1]
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[index].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def _print_ratios(
+    copies: Sequence[tuple[str, object, object]],
+    times: Sequence[Sequence[float]],
+    kinds: Sequence[str],
+) -> dict[str, float]:
+    """Print each kind's line (see the module docstring); returns its median ratio."""
+    print(f"{'kind':22s} {'us/step':>8s} {'ratio':>6s} {'+-':>6s}  copies' median blocks (us/step)")
+    plain_rounds = _mean_per_round(copies, times, "plain")
+    found: dict[str, float] = {}
+    for kind in kinds:
+        ratios = [
+            a / b for a, b in zip(_mean_per_round(copies, times, kind), plain_rounds, strict=True)
+        ]
+        ratio, notch = _median_and_notch(ratios)
+        found[kind] = ratio
+        medians = [
+            statistics.median(t) for (k, _, _), t in zip(copies, times, strict=True) if k == kind
+        ]
+        each = ", ".join(f"{value * 1e6:.0f}" for value in medians)
+        print(f"{kind:22s} {statistics.mean(medians) * 1e6:8.0f} {ratio:6.3f} {notch:6.3f}  {each}")
+    return found
 
 
 def _mean_per_round(
