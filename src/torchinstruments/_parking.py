@@ -107,6 +107,13 @@ class HookParking:
             del hooks[key]
         self.parked = parked
 
+    def shown_status(self) -> str:
+        """:attr:`status` as the report shows it (``run.hook_parking``): where
+        :meth:`park` would stop at its next try, already ``COMPILE_IN_USE``."""
+        if self.status == "on" and compiled_frames() != 0 and not hooks_guarded():
+            return COMPILE_IN_USE
+        return self.status
+
     def compiled_while_parked(self) -> None:
         """Something was compiled since the hooks were parked (``compiled_frames()``
         moved). Where compiled code guards on hooks, that code runs only while they are

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._attention import calls_traced as attention_calls_traced
-from ._parking import COMPILE_IN_USE
 from ._records import ROOT_INDEX
-from .capture import compiled_frames, recompile_limit_hits
-from .compiled import hooks_guarded, last_invalidation
+from .capture import recompile_limit_hits
+from .compiled import last_invalidation
 
 if TYPE_CHECKING:
     from ._error_log import ErrorEntry
@@ -243,11 +242,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         sampling=sampling,
         capture_direct_forwards=observer.capture_direct_forwards,
         full_sentinel=observer.full_sentinel,
-        hook_parking=(
-            COMPILE_IN_USE  # parking would stop at the next try
-            if observer.parking.status == "on" and compiled_frames() != 0 and not hooks_guarded()
-            else observer.parking.status
-        ),
+        hook_parking=observer.parking.shown_status(),
         rank_info=observer.rank_info,
         options=dict(observer.options),
         started_at=observer.started_at,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._validate import shown
-from .capture import is_compile_wrapper, without_compile_wrappers
+from .capture import COMPILED_WRAPPER_ATTRIBUTE, is_compile_wrapper, without_compile_wrappers
 from .config import ReportConfig, TrackConfig
 from .distributed import RANK_POLICIES, detect_rank
 from .errors import ConfigError, ObserverStateError
@@ -131,7 +131,7 @@ _WRAPPERS = {
     "DistributedDataParallel": "module",
     "DataParallel": "module",
     "FullyShardedDataParallel": "module",
-    "OptimizedModule": "_orig_mod",  # torch.compile(model)
+    "OptimizedModule": COMPILED_WRAPPER_ATTRIBUTE,  # torch.compile(model)
 }
 
 

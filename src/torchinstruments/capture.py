@@ -247,7 +247,7 @@ def recompile_limit_hits() -> int:
         return sum(
             int(count)
             for reason, count in reasons.items()
-            if str(reason).lower().startswith(("dynamo recompile limit", "dynamo cache limit"))
+            if str(reason).startswith("Dynamo recompile limit exceeded")
         )
     except Exception:
         return 0
