@@ -207,8 +207,8 @@ def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Pa
 
 
 class DeepNet(nn.Module):
-    """40 blocks of Linear(6, 6) and Tanh: 80 observed outputs with gradients, more than
-    one gradient sink holds (``SINK_ROWS``, 64)."""
+    """40 blocks of Linear(6, 6) and Tanh: 80 observed outputs with gradients, more
+    modules than the smallest activation buffer holds (64)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -219,20 +219,19 @@ class DeepNet(nn.Module):
         return self.head(self.layers(x))
 
 
-def test_more_outputs_than_one_gradient_sink_holds_trace_into_one_graph(tmp_path: Path) -> None:
-    """Slots beyond the first gradient sink's 64 rows: the sinks exist before Dynamo
-    reads them (a sink added while tracing was missing from Dynamo's view of the dict,
-    and the whole frame ran eagerly, each hook a frame of its own). With
-    ``fullgraph=True`` the model compiles into one graph; 2 x 81 slots; training equals
+def test_more_modules_than_the_smallest_buffer_trace_into_one_graph(tmp_path: Path) -> None:
+    """Every module's rows exist before Dynamo reads them (an entry added while tracing
+    is missing from Dynamo's view of the hook's dict, and the whole frame would run
+    eagerly, each hook a frame of its own). With ``fullgraph=True`` the model compiles
+    into one graph; 2 x 81 (module, call, signal, path) measured in it; training equals
     the compiled twin's and every series the eager path's."""
-    from torchinstruments._compiled_capture import SINK_ROWS
-
     torch.manual_seed(0)
     eager, compiled, report = observe_eager_and_compiled(
         DeepNet(), tmp_path, functools.partial(aot_eager, fullgraph=True), sampling=2, steps=4
     )
     coverage = report["coverage"]["compiled_capture"]
-    assert coverage["slots"] == 2 * 81 > 2 * SINK_ROWS
+    assert coverage["slots"] == 2 * 81
+    assert coverage["slots_dropped"] == 0
     assert ("layers.0", 0, "grad_output", "output", "rms") in compiled
     assert_same_telemetry(eager, compiled)
 
@@ -455,7 +454,7 @@ def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
     assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
     assert explained.graph_count == 1
     assert observer is not None and observer.compiled_capture is not None
-    traced = {observer.names[key[0]] for key in observer.compiled_capture.slot_keys}
+    traced = {observer.names[index] for index in observer.compiled_capture.traced_modules}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.act", "lm_head"} <= traced
     coverage = read_report(tmp_path)["coverage"]["compiled_capture"]
     assert coverage["attention_calls_not_measured"] == 2
@@ -578,35 +577,125 @@ class BlockStack(nn.Module):
         return self.head(x)
 
 
-def test_blocks_past_the_recompile_limit_are_named_in_limits_hit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def compile_each_block(model: nn.Module) -> nn.Module:
+    """:class:`BlockStack` with ``block.compile()`` (aot_eager) for each block."""
+    assert isinstance(model, BlockStack)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    return model
+
+
+@pytest.mark.parametrize("sampling", [1, 2])
+def test_blocks_compiled_one_by_one_share_their_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sampling: int
 ) -> None:
-    """Blocks of one class compiled one by one share their code object and each
-    sampled block is a cache entry of its own: with ``recompile_limit`` 3, five blocks
-    reach it once; the report counts it and names the limit. Training is unchanged."""
+    """Twelve blocks of one class, each compiled with ``block.compile()``, share one code
+    object: every block runs the graphs traced for the first (a module's rows are graph
+    inputs, never constants), so Dynamo's recompile limit (8) is never reached. At most
+    4 graphs: sampled and unsampled (``sampling=2``: hooks parked), each for the first
+    block's input, which does not require grad, and for the others'. Every block's output
+    is measured in every sample, equal to the eager path's; training equals the compiled
+    twin's."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setitem(counters, "unimplemented", type(counters["unimplemented"])())
     torch.manual_seed(0)
     torch._dynamo.reset()  # no entry of Block.forward from another test
-    model = BlockStack(5)
+    graphs = counters["stats"]["unique_graphs"]
+    eager, compiled, report = observe_eager_and_compiled(
+        BlockStack(12), tmp_path, compile_each_block, sampling=sampling, steps=4
+    )
+    # The observed copy and its twin each compile their graphs.
+    assert counters["stats"]["unique_graphs"] - graphs <= 2 * (2 if sampling == 1 else 4)
+    coverage = report["coverage"]["compiled_capture"]
+    assert coverage["mode"] == "in_graph"
+    assert coverage["recompile_limit_hits"] == 0
+    assert coverage["slots"] == 12 * 2  # every block's fc (the leaves), both signals
+    for index in range(12):
+        assert len(compiled[(f"blocks.{index}.fc", 0, "activation", "output", "rms")]) == (
+            4 // sampling
+        )
+    assert_same_telemetry(eager, compiled)
+
+
+def test_gpt2_blocks_compiled_one_by_one_share_their_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A six-layer ``transformers`` GPT-2 whose blocks are each compiled
+    (``block.compile()``, as one compiles a model block by block): the six blocks share
+    their graphs (every forward sampled, every block's input requiring grad), the recompile
+    limit is never reached, and every block's attention projection and MLP input
+    projection are measured in every sample, with their output gradients."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters, "unimplemented", type(counters["unimplemented"])())
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=6, n_head=2, use_cache=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    handle = inject_observer(model, output_dir=tmp_path, sampling=1)
+    for block in model.transformer.h:
+        block.compile(backend="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        ids = torch.randint(0, 64, (2, 16), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        if step == 1:
+            handle.flush()
+    compiled_graphs = counters["stats"]["unique_graphs"] - graphs
+    report = remove_observer_and_read(model, tmp_path)
+    torch._dynamo.reset()
+    # One graph, and one more where the attention modules come to be observed (SDPA
+    # attention never calls attn_dropout, so its parent is adopted): for all six blocks.
+    assert compiled_graphs <= 2, compiled_graphs
+    coverage = report["coverage"]
+    assert coverage["compiled_capture"]["recompile_limit_hits"] == 0
+    assert "torch_compile_recompile_limit" not in coverage["limits_hit"]
+    series = written_series(tmp_path)
+    for index in range(6):
+        key = (f"transformer.h.{index}.attn.c_attn", 0, "activation", "output", "rms")
+        assert len(series[key]) == 6, index
+        grad = (f"transformer.h.{index}.mlp.c_fc", 0, "grad_output", "output", "rms")
+        assert len(series[grad]) == 6, index
+
+
+def test_the_recompile_limit_is_counted_and_named_in_limits_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block compiled with ``dynamic=False`` meets three batch sizes: each is a cache
+    entry of its own, and with ``recompile_limit`` 2 the third runs uncompiled. The
+    report counts the stop and names the limit; the block is observed in every sample
+    (eagerly once uncompiled); training is unchanged."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters, "unimplemented", type(counters["unimplemented"])())
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = BlockStack(1)
     twin = copy.deepcopy(model)
     inject_observer(model, output_dir=tmp_path, sampling=1)
     for stack in (model, twin):
-        for block in stack.blocks:
-            block.compile(backend="eager")
-    with torch._dynamo.config.patch(recompile_limit=3):
-        losses = train_on_noise(model, 3)
+        stack.blocks[0].compile(backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        losses = [
+            train_on_noise(model, 1, seed, rows=rows)[0] for seed, rows in enumerate((4, 8, 16))
+        ]
         report = remove_observer_and_read(model, tmp_path)
         torch._dynamo.reset()
-        assert losses == train_on_noise(twin, 3)
+        twin_losses = [
+            train_on_noise(twin, 1, seed, rows=rows)[0] for seed, rows in enumerate((4, 8, 16))
+        ]
+    assert losses == twin_losses
     coverage = report["coverage"]
     assert coverage["compiled_capture"]["mode"] == "in_graph"
     assert coverage["compiled_capture"]["recompile_limit_hits"] == 1
     assert "torch_compile_recompile_limit" in coverage["limits_hit"]
-    for index in range(5):  # observed in every sample, compiled or not
-        series = written_series(tmp_path)[(f"blocks.{index}.fc", 0, "activation", "output", "rms")]
-        assert len(series) == 3
+    series = written_series(tmp_path)[("blocks.0.fc", 0, "activation", "output", "rms")]
+    assert len(series) == 3
 
 
 def test_blocks_compiled_before_injection_keep_their_names(tmp_path: Path) -> None:
@@ -665,3 +754,19 @@ def test_injecting_into_a_model_never_compiled_invalidates_nothing(tmp_path: Pat
     train_on_noise(model, 1)
     report = remove_observer_and_read(model, tmp_path)
     assert report["coverage"]["compiled_capture"]["compiled_code_invalidation"] == "none"
+
+
+def test_rows_from_graphs_take_forward_positions_children_first() -> None:
+    """Rows from graphs become pending in the order forward hooks fire in a nested
+    forward: each module after its descendants, siblings in definition order; a name
+    not in the model comes last."""
+    from torchinstruments._compiled_capture import _post_order
+
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(2, 2), nn.ReLU()),
+        nn.Linear(2, 2),
+        nn.Sequential(nn.Sequential(nn.Tanh()), nn.Linear(2, 2)),
+    )
+    names = {0: "", 1: "0", 2: "0.0", 3: "0.1", 4: "1", 5: "2", 6: "2.0", 7: "2.0.0", 8: "2.1"}
+    names[9] = "gone"
+    assert _post_order(model, names) == [2, 3, 1, 4, 7, 6, 8, 5, 0, 9]

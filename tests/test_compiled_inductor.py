@@ -127,4 +127,10 @@ def test_gpt2_under_inductor_fullgraph(tmp_path: Path) -> None:
         for k, v in eager_series.items()
         if k[4] in ("rms", "mean_abs", "max_abs") and k not in logits
     }
+    # The attention modules are observed because their attn_dropout never runs (SDPA
+    # drops out itself): eagerly from the second sample on, compiled from the third,
+    # once the first sample's rows from the graph were read.
+    adopted = {"transformer.h.0.attn", "transformer.h.1.attn"}
+    assert all(scale[k][0][0] == 1 for k in scale if k[0] in adopted)
+    scale = {k: v[1:] if k[0] in adopted else v for k, v in scale.items()}
     assert_same_telemetry(scale, {k: compiled_series[k] for k in scale}, rel=1e-3)

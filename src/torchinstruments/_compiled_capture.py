@@ -1,7 +1,8 @@
 """Capture inside compiled graphs: the observer's stage for ``torch.compile``.
 
     ForwardHook traced by Dynamo -> traced_activation: each output's statistics row into
-        a slot of a device buffer; each output that requires grad through _GradientTap
+        a row of the hook's own activation rows; each output that requires grad through
+        _GradientTap into a row of the hook's own gradient sink
     ForwardContext.open_sample (sampled)  -> CompiledCapture.begin_sample
     ForwardContext.leave_root (sampled)   -> CompiledCapture.end_sample: rows -> pending
     Observer.flush_statistics, next sample -> CompiledCapture.take_gradients
@@ -10,13 +11,22 @@ When Dynamo traces a submodule's forward hook of ours (``torch.compile`` of the 
 of a block, with or without ``fullgraph=True``), the hook does not break the graph: it
 traces :func:`traced_activation`, which reduces every floating tensor of the module
 output to its statistics row (:func:`~torchinstruments.reduce._statistics_rows`, the
-device path's masked reductions, float32 accumulation) and copies the row into a slot of
-a preallocated float64 buffer on the tensor's device (``MAX_SLOTS`` rows of
-``STAT_WIDTH``). Each output tensor that requires grad (of an output that is a tensor,
-or a tuple or list of tensors) passes through :class:`_GradientTap`, an identity whose
-backward makes the incoming gradient's row the gradient of a small leaf sink. The slot
-of a (module, call index, signal, tensor path) is assigned once, while tracing
-(``torch.compiler.assume_constant_result``), so the graph holds it as a constant.
+device path's masked reductions, float32 accumulation) and copies the row into the
+hook's activation rows: a ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 view, on the tensor's
+device, of one buffer that holds every observed module's rows. Each output tensor that
+requires grad (of an output that is a tensor, or a tuple or list of tensors) passes
+through :class:`_GradientTap`, an identity whose backward makes the incoming gradient's
+row the gradient of the hook's own gradient sink (a small leaf).
+
+Both tensors are attributes of the hook object, so Dynamo makes them graph inputs and
+guards only their shapes, strides and dtypes, never which module's they are: the row
+within them is a trace-time constant that depends on the (call index, signal, tensor
+path) alone (:meth:`CompiledCapture.assign`, ``torch.compiler.assume_constant_result``,
+the same for every module). So the blocks of one class, compiled one by one
+(``block.compile()`` for each), share one compiled graph: each call writes its own
+module's rows. Which module a traced hook belongs to is known while tracing from the
+identity of its activation rows (the real tensor behind the graph input), to count its
+calls within the traced frame.
 
 The sampling decision is taken where it always is, in the root's forward pre-hook,
 which runs eagerly around the compiled model (see :func:`_run_root_hooks_eagerly`).
@@ -25,24 +35,28 @@ forward runs a graph variant with the reductions and taps, an unsampled one a va
 without them (in the steady state the variant traced with the hooks parked, see
 ``_parking.py``, whose hook dictionaries are empty); each is compiled once and chosen
 by its guards at every call, so the sampling decision never recompiles. A sampled
-forward zeroes the buffers first (:meth:`CompiledCapture.begin_sample`); when the root
-returns (:meth:`CompiledCapture.end_sample`) one device copy of each buffer becomes that
-sample's pending rows in the statistics buffer; once its backward has run, the next
-flush or sampled forward makes the sinks' gradients its output-gradient rows
+forward zeroes the rows first (:meth:`CompiledCapture.begin_sample`); when the root
+returns (:meth:`CompiledCapture.end_sample`) one device copy of each device's buffer
+becomes that sample's pending rows in the statistics buffer, one per observed module and
+(call index, tensor path) that any graph traced; once its backward has run, the next
+flush or sampled forward takes the sinks' gradients as its output-gradient rows
 (:meth:`CompiledCapture.take_gradients`). Nothing is read back to the host inside a
-forward; a slot that no graph wrote in a sample (its row counts 0 elements) is left out
-by the series store.
+forward. A row that no graph wrote in a sample (a module that ran eagerly, or not at
+all) counts 0 elements and is left out by the series store, which also tells the
+observer which modules the graphs did run (:meth:`CompiledCapture.note_measured`):
+parents are adopted only once those are known (:attr:`CompiledCapture.modules_known`).
 
 What is not captured inside compiled graphs: histograms, the full sentinel and attention
-logits (counted, see ``_attention.py``); output gradients of outputs that are other
-containers (counted); output gradients of a sample whose backward ran only after the
-next sampled forward (two sampled forwards before one backward); output gradients of a
-compiled frame that a reentrant checkpoint recomputes (``checkpoint(compiled_block, x,
-use_reentrant=True)``: the recomputation runs in the backward, after the sample, and
-takes the unsampled graph). A frame traced under saved-tensor hooks
-(``use_reentrant=False``) keeps its hooks as graph breaks, observed eagerly (see
-:func:`_recomputable`). Where Dynamo cannot take the capture (a torch without
-``torch.compiler.assume_constant_result``), forward hooks stay
+logits (counted, see ``_attention.py``); calls of one module beyond ``ROWS_PER_MODULE``
+(call index, tensor path) rows per signal in a frame (counted); output gradients of
+outputs that are other containers (counted); output gradients of a sample whose
+backward ran only after the next sampled forward (two sampled forwards before one
+backward); output gradients of a compiled frame that a reentrant checkpoint recomputes
+(``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
+backward, after the sample, and takes the unsampled graph). A frame traced under
+saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph breaks, observed
+eagerly (see :func:`_recomputable`). Where Dynamo cannot take the capture (a torch
+without ``torch.compiler.assume_constant_result``), forward hooks stay
 ``torch.compiler.disable``d: each observed module call is a graph break, and
 ``fullgraph=True`` fails; :meth:`CompiledCapture.mode` says so in the report.
 """
@@ -58,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ._records import Statistics
+from ._records import CompiledStatistics
 from ._state import SKIP
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
@@ -78,14 +92,17 @@ if TYPE_CHECKING:
     from ._context import ForwardContext
     from ._staging import StatisticsBuffer
 
-__all__ = ["MAX_SLOTS", "SINK_ROWS", "CompiledCapture", "enable", "traced_activation"]
+__all__ = [
+    "ROWS_PER_MODULE",
+    "CompiledCapture",
+    "enable",
+    "traced_activation",
+]
 
-#: Rows of each device buffer: the (module, call index, tensor path) slots one observer
-#: can fill inside compiled graphs; further ones are counted under ``slots_dropped``.
-MAX_SLOTS = 4_096
-#: Rows of one gradient sink (a float64 leaf of ``(SINK_ROWS, STAT_WIDTH)``): a tap's
-#: backward produces a gradient of that size, so sinks stay small.
-SINK_ROWS = 64
+#: Rows per signal of one observed module inside compiled graphs: the (call index,
+#: tensor path) pairs a frame may reduce per module; further ones are counted under
+#: ``slots_dropped``.
+ROWS_PER_MODULE = 16
 #: Signal name under which :func:`traced_activation` counts an untapped gradient.
 _UNTAPPED = "untapped"
 
@@ -99,6 +116,8 @@ _keys = itertools.count(1)
 _status = "waiting for Dynamo"
 
 _Key = tuple[int, int, str, str]  # module index, call index, signal, tensor path
+#: What a hook holds for each device: its activation rows and its gradient sink.
+HookRows = dict[str, tuple[Tensor, Tensor]]
 
 
 def _trace_id() -> object:
@@ -112,40 +131,53 @@ def _trace_id() -> object:
 
 
 class CompiledCapture:
-    """Slots and device buffers of one observer's capture inside compiled graphs.
+    """Rows and gradient sinks of one observer's capture inside compiled graphs.
 
     Built by the :class:`~torchinstruments.observer.Observer` (None with
     ``capture_direct_forwards``) and handed to its forward hooks and its forward
-    context; it holds no reference to either. Each (module index, call index, signal,
-    tensor path) met while tracing gets a slot: a row of the activation buffer of its
-    device (written by the forward graph) or of a gradient sink of its device (the
-    gradient the backward graph computes for the sink holds the row).
+    context; it holds no reference to either. Each observed module registers once
+    (:meth:`register`) and gets a dict that its hook holds: for each device, a
+    ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 view of that device's activation buffer
+    (written by the forward graph) and a leaf of the same shape (the gradient the
+    backward graph computes for it holds the output-gradient rows). Row ``j`` of either
+    means the same (call index, tensor path) for every module (:attr:`rows`).
     """
 
     def __init__(self, model: Callable[[], nn.Module | None] | None = None) -> None:
         """``model``: the observed model, by weak reference (or None): before the first
-        sampled forward once Dynamo is loaded, the buffers and sinks of the devices of
-        its parameters and buffers are allocated (see :meth:`_allocate`)."""
+        sampled forward once Dynamo is loaded, the rows of every registered module are
+        allocated on each device of its parameters and buffers (see :meth:`_allocate`)."""
         self.key = next(_keys)
         self._model = model
-        self._devices_allocated = False
         _CAPTURES[self.key] = self
         #: Activation buffers by device string (``"cpu"``, ``"cuda:0"``): float64,
-        #: ``(MAX_SLOTS, STAT_WIDTH)``; row ``slot`` is written by every sampled graph.
+        #: ``(capacity, ROWS_PER_MODULE, STAT_WIDTH)``; ``[index]`` is module ``index``'s.
         self.buffers: dict[str, Tensor] = {}
-        #: Gradient sinks by ``"<device>#<slot // SINK_ROWS>"``: float64
-        #: ``(SINK_ROWS, STAT_WIDTH)`` leaves that require grad; backward passes
-        #: accumulate output-gradient rows into their ``.grad``.
-        self.sinks: dict[str, Tensor] = {}
+        #: The dict each registered module's hook holds, by module index.
+        self._hook_rows: dict[int, HookRows] = {}
+        self._names: dict[int, str] = {}
+        #: Module index by ``id`` of its activation rows (the graph input Dynamo traces).
+        self._owners: dict[int, int] = {}
+        #: Module indices in the order their rows become pending (children before
+        #: parents, siblings in definition order): forward positions follow it.
+        self._order: list[int] = []
+        self._allocated = 0  # registered modules with rows on every device
+        self._count = 0  # buffer rows in use: the largest allocated index + 1
+        #: Row within a module's rows by (signal, call index, tensor path), the same for
+        #: every module; assigned while tracing.
+        self.rows: dict[tuple[str, int, str], int] = {}
+        self._row_counts: dict[str, int] = {ACTIVATION: 0, GRAD_OUTPUT: 0}
         #: True inside a sampled root forward. Traced code reads it, so Dynamo guards on
         #: it: a model has one compiled graph with the reductions (sampled forwards) and
         #: one without, each compiled once and chosen by its guard at every call.
         self.active = False
-        self.slots: dict[_Key, int] = {}
-        self.slot_keys: list[_Key] = []
-        self.slot_devices: list[str] = []
-        #: Slots that did not fit (more than ``MAX_SLOTS``), and outputs whose gradient
-        #: is not captured in graphs (containers other than a tuple or list of tensors).
+        #: Modules whose hooks Dynamo traced (with reductions).
+        self.traced_modules: set[int] = set()
+        #: (module, call index, signal, tensor path) whose rows held elements at a flush.
+        self.measured: set[_Key] = set()
+        #: (call index, tensor path) pairs beyond ``ROWS_PER_MODULE`` per signal met while
+        #: tracing, and outputs whose gradient is not captured in graphs (containers
+        #: other than a tuple or list of tensors).
         self.slots_dropped = 0
         self.gradients_not_tapped = 0
         #: Hook calls traced under saved-tensor hooks (a compiled frame that
@@ -160,6 +192,10 @@ class CompiledCapture:
         self._trace: object = None
         #: The sample whose output-gradient rows :meth:`take_gradients` takes (-1: none).
         self._gradient_sample = -1
+        #: The first sample with rows from graphs (-1: none yet), and whether a flush
+        #: has read it: until then it is not known which modules the graphs ran.
+        self._first_sample = -1
+        self._first_read = False
 
     def mode(self) -> str:
         """``coverage.compiled_capture.mode``: ``"in_graph"`` once a compiled graph
@@ -169,16 +205,31 @@ class CompiledCapture:
         where hooks traced by Dynamo fall back to a graph break each."""
         if _status.startswith("off"):
             return _status
-        if self.slot_keys:
+        if self.rows:
             return "in_graph"
         if self.calls_under_saved_tensor_hooks:
             return "graph_breaks: traced under saved-tensor hooks (activation checkpointing)"
         return "unused"
 
+    def register(self, index: int, name: str) -> HookRows:
+        """The dict that the forward hook of module ``index`` (called ``name``) holds;
+        empty until the rows are allocated, before the next sampled forward."""
+        rows: HookRows = {}
+        self._hook_rows[index] = rows
+        self._names[index] = name
+        return rows
+
+    @property
+    def modules_known(self) -> bool:
+        """False from the first sample with rows from graphs until a flush has read
+        it: until then it is not known which modules those graphs ran."""
+        return self._first_sample < 0 or self._first_read
+
     # ---------------------------------------------------------------- trace time
-    def assign(self, index: int, signal: str, path: str, device: str) -> int:
-        """The slot for the next traced call of module ``index`` (``signal`` at ``path``)
-        in this sample, at trace time only; -1 when every slot is taken."""
+    def assign(self, owner: int, signal: str, path: str) -> int:
+        """The row, in its module's rows, of the next traced call of the module whose
+        activation rows have ``id`` ``owner`` (``signal`` at ``path``) in this frame, at
+        trace time only; -1 when ``ROWS_PER_MODULE`` rows of ``signal`` are taken."""
         # Calls are counted per trace (a frame, or one attempt at it: Dynamo restarts
         # its analysis at a graph break, and compiles the frames after a break on their
         # own); a module called in two frames of one forward gets call index 0 in each.
@@ -189,78 +240,90 @@ class CompiledCapture:
         if signal == _UNTAPPED:
             self.gradients_not_tapped += 1
             return -1
+        index = self._owners.get(owner)
+        if index is None:
+            return -1
         counter = (index, signal, path)
         call = self._calls.get(counter, 0)
         self._calls[counter] = call + 1
-        key = (index, call, signal, path)
-        slot = self.slots.get(key)
-        if slot is None:
-            if len(self.slot_keys) >= MAX_SLOTS:
+        row_key = (signal, call, path)
+        row = self.rows.get(row_key)
+        if row is None:
+            row = self._row_counts[signal]
+            if row >= ROWS_PER_MODULE:
                 self.slots_dropped += 1
                 return -1
-            slot = len(self.slot_keys)
-            self.slots[key] = slot
-            self.slot_keys.append(key)
-            self.slot_devices.append(device)
-        if device not in self.buffers:
-            self._allocate(device)
-        return slot
+            self._row_counts[signal] = row + 1
+            self.rows[row_key] = row
+        self.traced_modules.add(index)
+        return row
 
-    def _allocate(self, device: str) -> None:
-        """The activation buffer and every gradient sink of ``device``, at once.
+    # ---------------------------------------------------------------- allocation
+    def _allocate(self) -> None:
+        """Rows and sinks of every registered module on each device of the model's
+        parameters and buffers (not ``meta``), where any is missing.
 
-        Traced code reads :attr:`buffers` and :attr:`sinks`, and Dynamo keeps its own
-        view of a dict from its first read in a trace: an entry added later in that
-        trace (by :meth:`assign`, which runs for real) is missing from that view, the
-        lookup fails while tracing, and Dynamo runs the whole frame eagerly. So the
-        entries of a device are made together, at its first slot, and for the model's
-        own devices before the first sampled forward (:meth:`begin_sample`): about
-        0.6 MB a device (a ``(MAX_SLOTS, STAT_WIDTH)`` float64 buffer and
-        ``MAX_SLOTS // SINK_ROWS`` sinks)."""
-        self.buffers[device] = torch.zeros(
-            MAX_SLOTS, STAT_WIDTH, dtype=torch.float64, device=device
-        )
-        for first in range(0, MAX_SLOTS, SINK_ROWS):
-            self.sinks[_sink_key(device, first)] = torch.zeros(
-                SINK_ROWS, STAT_WIDTH, dtype=torch.float64, device=device, requires_grad=True
-            )
-
-    def _allocate_model_devices(self) -> None:
-        """:meth:`_allocate` for each device of the model's parameters and buffers (not
-        ``meta``), once; called when Dynamo is loaded."""
-        self._devices_allocated = True
+        Traced code reads each hook's dict, and Dynamo keeps its own view of a dict from
+        its first read in a trace, so the entries are made before sampled forwards, not
+        while tracing. A buffer that grows is made anew: the hooks get views of the new
+        one (their shapes and strides, all Dynamo guards, stay the same). About 2.3 kB
+        per module and device."""
         model = None if self._model is None else self._model()
         if model is None:
             return
-        devices = {str(t.device) for t in itertools.chain(model.parameters(), model.buffers())}
-        for device in sorted(devices - {"meta"} - set(self.buffers)):
-            self._allocate(device)
+        devices = sorted(
+            {str(t.device) for t in itertools.chain(model.parameters(), model.buffers())} - {"meta"}
+        )
+        count = max(self._hook_rows, default=-1) + 1
+        for device in devices:
+            buffer = self.buffers.get(device)
+            if buffer is not None and buffer.shape[0] >= count:
+                continue
+            capacity = max(64, 1 << (count - 1).bit_length())
+            self.buffers[device] = torch.zeros(
+                capacity, ROWS_PER_MODULE, STAT_WIDTH, dtype=torch.float64, device=device
+            )
+        self._owners = {}
+        for index, hook_rows in self._hook_rows.items():
+            for device, buffer in self.buffers.items():
+                sink = hook_rows[device][1] if device in hook_rows else None
+                if sink is None:
+                    sink = torch.zeros(
+                        ROWS_PER_MODULE,
+                        STAT_WIDTH,
+                        dtype=torch.float64,
+                        device=device,
+                        requires_grad=True,
+                    )
+                hook_rows[device] = (buffer[index], sink)
+                self._owners[id(hook_rows[device][0])] = index
+        self._order = _post_order(model, self._names)
+        self._count = count
+        self._allocated = len(self._hook_rows)
 
     # ---------------------------------------------------------------- run time
     def begin_sample(self, context: ForwardContext) -> None:
         """A sampled forward opens (after its sample index was taken): the previous
         sample's gradient rows go to ``context.buffer``, then the rows are cleared, so
-        that slots no graph writes in this sample (a module not called) count 0
+        that rows no graph writes in this sample (a module not called) count 0
         elements. Never raises: an error is counted, and the sample runs without."""
         try:
-            if not self._devices_allocated and _status == "ready":
+            if self._allocated != len(self._hook_rows) and _status == "ready":
                 with passive():  # made under a user's dispatch mode, it would see them
-                    self._allocate_model_devices()
+                    self._allocate()
             if self._gradient_sample >= 0:
                 self.take_gradients(context.buffer)
-                if self._gradient_sample >= 0 and any(k[2] == GRAD_OUTPUT for k in self.slot_keys):
+                if self._gradient_sample >= 0 and self._row_counts[GRAD_OUTPUT]:
                     # No backward reached its taps before this sample: its output
                     # gradients arrive with this sample's, and are not told apart.
                     self.gradient_samples_lost += 1
             self._gradient_sample = -1
             self._calls = {}
             self._trace = None
-            if self.slot_keys:
+            if self.rows:
                 with torch.no_grad():
-                    for rows in self.buffers.values():
-                        rows.zero_()
-                    for sink in self.sinks.values():
-                        sink.grad = None
+                    for buffer in self.buffers.values():
+                        buffer.zero_()
             self.active = True
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
@@ -268,7 +331,7 @@ class CompiledCapture:
     def end_sample(self, context: ForwardContext) -> None:
         """The root of the open sample returned: one device copy of each activation
         buffer becomes pending rows of ``context.buffer`` (read at its next flush), in
-        slot order, at forward positions after the calls observed eagerly. Never
+        module order, at forward positions after the calls observed eagerly. Never
         raises (an error is counted)."""
         if not self.active:
             return
@@ -281,22 +344,24 @@ class CompiledCapture:
 
     def _take_activations(self, context: ForwardContext) -> None:
         sample = context.sample
-        count = len(self.slot_keys)
-        if not count or not self.buffers:
+        taken = [(r, call, path) for (s, call, path), r in self.rows.items() if s == ACTIVATION]
+        if not taken or not self.buffers:
             return
+        count = self._count
+        pending = context.buffer.pending
+        position = context.position
         with torch.no_grad():
             copies = {device: rows[:count].clone() for device, rows in self.buffers.items()}
-        pending = context.buffer.pending
-        called = context.capture.modules_called
-        position = context.position
-        for slot, (key, device) in enumerate(zip(self.slot_keys, self.slot_devices, strict=True)):
-            rows = copies.get(device)
-            if key[2] != ACTIVATION or rows is None:
-                continue
-            pending.append(Statistics(key, sample, position, rows[slot]))
-            called.add(key[0])
-            position += 1
+        for copy in copies.values():
+            by_row = {r: copy[:, r].unbind(0) for r, _, _ in taken}
+            for index in self._order:
+                for r, call, path in taken:
+                    key = (index, call, ACTIVATION, path)
+                    pending.append(CompiledStatistics(key, sample, position, by_row[r][index]))
+                    position += 1
         context.position = position
+        if self._first_sample < 0:
+            self._first_sample = sample
         _note_streams(context.buffer, copies)
 
     def take_gradients(self, buffer: StatisticsBuffer) -> None:
@@ -306,21 +371,62 @@ class CompiledCapture:
         sample = self._gradient_sample
         if sample < 0:
             return
-        copies: dict[str, Tensor] = {}
-        with torch.no_grad():
-            for name, sink in self.sinks.items():
-                if sink.grad is not None:
-                    copies[name] = sink.grad.clone()
+        taken = [(r, call, path) for (s, call, path), r in self.rows.items() if s == GRAD_OUTPUT]
+        grads: list[tuple[int, Tensor]] = []
+        for index in self._order:
+            for _, sink in self._hook_rows[index].values():
+                grad = sink.grad
+                if grad is not None:
+                    grads.append((index, grad))
                     sink.grad = None
-        if not copies:
+        if not grads:
             return
         self._gradient_sample = -1
         pending = buffer.pending
-        for slot, (key, device) in enumerate(zip(self.slot_keys, self.slot_devices, strict=True)):
-            rows = copies.get(_sink_key(device, slot))
-            if key[2] == GRAD_OUTPUT and rows is not None:
-                pending.append(Statistics(key, sample, -1, rows[slot % SINK_ROWS]))
-        _note_streams(buffer, copies)
+        by_device: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for device in {str(grad.device) for _, grad in grads}:
+                on_device = [g for _, g in grads if str(g.device) == device]
+                by_device[device] = torch.stack(on_device)
+        rows_by_device = {
+            device: {r: stacked[:, r].unbind(0) for r, _, _ in taken}
+            for device, stacked in by_device.items()
+        }
+        seen: dict[str, int] = dict.fromkeys(by_device, 0)
+        for index, grad in grads:
+            device = str(grad.device)
+            position = seen[device]
+            seen[device] = position + 1
+            for r, call, path in taken:
+                key = (index, call, GRAD_OUTPUT, path)
+                row = rows_by_device[device][r][position]
+                pending.append(CompiledStatistics(key, sample, -1, row))
+        if self._first_sample < 0:
+            self._first_sample = sample
+        _note_streams(buffer, by_device)
+
+    def note_measured(self, keys: set[_Key], processed_through: int) -> None:
+        """After a flush: ``keys`` held elements in rows from graphs; every sample up to
+        ``processed_through`` has been read (see :attr:`modules_known`)."""
+        self.measured |= keys
+        if 0 <= self._first_sample <= processed_through:
+            self._first_read = True
+
+
+def _post_order(model: nn.Module, names: dict[int, str]) -> list[int]:
+    """The indices of ``names`` in the order their forward hooks fire in a nested
+    forward: each module after its descendants, siblings in definition order
+    (``named_modules`` order); names not found in ``model`` come last, by index."""
+    rank: dict[str, int] = {}
+    stack: list[str] = []
+    for name, _ in model.named_modules(remove_duplicate=False):
+        while stack and not name.startswith(stack[-1] + "." if stack[-1] else ""):
+            rank.setdefault(stack.pop(), len(rank))
+        stack.append(name)
+    while stack:
+        rank.setdefault(stack.pop(), len(rank))
+    last = len(rank)
+    return sorted(names, key=lambda index: (rank.get(names[index], last), index))
 
 
 def _note_streams(buffer: StatisticsBuffer, copies: dict[str, Tensor]) -> None:
@@ -330,14 +436,9 @@ def _note_streams(buffer: StatisticsBuffer, copies: dict[str, Tensor]) -> None:
             buffer.producer_streams.add(torch.cuda.current_stream(rows.device))
 
 
-def _sink_key(device: str, slot: int) -> str:
-    """The gradient sink that holds ``slot``'s row: ``"<device>#<slot // SINK_ROWS>"``."""
-    return f"{device}#{slot // SINK_ROWS}"
-
-
-def _assign(key: int, index: int, signal: str, path: str, device: str) -> int:
+def _assign(key: int, rows: Tensor, signal: str, path: str) -> int:
     capture = _CAPTURES.get(key)
-    return -1 if capture is None else capture.assign(index, signal, path, device)
+    return -1 if capture is None else capture.assign(id(rows), signal, path)
 
 
 def _recomputable(key: int) -> bool:
@@ -368,6 +469,18 @@ def _recomputable(key: int) -> bool:
 #: :func:`_assign` as Dynamo sees it (called while tracing, its result a constant); set
 #: by :func:`enable` once Dynamo is loaded, None before and where torch lacks it.
 _assign_constant: Callable[..., int] | None = None
+
+
+def _count_dropped(key: int) -> bool:
+    """Count, while tracing, an output tensor on a device without rows of its module."""
+    capture = _CAPTURES.get(key)
+    if capture is not None:
+        capture.slots_dropped += 1
+    return True
+
+
+#: :func:`_count_dropped` as Dynamo sees it; set by :func:`enable`.
+_count_dropped_constant: Callable[[int], bool] = _count_dropped
 #: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
 #: :func:`enable`.
 _recomputable_constant: Callable[[int], bool] = _recomputable
@@ -403,11 +516,13 @@ def _forward_hook_call(
     self: ForwardHook, module: nn.Module, args: tuple[object, ...], output: object
 ) -> object:
     """``ForwardHook.__call__`` once Dynamo is loaded: eagerly the same as before
-    (returns at once in unsampled forwards); traced by Dynamo, the in-graph capture."""
+    (returns at once in unsampled forwards); traced by Dynamo, the in-graph capture.
+    Traced code reads no attribute that tells modules apart (their index among them),
+    so that blocks of one class share their compiled graphs."""
     if _is_compiling():
         compiled = self.compiled
         if isinstance(compiled, CompiledCapture) and not _recomputable_constant(compiled.key):
-            return traced_activation(compiled, self._index, output)
+            return traced_activation(compiled, self.rows, output)
         assert _opaque_call is not None
         return _opaque_call(self, module, args, output)
     observer = self._observer()
@@ -422,7 +537,8 @@ def enable() -> None:
     the hooks were made opaque: run the root hooks eagerly, make the slot assignment a
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
-    global _assign_constant, _opaque_call, _recomputable_constant, _status
+    global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
+    global _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return
@@ -430,6 +546,7 @@ def enable() -> None:
         _run_root_hooks_eagerly()
         _assign_constant = _assume_constant(_assign)
         _recomputable_constant = _assume_constant(_recomputable)
+        _count_dropped_constant = _assume_constant(_count_dropped)
     except Exception as error:
         _assign_constant = None
         _status = f"off: {type(error).__name__}: {error}"[:200]
@@ -469,7 +586,7 @@ class _GradientTap(torch.autograd.Function):
         value = grad.detach()
         if value.is_complex():
             value = value.abs()
-        # Row ``row`` of a zero (SINK_ROWS, STAT_WIDTH) gradient: padding, no mutation.
+        # Row ``row`` of a zero (ROWS_PER_MODULE, STAT_WIDTH) gradient: padding, no mutation.
         rows = torch.nn.functional.pad(_row(value), (0, 0, ctx.row, ctx.rows - ctx.row - 1))
         return grad, rows, None
 
@@ -483,9 +600,9 @@ def _reducible(leaf: object) -> bool:
     )
 
 
-def traced_activation(capture: CompiledCapture, index: int, output: object) -> object:
+def traced_activation(capture: CompiledCapture, rows: HookRows | None, output: object) -> object:
     """Traced by Dynamo in place of a forward hook: the statistics rows of ``output``'s
-    floating tensors (complex ones by magnitude) go to their slots.
+    floating tensors (complex ones by magnitude) go to the module's rows.
 
     Where gradients are on and the output is a tensor, or a tuple or list of tensors,
     each tensor that requires grad is passed through :class:`_GradientTap`, and the
@@ -494,13 +611,15 @@ def traced_activation(capture: CompiledCapture, index: int, output: object) -> o
 
     Args:
         capture: the observer's capture.
-        index: the module's index.
+        rows: the hook's rows by device (see :meth:`CompiledCapture.register`); a
+            tensor on a device without rows is not reduced (counted under
+            ``slots_dropped``).
         output: the module output, any nesting (see
             :func:`~torchinstruments.capture.iter_output_tensors`); at most
             ``MAX_TENSORS_PER_OUTPUT`` of its tensors are taken.
     """
     assign = _assign_constant
-    if assign is None or not capture.active:
+    if assign is None or not capture.active or rows is None:
         return None  # an unsampled forward's graph: nothing of ours in it
     taken = 0
     grads = torch.is_grad_enabled()
@@ -512,24 +631,26 @@ def traced_activation(capture: CompiledCapture, index: int, output: object) -> o
         taken += 1
         if taken > MAX_TENSORS_PER_OUTPUT:
             break
-        device = str(leaf.device)
-        slot = assign(capture.key, index, ACTIVATION, path, device)
-        if slot >= 0:
+        entry = rows.get(str(leaf.device))
+        if entry is None:
+            _count_dropped_constant(capture.key)
+            continue
+        activation_rows, sink = entry
+        row = assign(capture.key, activation_rows, ACTIVATION, path)
+        if row >= 0:
             value = leaf.detach()
             if value.is_complex():
                 value = value.abs()
-            capture.buffers[device][slot].copy_(_row(value)[0])
+            activation_rows[row].copy_(_row(value)[0])
         if grads and leaf.requires_grad:
             if isinstance(output, Tensor) or (
                 type(output) in (tuple, list) and path.count("[") == 1
             ):
-                grad_slot = assign(capture.key, index, GRAD_OUTPUT, path, device)
-                if grad_slot >= 0:
-                    tapped[path] = _GradientTap.apply(
-                        leaf, capture.sinks[_sink_key(device, grad_slot)], grad_slot % SINK_ROWS
-                    )
+                grad_row = assign(capture.key, activation_rows, GRAD_OUTPUT, path)
+                if grad_row >= 0:
+                    tapped[path] = _GradientTap.apply(leaf, sink, grad_row)
             else:
-                assign(capture.key, index, _UNTAPPED, path, device)
+                assign(capture.key, activation_rows, _UNTAPPED, path)
     if not tapped:
         return None
     if isinstance(output, Tensor):

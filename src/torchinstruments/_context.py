@@ -461,11 +461,17 @@ class ForwardContext(_ContextCadence):
             if self.sample_outputs and len(self._state_stack) == 1:
                 self.sample_outputs = {}  # the forward is over: its outputs are not shared
             if not self._adoption_done and state is SAMPLED and len(stack) == 1:
-                self._adoption_done = True
                 owner = self._owner()
                 try:
-                    if owner is not None:
-                        owner.adopt_parents()
+                    if self.compiled is None or self.compiled.modules_known:
+                        self._adoption_done = True
+                        if owner is not None:
+                            owner.adopt_parents()
+                    elif owner is not None:
+                        # Rows from compiled graphs tell which modules ran only once
+                        # flushed: parents wait for a later sampled forward, attention
+                        # modules need not.
+                        owner.adopt_attention_callers()
                 except Exception as error:  # never break training
                     self.errors.record("adopt_parents", "", error)
         elif (

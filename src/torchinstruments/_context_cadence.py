@@ -140,7 +140,8 @@ class _ContextCadence(ForwardState):
     def maybe_flush(self) -> None:
         """Ask the observer for a flush if one is due (pending records and a forward
         count that is a multiple of the interval, or too many records, or a sink that
-        wants every sample at once), and for a report write if one is due."""
+        wants every sample at once, or rows from compiled graphs of which none was read
+        yet), and for a report write if one is due."""
         buffer = self.buffer
         pending = buffer.waiting()
         interval = (
@@ -153,7 +154,13 @@ class _ContextCadence(ForwardState):
             return
         if pending and self.prompt_sinks:
             owner.flush_statistics(block=True)  # the previous samples, complete by now
-        elif pending >= MAX_PENDING_RECORDS or (pending and self.forwards_seen % interval == 0):
+        elif (
+            pending >= MAX_PENDING_RECORDS
+            or (pending and self.forwards_seen % interval == 0)
+            or (pending and self.compiled is not None and not self.compiled.modules_known)
+        ):
+            # Rows from compiled graphs are flushed at once until the first have been
+            # read: the parents of modules that did not run wait for them.
             owner.flush_statistics(block=False)
         if time.monotonic() - self.last_write >= self.rewrite_interval_s:
             owner.write_report(block=False)

@@ -7,7 +7,8 @@ half records. After the transfer the series store tells the kinds apart by class
 (``type(record) is Statistics``), never by a string.
 
 - :class:`Statistics`: the ``STAT_WIDTH`` partial statistics of one tensor
-  (``reduce.py``), read by the trackers of its series;
+  (``reduce.py``), read by the trackers of its series; :class:`CompiledStatistics`, the
+  same written inside a compiled graph (``_compiled_capture.py``);
 - :class:`HistogramCounts`: the counts per bin of one histogram spec, added to the
   histogram of its series;
 - :class:`SentinelSum`: one sum, non-finite where the checked tensor held a non-finite
@@ -24,6 +25,7 @@ from torch import Tensor
 
 __all__ = [
     "ROOT_INDEX",
+    "CompiledStatistics",
     "HistogramCounts",
     "LossScale",
     "Record",
@@ -50,6 +52,14 @@ class Statistics(NamedTuple):
     sample: int
     position: int
     row: Row
+
+
+class CompiledStatistics(Statistics):
+    """A :class:`Statistics` row written inside a compiled graph, where the graph may
+    not have run the module (a row of 0 elements): the series store notes which of
+    these held elements (``SeriesStore.compiled_measured``)."""
+
+    __slots__ = ()
 
 
 class HistogramCounts(NamedTuple):
@@ -85,4 +95,7 @@ def sample_order(record: Record) -> int:
     """Sort key that puts each series' rows in sample order: the sample of statistics
     and histogram counts, -1 (first) for sentinel sums and loss scales, which belong
     to no series. Sorting is stable, so sentinel sums keep their forward order."""
-    return record[1] if type(record) is Statistics or type(record) is HistogramCounts else -1
+    kind = type(record)
+    if kind is Statistics or kind is CompiledStatistics:
+        return record.sample  # type: ignore[union-attr]
+    return record.sample if kind is HistogramCounts else -1  # type: ignore[union-attr]

@@ -94,9 +94,12 @@ class CompiledCaptureCounts:
     #: ``"in_graph"`` once a compiled graph reduced an observed output, ``"unused"``
     #: while none did, ``"off: <reason>"`` where hooks traced by Dynamo are graph breaks.
     mode: str = "unused"
-    #: (module, call index, signal, tensor path) reduced inside compiled graphs.
+    #: (module, call index, signal, tensor path) reduced inside compiled graphs (rows
+    #: that held elements at a flush).
     slots: int = 0
-    #: Those beyond ``MAX_SLOTS`` (4,096), not reduced.
+    #: (call index, tensor path) pairs of a module's calls in a traced frame beyond
+    #: ``ROWS_PER_MODULE`` (16) per signal, and output tensors on a device the module
+    #: has no rows on, met while tracing: not reduced.
     slots_dropped: int = 0
     #: Traced outputs whose gradient is not tapped (containers other than a tuple or
     #: list of tensors).
@@ -270,7 +273,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         )
     return CompiledCaptureCounts(
         mode=compiled.mode(),
-        slots=len(compiled.slot_keys),
+        slots=len(compiled.measured),
         slots_dropped=compiled.slots_dropped,
         gradients_not_captured=compiled.gradients_not_tapped,
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,

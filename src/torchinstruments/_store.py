@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._records import (
     ROOT_INDEX,
+    CompiledStatistics,
     HistogramCounts,
     LossScale,
     Record,
@@ -79,6 +80,11 @@ class SeriesStore:
         #: The GradScaler loss scale over samples (log scale).
         self.loss_scale = SeriesTracker(track_config, log_scale=True, noise_floor=0.02)
         self.series_dropped = 0
+        #: Keys whose rows from compiled graphs held elements since the observer last
+        #: took them, and the last sample such rows came from (-1: none yet); see
+        #: ``CompiledCapture.note_measured``.
+        self.compiled_measured: set[SeriesKey] = set()
+        self.compiled_through = -1
         self._loss_scales: dict[int, float] = {}
         # Per measured (key, sample): the keys and forward positions that share its row.
         self._aliases: dict[tuple[SeriesKey, int], list[tuple[SeriesKey, int]]] = {}
@@ -153,8 +159,12 @@ class SeriesStore:
                     hits.append(record)
                 continue
             key, sample, position, _ = record
-            if not row[0]:
-                continue  # 0 elements: a compiled graph's slot not written in this sample
+            if type(record) is CompiledStatistics:
+                if sample > self.compiled_through:
+                    self.compiled_through = sample
+                if not row[0]:
+                    continue  # 0 elements: no graph wrote this row in this sample
+                self.compiled_measured.add(key)
             values = finish_statistics(row)
             shared = aliases.pop((key, sample), None) if aliases else None
             if key[2] == GRAD_OUTPUT:

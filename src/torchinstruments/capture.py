@@ -418,14 +418,22 @@ if _is_compiling is _never_compiling:  # torch without torch.compiler.is_compili
 class ForwardHook(_HookBase):
     """Forward hook on one observed module; returns at once in unsampled forwards.
     ``compiled``: the observer's capture inside compiled graphs (``_compiled_capture.py``
-    replaces this ``__call__`` with one Dynamo traces, once Dynamo is loaded)."""
+    replaces this ``__call__`` with one Dynamo traces, once Dynamo is loaded), and
+    ``rows`` this module's rows for it by device (``CompiledCapture.register``)."""
 
-    __slots__ = ("_index", "compiled")
+    __slots__ = ("_index", "compiled", "rows")
 
-    def __init__(self, observer: ForwardContext, index: int, compiled: object = None) -> None:
+    def __init__(
+        self,
+        observer: ForwardContext,
+        index: int,
+        compiled: object = None,
+        rows: dict[str, tuple[Tensor, Tensor]] | None = None,
+    ) -> None:
         super().__init__(observer)
         self._index = index
         self.compiled = compiled
+        self.rows = rows
 
     @_opaque_to_compiler
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:

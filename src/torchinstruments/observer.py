@@ -238,7 +238,7 @@ class Observer:
                     parking.root_forward_code = getattr(forward, "__code__", None)
                 self._handles.append(handle)
             else:
-                hook = ForwardHook(context, index, self.compiled_capture)
+                hook = self._forward_hook(index, self.names[index])
                 handle = module.register_forward_hook(hook)
                 self._handles.append(handle)
                 parking.parkable.append((module._forward_hooks, handle.id, hook))
@@ -327,6 +327,12 @@ class Observer:
                     continue
                 for (index, call, _, path), forward, next_sample, _ in hits:
                     self.context.on_nonfinite(forward, index, call, path, next_sample)
+            store = self.store
+            if self.compiled_capture is not None and store.compiled_through >= 0:
+                measured = store.compiled_measured
+                self.capture.modules_called.update(key[0] for key in measured)
+                self.compiled_capture.note_measured(measured, store.compiled_through)
+                store.compiled_measured = set()
 
     # ------------------------------------------------------------------ report
     def build_report(self, *, block: bool = True) -> dict[str, Any]:
@@ -407,6 +413,22 @@ class Observer:
             self.parents_adopted[name] = parent_name
         self._adopt_attention_callers(root, observed)
 
+    def adopt_attention_callers(self) -> None:
+        """Observe, from the next sample on, the unobserved modules that called
+        ``scaled_dot_product_attention`` in sampled forwards so far (see
+        :meth:`_adopt_attention_callers`); :meth:`adopt_parents` does it too."""
+        root = self.root
+        if root is None or self.capture_direct_forwards:
+            return
+        self._adopt_attention_callers(root, {id(ref()) for ref in self._modules})
+
+    def _forward_hook(self, index: int, name: str) -> ForwardHook:
+        """The forward hook of module ``index`` (called ``name``), with its rows for the
+        capture inside compiled graphs."""
+        compiled = self.compiled_capture
+        rows = None if compiled is None else compiled.register(index, name)
+        return ForwardHook(self.context, index, compiled, rows)
+
     def _observe_from_now(self, name: str, module: nn.Module) -> None:
         """Add ``module`` (called ``name``) to the observed modules, with its forward
         hook (parkable, as the others)."""
@@ -414,7 +436,7 @@ class Observer:
         self.names.append(name)
         self._modules.append(weakref.ref(module))
         self.capture.plan_histograms(index, name)
-        hook = ForwardHook(self.context, index, self.compiled_capture)
+        hook = self._forward_hook(index, name)
         handle = module.register_forward_hook(hook)
         self._handles.append(handle)
         self.parking.parkable.append((module._forward_hooks, handle.id, hook))
