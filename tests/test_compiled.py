@@ -713,6 +713,42 @@ def test_blocks_compiled_before_injection_keep_their_names(tmp_path: Path) -> No
     assert modules == {"<root>", "blocks.0.fc", "blocks.1.fc", "head"}
 
 
+class LayerDropStack(BlockStack):
+    """:class:`BlockStack` whose blocks after the first are skipped where ``drop``."""
+
+    drop = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        for index, block in enumerate(self.blocks):
+            if not (self.drop and index):
+                x = block(x)
+        return self.head(x)
+
+
+def test_compiled_blocks_skipped_in_some_samples_lose_no_gradients(tmp_path: Path) -> None:
+    """LayerDrop: compiled blocks skipped in every other sampled step (one forward, one
+    backward each). A sample whose backward ran with nothing in the gradient sinks ran
+    no graph with taps: no gradient sample is counted lost, and the skipped blocks have
+    a gradient row in each step they ran."""
+    torch.manual_seed(0)
+    model = LayerDropStack(3)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    for block in model.blocks[1:]:
+        block.compile(backend="aot_eager")
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        model.drop = step % 2 == 1
+        model(torch.randn(4, 6, generator=generator)).square().mean().backward()
+    report = remove_observer_and_read(model, tmp_path)
+    coverage = report["coverage"]
+    assert coverage["compiled_capture"]["gradient_samples_lost"] == 0
+    assert "compiled_gradient_samples" not in coverage["limits_hit"]
+    series = written_series(tmp_path)
+    for name, samples in (("blocks.0.fc", [0, 1, 2, 3, 4, 5]), ("blocks.2.fc", [0, 2, 4])):
+        for signal in ("activation", "grad_output"):
+            assert [p[0] for p in series[(name, 0, signal, "output", "rms")]] == samples
+
+
 def test_two_sampled_forwards_before_one_backward_are_counted(tmp_path: Path) -> None:
     """Every forward sampled, two forwards before each backward: the first forward's
     output gradients inside the graph are not recorded, and the report counts it."""

@@ -313,9 +313,17 @@ class CompiledCapture:
                     self._allocate()
             if self._gradient_sample >= 0:
                 self.take_gradients(context.buffer)
-                if self._gradient_sample >= 0 and self._row_counts[GRAD_OUTPUT]:
-                    # No backward reached its taps before this sample: its output
-                    # gradients arrive with this sample's, and are not told apart.
+                previous = self._gradient_sample
+                if (
+                    previous >= 0
+                    and self._row_counts[GRAD_OUTPUT]
+                    and previous in context.awaiting_backward
+                ):
+                    # Its backward has not started (no output gradient reached the
+                    # eager hooks, the root's among them): its output gradients arrive
+                    # with this sample's, and are not told apart. A sample whose
+                    # backward ran with no gradient in the sinks ran no graph with taps
+                    # (a compiled block skipped, or run uncompiled): nothing is lost.
                     self.gradient_samples_lost += 1
             self._gradient_sample = -1
             self._calls = {}

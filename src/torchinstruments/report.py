@@ -123,7 +123,9 @@ def _limits_hit(
         limits.append("compiled_max_slots")
     if compiled.gradient_samples_lost:
         limits.append("compiled_gradient_samples")
-    if compiled.mode == "in_graph" and compiled.recompile_limit_hits:
+    if compiled.recompile_limit_hits and not compiled.mode.startswith("off"):
+        # Also where no graph of this model was captured: code that reached the limit
+        # (another model's, or this one's) may be what left it uncompiled.
         limits.append("torch_compile_recompile_limit")
     return limits
 
