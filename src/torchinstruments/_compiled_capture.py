@@ -166,7 +166,6 @@ class CompiledCapture:
         #: Row within a module's rows by (signal, call index, tensor path), the same for
         #: every module; assigned while tracing.
         self.rows: dict[tuple[str, int, str], int] = {}
-        self._row_counts: dict[str, int] = {ACTIVATION: 0, GRAD_OUTPUT: 0}
         #: True inside a sampled root forward. Traced code reads it, so Dynamo guards on
         #: it: a model has one compiled graph with the reductions (sampled forwards) and
         #: one without, each compiled once and chosen by its guard at every call.
@@ -249,14 +248,17 @@ class CompiledCapture:
         row_key = (signal, call, path)
         row = self.rows.get(row_key)
         if row is None:
-            row = self._row_counts[signal]
+            row = len(self._rows_of(signal))
             if row >= ROWS_PER_MODULE:
                 self.slots_dropped += 1
                 return -1
-            self._row_counts[signal] = row + 1
             self.rows[row_key] = row
         self.traced_modules.add(index)
         return row
+
+    def _rows_of(self, signal: str) -> list[tuple[int, int, str]]:
+        """(row, call index, tensor path) of each row of ``signal`` traced so far."""
+        return [(row, call, path) for (s, call, path), row in self.rows.items() if s == signal]
 
     # ---------------------------------------------------------------- allocation
     def _allocate(self) -> None:
@@ -286,17 +288,21 @@ class CompiledCapture:
         self._owners = {}
         for index, hook_rows in self._hook_rows.items():
             for device, buffer in self.buffers.items():
-                sink = hook_rows[device][1] if device in hook_rows else None
-                if sink is None:
-                    sink = torch.zeros(
+                entry = hook_rows.get(device)
+                sink = (
+                    entry[1]
+                    if entry is not None
+                    else torch.zeros(
                         ROWS_PER_MODULE,
                         STAT_WIDTH,
                         dtype=torch.float64,
                         device=device,
                         requires_grad=True,
                     )
-                hook_rows[device] = (buffer[index], sink)
-                self._owners[id(hook_rows[device][0])] = index
+                )
+                rows = buffer[index]
+                hook_rows[device] = (rows, sink)
+                self._owners[id(rows)] = index
         self._order = _post_order(model, self._names)
         self._count = count
         self._allocated = len(self._hook_rows)
@@ -316,7 +322,7 @@ class CompiledCapture:
                 previous = self._gradient_sample
                 if (
                     previous >= 0
-                    and self._row_counts[GRAD_OUTPUT]
+                    and self._rows_of(GRAD_OUTPUT)
                     and previous in context.awaiting_backward
                 ):
                     # Its backward has not started (no output gradient reached the
@@ -352,7 +358,7 @@ class CompiledCapture:
 
     def _take_activations(self, context: ForwardContext) -> None:
         sample = context.sample
-        taken = [(r, call, path) for (s, call, path), r in self.rows.items() if s == ACTIVATION]
+        taken = self._rows_of(ACTIVATION)
         if not taken or not self.buffers:
             return
         count = self._count
@@ -379,39 +385,30 @@ class CompiledCapture:
         sample = self._gradient_sample
         if sample < 0:
             return
-        taken = [(r, call, path) for (s, call, path), r in self.rows.items() if s == GRAD_OUTPUT]
-        grads: list[tuple[int, Tensor]] = []
+        taken = self._rows_of(GRAD_OUTPUT)
+        by_device: dict[str, list[tuple[int, Tensor]]] = {}
         for index in self._order:
-            for _, sink in self._hook_rows[index].values():
+            for device, (_, sink) in self._hook_rows[index].items():
                 grad = sink.grad
                 if grad is not None:
-                    grads.append((index, grad))
+                    by_device.setdefault(device, []).append((index, grad))
                     sink.grad = None
-        if not grads:
+        if not by_device:
             return
         self._gradient_sample = -1
         pending = buffer.pending
-        by_device: dict[str, Tensor] = {}
-        with torch.no_grad():
-            for device in {str(grad.device) for _, grad in grads}:
-                on_device = [g for _, g in grads if str(g.device) == device]
-                by_device[device] = torch.stack(on_device)
-        rows_by_device = {
-            device: {r: stacked[:, r].unbind(0) for r, _, _ in taken}
-            for device, stacked in by_device.items()
-        }
-        seen: dict[str, int] = dict.fromkeys(by_device, 0)
-        for index, grad in grads:
-            device = str(grad.device)
-            position = seen[device]
-            seen[device] = position + 1
-            for r, call, path in taken:
-                key = (index, call, GRAD_OUTPUT, path)
-                row = rows_by_device[device][r][position]
-                pending.append(CompiledStatistics(key, sample, -1, row))
+        stacks: dict[str, Tensor] = {}
+        for device, grads in by_device.items():
+            with torch.no_grad():
+                stacked = stacks[device] = torch.stack([grad for _, grad in grads])
+            by_row = {r: stacked[:, r].unbind(0) for r, _, _ in taken}
+            for position, (index, _) in enumerate(grads):
+                for r, call, path in taken:
+                    key = (index, call, GRAD_OUTPUT, path)
+                    pending.append(CompiledStatistics(key, sample, -1, by_row[r][position]))
         if self._first_sample < 0:
             self._first_sample = sample
-        _note_streams(buffer, by_device)
+        _note_streams(buffer, stacks)
 
     def note_measured(self, keys: set[_Key], processed_through: int) -> None:
         """After a flush: ``keys`` held elements in rows from graphs; every sample up to

@@ -95,7 +95,4 @@ def sample_order(record: Record) -> int:
     """Sort key that puts each series' rows in sample order: the sample of statistics
     and histogram counts, -1 (first) for sentinel sums and loss scales, which belong
     to no series. Sorting is stable, so sentinel sums keep their forward order."""
-    kind = type(record)
-    if kind is Statistics or kind is CompiledStatistics:
-        return record.sample  # type: ignore[union-attr]
-    return record.sample if kind is HistogramCounts else -1  # type: ignore[union-attr]
+    return record.sample if isinstance(record, Statistics | HistogramCounts) else -1
