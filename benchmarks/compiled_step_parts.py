@@ -3,6 +3,7 @@
     python benchmarks/compiled_step_parts.py                       # inductor, 3 copies each
     python benchmarks/compiled_step_parts.py --backend aot_eager --copies 2 --blocks 12
     python benchmarks/compiled_step_parts.py --model gpt2 --copies 2   # needs transformers
+    python benchmarks/compiled_step_parts.py --model gpt2 --compile blocks --copies 2
 
 Copies of a model, each compiled with ``torch.compile(backend=...)`` and trained in
 interleaved blocks of ``--steps`` steps, one CPU thread, after 1,600 warm-up steps (the
@@ -13,6 +14,13 @@ default schedule's steady state). Models (``--model``):
 - ``gpt2``: a ``transformers`` ``GPT2LMHeadModel`` from a small config (4 layers of
   width 128, 4 heads, vocabulary 512, dropout 0, random init), batch 8 of 64 tokens,
   the next-token cross-entropy, SGD.
+
+What is compiled (``--compile``): ``model`` (default), ``torch.compile(model)``; or
+``blocks``, each block compiled on its own (``block.compile()``: the example's
+``blocks``, GPT-2's ``transformer.h``), the rest eager, as large models are often
+compiled. Blocks of one class share one code object, so every copy's blocks share
+its compiled entries; ``recompile_limit`` is raised to 64 for them, and the number of
+times Dynamo still reached a limit is printed (it should be 0).
 
 Kinds of copy:
 
@@ -61,7 +69,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -70,7 +78,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchinstruments import inject_observer, remove_observer
-from torchinstruments.capture import ForwardHook
+from torchinstruments.capture import ForwardHook, recompile_limit_hits
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 WARMUP_STEPS = 1_600  # the default schedule reaches its steady interval by then
@@ -154,6 +162,7 @@ def _make_copy(
     directory: Path,
     model_name: str,
     reference: nn.Module | None = None,
+    compile_what: str = "model",
 ) -> tuple[Callable[[], None], nn.Module]:
     torch.manual_seed(0)
     model = _own_class(base, number)()
@@ -175,7 +184,14 @@ def _make_copy(
         inject_observer(model, output_dir=directory / f"one-{number}", sampling=10**9)
     elif kind == "observer, default":
         inject_observer(model, output_dir=directory / f"default-{number}")
-    compiled: Any = torch.compile(model, backend=backend)
+    compiled: Any
+    if compile_what == "blocks":
+        blocks = model.transformer.h if model_name == "gpt2" else model.blocks
+        for block in cast(nn.ModuleList, blocks):
+            block.compile(backend=backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)
     if model_name == "gpt2":
@@ -206,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="training steps per block")
     parser.add_argument("--model", choices=("example", "gpt2"), default="example")
     parser.add_argument(
+        "--compile",
+        choices=("model", "blocks"),
+        default="model",
+        help="compile the whole model, or each block on its own",
+    )
+    parser.add_argument(
         "--kinds",
         default=",".join(KIND_NAMES),
         help=f"comma-separated kinds of copy, plain among them (default: {','.join(KIND_NAMES)})",
@@ -223,9 +245,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     kinds = [KIND_NAMES[name] for name in names]
     torch.set_num_threads(1)
+    if args.compile == "blocks":
+        from torch._dynamo import config
+
+        config.recompile_limit = 64
     base = _gpt2_class() if args.model == "gpt2" else _example_class()
     with tempfile.TemporaryDirectory() as tmp:
-        warm, reference = _make_copy("plain", 0, base, args.backend, Path(tmp), args.model)
+        warm, reference = _make_copy(
+            "plain", 0, base, args.backend, Path(tmp), args.model, compile_what=args.compile
+        )
         for _ in range(WARMUP_STEPS // 4):
             warm()
         copies: list[tuple[str, Callable[[], None], nn.Module]] = []
@@ -234,7 +262,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             for offset, kind in enumerate(made):
                 number = 1 + round_ * len(kinds) + offset
                 step, model = _make_copy(
-                    kind, number, base, args.backend, Path(tmp), args.model, reference
+                    kind,
+                    number,
+                    base,
+                    args.backend,
+                    Path(tmp),
+                    args.model,
+                    reference,
+                    args.compile,
                 )
                 for _ in range(WARMUP_STEPS):
                     step()
@@ -250,11 +285,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             # copy's own offset, which then cancels out of the quotient below.
             removed_times = _time_rounds(copies, args.blocks, args.steps, seed=1)
     print(
-        f"{args.model}: torch {torch.__version__}, backend {args.backend}, {args.copies} "
+        f"{args.model} ({'each block' if args.compile == 'blocks' else 'whole model'} "
+        f"compiled): torch {torch.__version__}, backend {args.backend}, {args.copies} "
         f"copies of each kind sharing one set of parameters, {args.blocks} rounds of "
         f"{args.steps} steps per copy, 1 thread"
     )
     ratios = _print_ratios(copies, times, kinds)
+    print(f"recompile limit reached: {recompile_limit_hits()} times")
     plain_indices = [index for index, (kind, _, _) in enumerate(copies) if kind == "plain"]
     if len(plain_indices) >= 2:
         first, second = (times[index] for index in plain_indices[:2])

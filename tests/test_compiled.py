@@ -749,28 +749,105 @@ def test_compiled_blocks_skipped_in_some_samples_lose_no_gradients(tmp_path: Pat
             assert [p[0] for p in series[(name, 0, signal, "output", "rms")]] == samples
 
 
-def test_two_sampled_forwards_before_one_backward_are_counted(tmp_path: Path) -> None:
-    """Every forward sampled, two forwards before each backward: the first forward's
-    output gradients inside the graph are not recorded, and the report counts it."""
-    torch.manual_seed(0)
-    model = CompileNet()
-    inject_observer(model, output_dir=tmp_path, sampling=1)
-    compiled = cast(nn.Module, torch.compile(model, backend="aot_eager"))
+def forwards_then_one_backward(
+    model: nn.Module,
+    steps: int,
+    forwards: int,
+    after_first_step: Callable[[], None] | None = None,
+) -> list[float]:
+    """``steps`` SGD steps of ``forwards`` forwards each (views of one batch, as in
+    contrastive training) and one backward of their summed losses; the losses.
+    ``after_first_step`` is called once the first step is done."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        losses = [
-            compiled(torch.randn(4, 6, generator=generator)).square().mean() for _ in range(2)
-        ]
-        torch.stack(losses).sum().backward()
-    report = remove_observer_and_read(model, tmp_path)
-    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 2
-    assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
-    index = (tmp_path / "index.md").read_text()
-    assert (
-        "- torch.compile: 6 (module, call, signal, tensor path) measured inside compiled "
-        "graphs; not measured there: histograms, the full sentinel, output gradients of 2 "
-        "samples." in index
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        views = [model(torch.randn(4, 6, generator=generator)) for _ in range(forwards)]
+        loss = torch.stack([view.square().mean() for view in views]).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if step == 0 and after_first_step is not None:
+            after_first_step()
+    return losses
+
+
+def observe_views(
+    directory: Path, forwards: int, steps: int = 3
+) -> tuple[Series, Series, dict[str, Any], int]:
+    """:class:`CompileNet` trained by :func:`forwards_then_one_backward`, every forward
+    sampled, observed eagerly and compiled (aot_eager), training bit-identical to the
+    compiled twin's: the eager and compiled series, the compiled run's report and the
+    graphs compiled after the first step."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base = CompileNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=directory / "eager", sampling=1)
+    forwards_then_one_backward(eager, steps, forwards)
+    remove_observer(eager)
+    inject_observer(observed, output_dir=directory / "compiled", sampling=1)
+    graphs: list[int] = []
+    losses = forwards_then_one_backward(
+        aot_eager(observed),
+        steps,
+        forwards,
+        lambda: graphs.append(counters["stats"]["unique_graphs"]),
     )
+    later_graphs = counters["stats"]["unique_graphs"] - graphs[0]
+    report = remove_observer_and_read(observed, directory / "compiled")
+    assert losses == forwards_then_one_backward(aot_eager(twin), steps, forwards)
+    assert_same_model(observed, twin)
+    return (
+        written_series(directory / "eager"),
+        written_series(directory / "compiled"),
+        report,
+        later_graphs,
+    )
+
+
+def test_two_sampled_forwards_before_one_backward_keep_their_gradients_apart(
+    tmp_path: Path,
+) -> None:
+    """Every forward sampled, two forwards before each backward: each sample has
+    gradient sinks of its own (the second gradient set is made for the second sample,
+    and handing the hooks either set compiles nothing again), so every sample's output
+    gradients are recorded and equal the eager path's; none is counted lost."""
+    eager, compiled, report, later_graphs = observe_views(tmp_path, forwards=2)
+    assert later_graphs == 0
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 0
+    assert "compiled_gradient_samples" not in report["coverage"]["limits_hit"]
+    gradients = {key: points for key, points in compiled.items() if key[2] == "grad_output"}
+    assert {key[0] for key in gradients} == {"<root>", "fc1", "act", "fc2"}
+    for key, points in gradients.items():
+        assert [point[0] for point in points] == [0, 1, 2, 3, 4, 5], key
+    assert_same_telemetry(eager, compiled)
+
+
+def test_more_sampled_forwards_than_gradient_sets_before_one_backward_are_counted(
+    tmp_path: Path,
+) -> None:
+    """Six sampled forwards before each backward, four gradient sets: the fifth and sixth
+    samples take the sets of the first and second, whose gradients then mix two
+    samples' and are not recorded (four samples counted lost a step, said in the
+    report); the third and fourth samples' output gradients are recorded, equal to the
+    eager path's."""
+    from torchinstruments._compiled_capture import MAX_GRADIENT_SETS
+
+    assert MAX_GRADIENT_SETS == 4
+    eager, compiled, report, _ = observe_views(tmp_path, forwards=6, steps=2)
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 2 * 4
+    assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
+    recorded = [2, 3, 8, 9]
+    for key, points in compiled.items():
+        if key[2] == "grad_output" and key[0] != "<root>":
+            assert [point[0] for point in points] == recorded, key
+            expected = [point for point in eager[key] if point[0] in recorded]
+            assert_same_telemetry({key: expected}, {key: points})
+    index = (tmp_path / "compiled" / "index.md").read_text()
+    assert "output gradients of 8 samples." in index
 
 
 def test_injecting_into_a_model_never_compiled_invalidates_nothing(tmp_path: Path) -> None:

@@ -40,7 +40,10 @@ returns (:meth:`CompiledCapture.end_sample`) one device copy of each device's bu
 becomes that sample's pending rows in the statistics buffer, one per observed module and
 (call index, tensor path) that any graph traced; once its backward has run, the next
 flush or sampled forward takes the sinks' gradients as its output-gradient rows
-(:meth:`CompiledCapture.take_gradients`). Nothing is read back to the host inside a
+(:meth:`CompiledCapture.take_gradients`). Each sample whose backward is still to come
+has sinks of its own (a gradient set; the hooks are handed the sinks of a free one when
+a sample opens, tensors of the same shapes, so nothing recompiles): two sampled forwards
+before one backward keep their output gradients apart. Nothing is read back to the host inside a
 forward. A row that no graph wrote in a sample (a module that ran eagerly, or not at
 all) counts 0 elements and is left out by the series store, which also tells the
 observer which modules the graphs did run (:meth:`CompiledCapture.note_measured`):
@@ -49,9 +52,10 @@ parents are adopted only once those are known (:attr:`CompiledCapture.modules_kn
 What is not captured inside compiled graphs: histograms, the full sentinel and attention
 logits (counted, see ``_attention.py``); calls of one module beyond ``ROWS_PER_MODULE``
 (call index, tensor path) rows per signal in a frame (counted); output gradients of
-outputs that are other containers (counted); output gradients of a sample whose
-backward ran only after the next sampled forward (two sampled forwards before one
-backward); output gradients of a compiled frame that a reentrant checkpoint recomputes
+outputs that are other containers (counted); output gradients of samples whose
+backward ran after more than ``MAX_GRADIENT_SETS`` sampled forwards in all (each
+sample's sinks are a gradient set of their own; counted); output gradients of a
+compiled frame that a reentrant checkpoint recomputes
 (``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
 backward, after the sample, and takes the unsampled graph). A frame traced under
 saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph breaks, observed
@@ -103,6 +107,10 @@ __all__ = [
 #: tensor path) pairs a frame may reduce per module; further ones are counted under
 #: ``slots_dropped``.
 ROWS_PER_MODULE = 16
+#: Gradient sets (each module's gradient sinks) at most: so many sampled forwards may
+#: run before their backward passes and keep their output-gradient rows apart (two
+#: views of a batch, each a forward, and one backward of the summed loss).
+MAX_GRADIENT_SETS = 4
 #: Signal name under which :func:`traced_activation` counts an untapped gradient.
 _UNTAPPED = "untapped"
 
@@ -138,8 +146,9 @@ class CompiledCapture:
     context; it holds no reference to either. Each observed module registers once
     (:meth:`register`) and gets a dict that its hook holds: for each device, a
     ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 view of that device's activation buffer
-    (written by the forward graph) and a leaf of the same shape (the gradient the
-    backward graph computes for it holds the output-gradient rows). Row ``j`` of either
+    (written by the forward graph) and a leaf of the same shape, the gradient sink of
+    the sample's gradient set (the gradient the backward graph computes for it holds
+    the output-gradient rows). Row ``j`` of either
     means the same (call index, tensor path) for every module (:attr:`rows`).
     """
 
@@ -183,14 +192,23 @@ class CompiledCapture:
         #: ``torch.utils.checkpoint`` recomputes), left graph breaks: see
         #: :func:`_recomputable`.
         self.calls_under_saved_tensor_hooks = 0
-        #: Sampled forwards whose output gradients no backward took before the next
-        #: sampled forward (two sampled forwards before one backward): not recorded.
+        #: Sampled forwards whose output gradients are not recorded: more than
+        #: ``MAX_GRADIENT_SETS`` sampled forwards before their backward passes, so
+        #: that two samples' gradients met in one gradient set.
         self.gradient_samples_lost = 0
         # Calls traced per (module, signal, path) in this sample and trace.
         self._calls: dict[tuple[int, str, str], int] = {}
         self._trace: object = None
-        #: The sample whose output-gradient rows :meth:`take_gradients` takes (-1: none).
-        self._gradient_sample = -1
+        #: Each module's gradient sinks by device, one per gradient set: set ``k`` holds
+        #: the output-gradient rows of the sample in ``_set_samples[k]``.
+        self._sinks: dict[int, dict[str, list[Tensor]]] = {}
+        #: Per gradient set, the sample whose backward fills it (-1: free), and whether
+        #: it was taken again while that sample waited (its gradients are then mixed).
+        self._set_samples: list[int] = [-1]
+        self._set_mixed: list[bool] = [False]
+        #: The gradient set the hooks hold now, and the one the open sample uses.
+        self._current_set = 0
+        self._sample_set = -1
         #: The first sample with rows from graphs (-1: none yet), and whether a flush
         #: has read it: until then it is not known which modules the graphs ran.
         self._first_sample = -1
@@ -287,21 +305,13 @@ class CompiledCapture:
             )
         self._owners = {}
         for index, hook_rows in self._hook_rows.items():
+            sinks = self._sinks.setdefault(index, {})
             for device, buffer in self.buffers.items():
-                entry = hook_rows.get(device)
-                sink = (
-                    entry[1]
-                    if entry is not None
-                    else torch.zeros(
-                        ROWS_PER_MODULE,
-                        STAT_WIDTH,
-                        dtype=torch.float64,
-                        device=device,
-                        requires_grad=True,
-                    )
-                )
+                sets = sinks.setdefault(device, [])
+                while len(sets) < len(self._set_samples):
+                    sets.append(_new_sink(device))
                 rows = buffer[index]
-                hook_rows[device] = (rows, sink)
+                hook_rows[device] = (rows, sets[self._current_set])
                 self._owners[id(rows)] = index
         self._order = _post_order(model, self._names)
         self._count = count
@@ -309,29 +319,17 @@ class CompiledCapture:
 
     # ---------------------------------------------------------------- run time
     def begin_sample(self, context: ForwardContext) -> None:
-        """A sampled forward opens (after its sample index was taken): the previous
-        sample's gradient rows go to ``context.buffer``, then the rows are cleared, so
-        that rows no graph writes in this sample (a module not called) count 0
+        """A sampled forward opens (after its sample index was taken): the gradient rows
+        of earlier samples whose backward ran go to ``context.buffer``, the hooks get a
+        free gradient set (see :meth:`_choose_gradient_set`), then the rows are cleared,
+        so that rows no graph writes in this sample (a module not called) count 0
         elements. Never raises: an error is counted, and the sample runs without."""
         try:
             if self._allocated != len(self._hook_rows) and _status == "ready":
                 with passive():  # made under a user's dispatch mode, it would see them
                     self._allocate()
-            if self._gradient_sample >= 0:
-                self.take_gradients(context.buffer)
-                previous = self._gradient_sample
-                if (
-                    previous >= 0
-                    and self._rows_of(GRAD_OUTPUT)
-                    and previous in context.awaiting_backward
-                ):
-                    # Its backward has not started (no output gradient reached the
-                    # eager hooks, the root's among them): its output gradients arrive
-                    # with this sample's, and are not told apart. A sample whose
-                    # backward ran with no gradient in the sinks ran no graph with taps
-                    # (a compiled block skipped, or run uncompiled): nothing is lost.
-                    self.gradient_samples_lost += 1
-            self._gradient_sample = -1
+            self.take_gradients(context.buffer, context.awaiting_backward)
+            self._sample_set = self._choose_gradient_set()
             self._calls = {}
             self._trace = None
             if self.rows:
@@ -342,6 +340,38 @@ class CompiledCapture:
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
 
+    def _choose_gradient_set(self) -> int:
+        """The gradient set for the sample that opens, handed to the hooks: the one they
+        hold if it is free, else another free one, else a new one (up to
+        ``MAX_GRADIENT_SETS``), else the set of the oldest sample still waiting for its
+        backward; the gradients of that set would mix both samples' and are then
+        dropped (both samples counted in ``gradient_samples_lost``)."""
+        samples = self._set_samples
+        chosen = self._current_set
+        if samples[chosen] >= 0:
+            free = [k for k, sample in enumerate(samples) if sample < 0]
+            if free:
+                chosen = free[0]
+            elif len(samples) < MAX_GRADIENT_SETS:
+                chosen = len(samples)
+                samples.append(-1)
+                self._set_mixed.append(False)
+                with torch.no_grad(), passive():
+                    for by_device in self._sinks.values():
+                        for device, sets in by_device.items():
+                            sets.append(_new_sink(device))
+            else:
+                chosen = min(range(len(samples)), key=samples.__getitem__)
+                self._set_mixed[chosen] = True
+                self.gradient_samples_lost += 1  # its sample's gradients mix with the next
+        if chosen != self._current_set:
+            self._current_set = chosen
+            for index, hook_rows in self._hook_rows.items():
+                by_device = self._sinks.get(index, {})
+                for device, (rows, _) in hook_rows.items():
+                    hook_rows[device] = (rows, by_device[device][chosen])
+        return chosen
+
     def end_sample(self, context: ForwardContext) -> None:
         """The root of the open sample returned: one device copy of each activation
         buffer becomes pending rows of ``context.buffer`` (read at its next flush), in
@@ -350,7 +380,9 @@ class CompiledCapture:
         if not self.active:
             return
         self.active = False
-        self._gradient_sample = context.sample
+        if self._sample_set >= 0:
+            self._set_samples[self._sample_set] = context.sample
+            self._sample_set = -1
         try:
             self._take_activations(context)
         except Exception as error:  # never break training
@@ -378,31 +410,67 @@ class CompiledCapture:
             self._first_sample = sample
         _note_streams(context.buffer, copies)
 
-    def take_gradients(self, buffer: StatisticsBuffer) -> None:
-        """The output-gradient rows that the backward of the last sampled forward put
-        into the sinks' gradients, as pending rows of ``buffer``; nothing (and the
-        sample still waits) while no backward reached a gradient tap."""
-        sample = self._gradient_sample
-        if sample < 0:
-            return
+    def take_gradients(self, buffer: StatisticsBuffer, awaiting: dict[int, None]) -> None:
+        """The output-gradient rows that backward passes put into the sinks' gradients,
+        as pending rows of ``buffer``, per gradient set in sample order.
+
+        A set stays in use while its sample is in ``awaiting`` (the context's samples
+        whose backward has not started) and no gradient reached it. One whose sample's
+        backward ran with nothing in its sinks ran no graph with taps (a compiled block
+        skipped, or run uncompiled past the recompile limit) and is freed, as is one
+        whose sample is older than a sample taken (a later backward ran first: it had
+        no backward, a forward with gradients on whose loss was never used)."""
+        samples = self._set_samples
         taken = self._rows_of(GRAD_OUTPUT)
+        newest = -1
+        for chosen in sorted(
+            (k for k, sample in enumerate(samples) if sample >= 0), key=samples.__getitem__
+        ):
+            sample = samples[chosen]
+            grads = self._take_set(chosen)
+            if grads:
+                samples[chosen] = -1
+                newest = sample
+                if self._set_mixed[chosen]:
+                    self._set_mixed[chosen] = False
+                    self.gradient_samples_lost += 1
+                    continue
+                self._append_gradients(buffer, sample, grads, taken)
+            elif sample not in awaiting:
+                samples[chosen] = -1
+                self._set_mixed[chosen] = False
+        for chosen, sample in enumerate(samples):
+            if 0 <= sample < newest:
+                samples[chosen] = -1
+                self._set_mixed[chosen] = False
+
+    def _take_set(self, chosen: int) -> dict[str, list[tuple[int, Tensor]]]:
+        """The gradients of gradient set ``chosen``'s sinks, by device, in module order
+        (and the sinks' gradients cleared)."""
         by_device: dict[str, list[tuple[int, Tensor]]] = {}
         for index in self._order:
-            for device, (_, sink) in self._hook_rows[index].items():
+            for device, sets in self._sinks.get(index, {}).items():
+                sink = sets[chosen]
                 grad = sink.grad
                 if grad is not None:
                     by_device.setdefault(device, []).append((index, grad))
                     sink.grad = None
-        if not by_device:
-            return
-        self._gradient_sample = -1
+        return by_device
+
+    def _append_gradients(
+        self,
+        buffer: StatisticsBuffer,
+        sample: int,
+        grads: dict[str, list[tuple[int, Tensor]]],
+        taken: list[tuple[int, int, str]],
+    ) -> None:
         pending = buffer.pending
         stacks: dict[str, Tensor] = {}
-        for device, grads in by_device.items():
+        for device, by_module in grads.items():
             with torch.no_grad():
-                stacked = stacks[device] = torch.stack([grad for _, grad in grads])
+                stacked = stacks[device] = torch.stack([grad for _, grad in by_module])
             by_row = {r: stacked[:, r].unbind(0) for r, _, _ in taken}
-            for position, (index, _) in enumerate(grads):
+            for position, (index, _) in enumerate(by_module):
                 for r, call, path in taken:
                     key = (index, call, GRAD_OUTPUT, path)
                     pending.append(CompiledStatistics(key, sample, -1, by_row[r][position]))
@@ -432,6 +500,14 @@ def _post_order(model: nn.Module, names: dict[int, str]) -> list[int]:
         rank.setdefault(stack.pop(), len(rank))
     last = len(rank)
     return sorted(names, key=lambda index: (rank.get(names[index], last), index))
+
+
+def _new_sink(device: str) -> Tensor:
+    """A gradient sink: a zero ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 leaf on ``device``
+    that requires grad (the backward graph computes its gradient, the rows)."""
+    return torch.zeros(
+        ROWS_PER_MODULE, STAT_WIDTH, dtype=torch.float64, device=device, requires_grad=True
+    )
 
 
 def _note_streams(buffer: StatisticsBuffer, copies: dict[str, Tensor]) -> None:
