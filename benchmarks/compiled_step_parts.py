@@ -186,7 +186,7 @@ def _make_copy(
         inject_observer(model, output_dir=directory / f"default-{number}")
     compiled: Any
     if compile_what == "blocks":
-        blocks = model.transformer.h if model_name == "gpt2" else model.blocks
+        blocks = model.get_submodule("transformer.h" if model_name == "gpt2" else "blocks")
         for block in cast(nn.ModuleList, blocks):
             block.compile(backend=backend)
         compiled = model
