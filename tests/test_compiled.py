@@ -777,9 +777,9 @@ def observe_views(
     directory: Path, forwards: int, steps: int = 3
 ) -> tuple[Series, Series, dict[str, Any], int]:
     """:class:`CompileNet` trained by :func:`forwards_then_one_backward`, every forward
-    sampled, observed eagerly and compiled (aot_eager), training bit-identical to the
-    compiled twin's: the eager and compiled series, the compiled run's report and the
-    graphs compiled after the first step."""
+    sampled, observed eagerly (nothing counted lost) and compiled (aot_eager), training
+    bit-identical to the compiled twin's: the eager and compiled series, the compiled
+    run's report and the graphs compiled after the first step."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -787,7 +787,10 @@ def observe_views(
     eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     inject_observer(eager, output_dir=directory / "eager", sampling=1)
     forwards_then_one_backward(eager, steps, forwards)
-    remove_observer(eager)
+    eager_report = remove_observer_and_read(eager, directory / "eager")
+    # Eagerly nothing is lost, however many forwards precede the backward.
+    assert eager_report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 0
+    assert "compiled_gradient_samples" not in eager_report["coverage"]["limits_hit"]
     inject_observer(observed, output_dir=directory / "compiled", sampling=1)
     graphs: list[int] = []
     losses = forwards_then_one_backward(

@@ -194,18 +194,18 @@ class CompiledCapture:
         self.calls_under_saved_tensor_hooks = 0
         #: Sampled forwards whose output gradients are not recorded: more than
         #: ``MAX_GRADIENT_SETS`` sampled forwards before their backward passes, so
-        #: that two samples' gradients met in one gradient set.
+        #: that the backward passes of two samples sharing a gradient set both ran
+        #: before a flush or the next sampled forward took the set's gradients.
         self.gradient_samples_lost = 0
         # Calls traced per (module, signal, path) in this sample and trace.
         self._calls: dict[tuple[int, str, str], int] = {}
         self._trace: object = None
         #: Each module's gradient sinks by device, one per gradient set: set ``k`` holds
-        #: the output-gradient rows of the sample in ``_set_samples[k]``.
+        #: the output-gradient rows of the samples in ``_set_holders[k]``.
         self._sinks: dict[int, dict[str, list[Tensor]]] = {}
-        #: Per gradient set, the sample whose backward fills it (-1: free), and whether
-        #: it was taken again while that sample waited (its gradients are then mixed).
-        self._set_samples: list[int] = [-1]
-        self._set_mixed: list[bool] = [False]
+        #: Per gradient set, the samples whose backward fills it, oldest first (empty:
+        #: free); more than one only once every set was in use.
+        self._set_holders: list[list[int]] = [[]]
         #: The gradient set the hooks hold now, and the one the open sample uses.
         self._current_set = 0
         self._sample_set = -1
@@ -308,7 +308,7 @@ class CompiledCapture:
             sinks = self._sinks.setdefault(index, {})
             for device, buffer in self.buffers.items():
                 sets = sinks.setdefault(device, [])
-                while len(sets) < len(self._set_samples):
+                while len(sets) < len(self._set_holders):
                     sets.append(_new_sink(device))
                 rows = buffer[index]
                 hook_rows[device] = (rows, sets[self._current_set])
@@ -343,27 +343,24 @@ class CompiledCapture:
     def _choose_gradient_set(self) -> int:
         """The gradient set for the sample that opens, handed to the hooks: the one they
         hold if it is free, else another free one, else a new one (up to
-        ``MAX_GRADIENT_SETS``), else the set of the oldest sample still waiting for its
-        backward; the gradients of that set would mix both samples' and are then
-        dropped (both samples counted in ``gradient_samples_lost``)."""
-        samples = self._set_samples
+        ``MAX_GRADIENT_SETS``), else the one whose newest sample is the oldest; that set
+        then fills for two samples, whose gradients :meth:`take_gradients` tells apart
+        only if one backward ran before the other's did."""
+        holders = self._set_holders
         chosen = self._current_set
-        if samples[chosen] >= 0:
-            free = [k for k, sample in enumerate(samples) if sample < 0]
+        if holders[chosen]:
+            free = [k for k, held in enumerate(holders) if not held]
             if free:
                 chosen = free[0]
-            elif len(samples) < MAX_GRADIENT_SETS:
-                chosen = len(samples)
-                samples.append(-1)
-                self._set_mixed.append(False)
+            elif len(holders) < MAX_GRADIENT_SETS:
+                chosen = len(holders)
+                holders.append([])
                 with torch.no_grad(), passive():
                     for by_device in self._sinks.values():
                         for device, sets in by_device.items():
                             sets.append(_new_sink(device))
             else:
-                chosen = min(range(len(samples)), key=samples.__getitem__)
-                self._set_mixed[chosen] = True
-                self.gradient_samples_lost += 1  # its sample's gradients mix with the next
+                chosen = min(range(len(holders)), key=lambda k: holders[k][-1])
         if chosen != self._current_set:
             self._current_set = chosen
             for index, hook_rows in self._hook_rows.items():
@@ -381,7 +378,7 @@ class CompiledCapture:
             return
         self.active = False
         if self._sample_set >= 0:
-            self._set_samples[self._sample_set] = context.sample
+            self._set_holders[self._sample_set].append(context.sample)
             self._sample_set = -1
         try:
             self._take_activations(context)
@@ -414,35 +411,38 @@ class CompiledCapture:
         """The output-gradient rows that backward passes put into the sinks' gradients,
         as pending rows of ``buffer``, per gradient set in sample order.
 
-        A set stays in use while its sample is in ``awaiting`` (the context's samples
-        whose backward has not started) and no gradient reached it. One whose sample's
-        backward ran with nothing in its sinks ran no graph with taps (a compiled block
-        skipped, or run uncompiled past the recompile limit) and is freed, as is one
-        whose sample is older than a sample taken (a later backward ran first: it had
-        no backward, a forward with gradients on whose loss was never used)."""
-        samples = self._set_samples
+        ``awaiting`` holds the context's samples whose backward has not started. A set
+        with gradients is the sample's whose backward started (the only one, or the
+        one the set holds alone); where the backward passes of two samples that share
+        the set both started, their gradients are summed in it and not recorded
+        (counted in :attr:`gradient_samples_lost`). A sample whose backward ran with
+        nothing in its sinks ran no graph with taps (a compiled block skipped, or run
+        uncompiled past the recompile limit) and leaves its set, as does one older than
+        a sample taken (a later backward ran first: it had no backward, a forward with
+        gradients on whose loss was never used)."""
+        holders = self._set_holders
         taken = self._rows_of(GRAD_OUTPUT)
         newest = -1
         for chosen in sorted(
-            (k for k, sample in enumerate(samples) if sample >= 0), key=samples.__getitem__
+            (k for k, held in enumerate(holders) if held), key=holders.__getitem__
         ):
-            sample = samples[chosen]
+            held = holders[chosen]
             grads = self._take_set(chosen)
-            if grads:
-                samples[chosen] = -1
-                newest = sample
-                if self._set_mixed[chosen]:
-                    self._set_mixed[chosen] = False
-                    self.gradient_samples_lost += 1
-                    continue
+            started = [sample for sample in held if sample not in awaiting]
+            if not grads:
+                held[:] = [sample for sample in held if sample in awaiting]
+                continue
+            if len(held) == 1 or len(started) == 1:
+                sample = started[0] if started else held[0]
                 self._append_gradients(buffer, sample, grads, taken)
-            elif sample not in awaiting:
-                samples[chosen] = -1
-                self._set_mixed[chosen] = False
-        for chosen, sample in enumerate(samples):
-            if 0 <= sample < newest:
-                samples[chosen] = -1
-                self._set_mixed[chosen] = False
+            else:  # two or more backward passes summed into one set (or none known)
+                started = started or list(held)
+                self.gradient_samples_lost += len(started)
+                sample = max(started)
+            newest = max(newest, sample)
+            held[:] = [other for other in held if other not in started and other != sample]
+        for held in holders:
+            held[:] = [sample for sample in held if sample >= newest]
 
     def _take_set(self, chosen: int) -> dict[str, list[tuple[int, Tensor]]]:
         """The gradients of gradient set ``chosen``'s sinks, by device, in module order
