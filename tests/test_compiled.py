@@ -853,6 +853,75 @@ def test_more_sampled_forwards_than_gradient_sets_before_one_backward_are_counte
     assert "output gradients of 8 samples." in index
 
 
+class RetainGraphNet(nn.Module):
+    """Linear, Tanh, Linear; trained by :func:`two_losses_two_backward_passes`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def two_losses_two_backward_passes(model: nn.Module, steps: int) -> list[float]:
+    """SGD steps of one forward each; on even steps two losses of its output, each with
+    a backward pass of its own (the first with ``retain_graph=True``), on odd steps one."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        output = model(torch.randn(4, 6, generator=generator))
+        loss = output.square().mean()
+        if step % 2 == 0:
+            loss.backward(retain_graph=True)
+            second = output.abs().mean()
+            second.backward()
+            loss = loss + second
+        else:
+            loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_second_backward_pass_over_a_sample_leaves_its_compiled_gradients_out(
+    tmp_path: Path,
+) -> None:
+    """Two backward passes over one sampled forward (``retain_graph=True``): eagerly the
+    recorded output gradient is the total of both passes'; a graph's gradient sink sums
+    both passes' rows, which are not the rows of the total, so the compiled modules'
+    output gradients of those samples (0 and 2) are left out and counted, and the
+    others (1 and 3) equal the eager path's, as do all activations and the root's
+    output gradients (the root is observed eagerly around the compiled frame)."""
+    torch.manual_seed(0)
+    base = RetainGraphNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    two_losses_two_backward_passes(eager, 4)
+    eager_report = remove_observer_and_read(eager, tmp_path / "eager")
+    assert eager_report["coverage"]["backward_gradients_summed"] > 0
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    losses = two_losses_two_backward_passes(aot_eager(observed), 4)
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    assert losses == two_losses_two_backward_passes(aot_eager(twin), 4)
+    assert_same_model(observed, twin)
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 2
+    assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
+    eager_series = written_series(tmp_path / "eager")
+    compiled_series = written_series(tmp_path / "compiled")
+    assert sorted(compiled_series) == sorted(eager_series)
+    for key, points in compiled_series.items():
+        in_graph_gradient = key[2] == "grad_output" and key[0] != "<root>"
+        expected = [p for p in eager_series[key] if not in_graph_gradient or p[0] in (1, 3)]
+        assert [p[0] for p in points] == ([1, 3] if in_graph_gradient else [0, 1, 2, 3]), key
+        assert_same_telemetry({key: expected}, {key: points})
+
+
 def test_injecting_into_a_model_never_compiled_invalidates_nothing(tmp_path: Path) -> None:
     """Dynamo loaded, but no compiled code of the model (a class of its own): the
     report says ``none``."""

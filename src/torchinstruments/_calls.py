@@ -90,6 +90,10 @@ class CallCapture:
         self.repeated_backward_gradients = 0
         self.backward_gradients_summed = 0
         self.backward_gradients_not_summed = 0
+        #: Samples that a second backward pass reached (``retain_graph=True``), the
+        #: latest ``MAX_SAMPLES_AWAITING_BACKWARD``: their compiled graphs' gradient
+        #: rows hold both passes' rows summed (see ``CompiledCapture.take_gradients``).
+        self.samples_with_repeated_backward: dict[int, None] = {}
 
     def plan_histograms(self, index: int, name: str) -> None:
         """Resolve once which histogram specs apply to module ``index`` (``name``)."""
@@ -308,6 +312,10 @@ class CallCapture:
                 ctx.backward_started(sample)
             elif key in seen:
                 self.repeated_backward_gradients += 1  # retain_graph: another backward pass
+                repeated = self.samples_with_repeated_backward
+                repeated[sample] = None
+                if len(repeated) > MAX_SAMPLES_AWAITING_BACKWARD:
+                    del repeated[next(iter(repeated))]
                 self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
                 return
             seen.add(key)

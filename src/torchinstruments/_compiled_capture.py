@@ -54,7 +54,8 @@ logits (counted, see ``_attention.py``); calls of one module beyond ``ROWS_PER_M
 (call index, tensor path) rows per signal in a frame (counted); output gradients of
 outputs that are other containers (counted); output gradients of samples whose
 backward ran after more than ``MAX_GRADIENT_SETS`` sampled forwards in all (each
-sample's sinks are a gradient set of their own; counted); output gradients of a
+sample's sinks are a gradient set of their own; counted), and of a sample that two
+backward passes reached (``retain_graph=True``; counted); output gradients of a
 compiled frame that a reentrant checkpoint recomputes
 (``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
 backward, after the sample, and takes the unsampled graph). A frame traced under
@@ -195,7 +196,8 @@ class CompiledCapture:
         #: Sampled forwards whose output gradients are not recorded: more than
         #: ``MAX_GRADIENT_SETS`` sampled forwards before their backward passes, so
         #: that the backward passes of two samples sharing a gradient set both ran
-        #: before a flush or the next sampled forward took the set's gradients.
+        #: before a flush or the next sampled forward took the set's gradients; or two
+        #: backward passes over one sample (``retain_graph=True``).
         self.gradient_samples_lost = 0
         # Calls traced per (module, signal, path) in this sample and trace.
         self._calls: dict[tuple[int, str, str], int] = {}
@@ -328,7 +330,7 @@ class CompiledCapture:
             if self._allocated != len(self._hook_rows) and _status == "ready":
                 with passive():  # made under a user's dispatch mode, it would see them
                     self._allocate()
-            self.take_gradients(context.buffer, context.awaiting_backward)
+            self.take_gradients(context)
             self._sample_set = self._choose_gradient_set()
             self._calls = {}
             self._trace = None
@@ -407,19 +409,25 @@ class CompiledCapture:
             self._first_sample = sample
         _note_streams(context.buffer, copies)
 
-    def take_gradients(self, buffer: StatisticsBuffer, awaiting: dict[int, None]) -> None:
+    def take_gradients(self, context: ForwardContext) -> None:
         """The output-gradient rows that backward passes put into the sinks' gradients,
-        as pending rows of ``buffer``, per gradient set in sample order.
+        as pending rows of ``context.buffer``, per gradient set in sample order.
 
-        ``awaiting`` holds the context's samples whose backward has not started. A set
-        with gradients is the sample's whose backward started (the only one, or the
-        one the set holds alone); where the backward passes of two samples that share
-        the set both started, their gradients are summed in it and not recorded
-        (counted in :attr:`gradient_samples_lost`). A sample whose backward ran with
-        nothing in its sinks ran no graph with taps (a compiled block skipped, or run
-        uncompiled past the recompile limit) and leaves its set, as does one older than
-        a sample taken (a later backward ran first: it had no backward, a forward with
-        gradients on whose loss was never used)."""
+        A set with gradients is the sample's whose backward started (the only one, or
+        the one the set holds alone; ``context.awaiting_backward`` holds the samples
+        whose backward has not started). Not recorded, and counted in
+        :attr:`gradient_samples_lost`: where the backward passes of two samples that
+        share the set both started, or a second backward pass reached the sample
+        (``retain_graph=True``, seen at the root's eager gradient hook): the rows in
+        the set are then the sum of several gradients' rows, which are not the rows of
+        their total. A sample whose backward ran with nothing in its sinks ran no graph
+        with taps (a compiled block skipped, or run uncompiled past the recompile
+        limit) and leaves its set, as does one older than a sample taken (a later
+        backward ran first: it had no backward, a forward with gradients on whose loss
+        was never used)."""
+        buffer = context.buffer
+        awaiting = context.awaiting_backward
+        repeated = context.capture.samples_with_repeated_backward
         holders = self._set_holders
         taken = self._rows_of(GRAD_OUTPUT)
         newest = -1
@@ -433,14 +441,16 @@ class CompiledCapture:
                 held[:] = [sample for sample in held if sample in awaiting]
                 continue
             if len(held) == 1 or len(started) == 1:
-                sample = started[0] if started else held[0]
+                owners = [started[0] if started else held[0]]
+            else:
+                owners = started or list(held)
+            sample = max(owners)
+            if len(owners) == 1 and sample not in repeated:
                 self._append_gradients(buffer, sample, grads, taken)
-            else:  # two or more backward passes summed into one set (or none known)
-                started = started or list(held)
-                self.gradient_samples_lost += len(started)
-                sample = max(started)
+            else:  # several gradients' rows summed in the set: not the rows of their total
+                self.gradient_samples_lost += len(owners)
             newest = max(newest, sample)
-            held[:] = [other for other in held if other not in started and other != sample]
+            held[:] = [other for other in held if other not in owners]
         for held in holders:
             held[:] = [sample for sample in held if sample >= newest]
 

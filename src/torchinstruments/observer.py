@@ -315,7 +315,7 @@ class Observer:
             buffer = self.buffer
             if self.compiled_capture is not None:
                 try:  # the last compiled sample's output gradients, if its backward ran
-                    self.compiled_capture.take_gradients(buffer, self.context.awaiting_backward)
+                    self.compiled_capture.take_gradients(self.context)
                 except Exception as error:
                     self.record_error("flush", "", error)
             buffer.launch()
