@@ -37,6 +37,34 @@ class RecordingLogger:
         self.closed = True
 
 
+@pytest.mark.parametrize(
+    ("module", "call_index", "signal", "tensor_path", "expected"),
+    [
+        ("fc", 0, "activation", "output", "torchinstruments/fc/activation/rms"),
+        ("", 2, "grad_output", "output[1]", "torchinstruments/<root>@call2/grad_output[1]/rms"),
+        ("lm", 0, "activation", "output.logits", "torchinstruments/lm/activation.logits/rms"),
+        (
+            "h.0.attn",
+            0,
+            "activation",
+            "attention_logits",
+            "torchinstruments/h.0.attn/activation/attention_logits/rms",
+        ),
+        (
+            "h.0.attn",
+            1,
+            "activation",
+            "attention_logits[1]",
+            "torchinstruments/h.0.attn@call1/activation/attention_logits[1]/rms",
+        ),
+    ],
+)
+def test_scalar_tags_keep_every_tensor_path_whole(
+    module: str, call_index: int, signal: str, tensor_path: str, expected: str
+) -> None:
+    assert scalar_tag(module, call_index, signal, tensor_path, "rms") == expected
+
+
 def test_metric_logger_gets_one_call_per_sample_with_every_series(tmp_path: Path) -> None:
     logger = RecordingLogger()
     model = ResidualNet()

@@ -87,16 +87,27 @@ def scalar_tag(module: str, call_index: int, signal: str, tensor_path: str, metr
     """``torchinstruments/<module>/<signal>/<metric>``, with the call and tensor path
     added only where they are not the usual ``0`` and ``output``.
 
+    A path inside the output (``output[0]``, ``output.logits``) follows the signal with
+    the leading ``output`` dropped; any other path (``attention_logits``) is a level of
+    its own between the signal and the metric.
+
     Example:
         >>> scalar_tag("blocks.2.fc1", 0, "activation", "output", "rms")
         'torchinstruments/blocks.2.fc1/activation/rms'
         >>> scalar_tag("", 1, "grad_output", "output[0]", "rms")
         'torchinstruments/<root>@call1/grad_output[0]/rms'
+        >>> scalar_tag("h.0.attn", 0, "activation", "attention_logits", "rms")
+        'torchinstruments/h.0.attn/activation/attention_logits/rms'
     """
     name = module if module else "<root>"
     if call_index:
         name += f"@call{call_index}"
-    signal_part = signal + (tensor_path[len("output") :] if tensor_path != "output" else "")
+    if tensor_path == "output":
+        signal_part = signal
+    elif tensor_path.startswith(("output[", "output.")):
+        signal_part = signal + tensor_path[len("output") :]
+    else:
+        signal_part = f"{signal}/{tensor_path}"
     return f"torchinstruments/{name}/{signal_part}/{metric}"
 
 
