@@ -922,6 +922,112 @@ def test_a_second_backward_pass_over_a_sample_leaves_its_compiled_gradients_out(
         assert_same_telemetry({key: expected}, {key: points})
 
 
+def backward_out_of_forward_order(model: nn.Module, steps: int) -> list[float]:
+    """SGD steps of three forwards A, B, C with their backward passes in the order A, B,
+    backward of B, C, backward of A, backward of C (gradients accumulate, one optimizer
+    step after the three); the summed losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_a = model(torch.randn(4, 6, generator=generator)).square().mean()
+        loss_b = model(torch.randn(4, 6, generator=generator)).square().mean()
+        loss_b.backward()
+        loss_c = model(torch.randn(4, 6, generator=generator)).square().mean()
+        loss_a.backward()
+        loss_c.backward()
+        optimizer.step()
+        losses.append((loss_a + loss_b + loss_c).item())
+    return losses
+
+
+def test_backward_passes_out_of_forward_order_keep_each_samples_gradients(
+    tmp_path: Path,
+) -> None:
+    """A sample whose backward runs after a later sample's (A after B) keeps its gradient
+    set until its own backward: every sample's output gradients are recorded, none is
+    counted lost, and all series equal the eager path's."""
+    torch.manual_seed(0)
+    base = CompileNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    backward_out_of_forward_order(eager, 2)
+    remove_observer_and_read(eager, tmp_path / "eager")
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    losses = backward_out_of_forward_order(aot_eager(observed), 2)
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    assert losses == backward_out_of_forward_order(aot_eager(twin), 2)
+    assert_same_model(observed, twin)
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 0
+    compiled = written_series(tmp_path / "compiled")
+    for key, points in compiled.items():
+        if key[2] == "grad_output":
+            assert [point[0] for point in points] == [0, 1, 2, 3, 4, 5], key
+    assert_same_telemetry(written_series(tmp_path / "eager"), compiled)
+
+
+def gradients_of_the_parameters_only(model: nn.Module, steps: int, how: str) -> list[float]:
+    """SGD steps whose gradients come from ``torch.autograd.grad(loss, params)`` (put
+    into ``.grad``), where ``how`` is ``"grad"``, or from
+    ``loss.backward(inputs=params)``, where it is ``"inputs"``; the losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    params = list(model.parameters())
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 6, generator=generator)).square().mean()
+        if how == "grad":
+            for param, grad in zip(params, torch.autograd.grad(loss, params), strict=True):
+                param.grad = grad
+        else:
+            loss.backward(inputs=params)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("how", ["grad", "inputs"])
+def test_a_backward_pass_up_to_the_parameters_only_is_counted(tmp_path: Path, how: str) -> None:
+    """``torch.autograd.grad(loss, params)`` and ``loss.backward(inputs=params)`` run
+    the graph up to the parameters only, not into the gradient sinks: the compiled
+    modules' output gradients are not recorded, and every sample is counted in
+    ``gradient_samples_lost`` (said in the report); activations and the root's output
+    gradients (observed eagerly) equal the eager path's, training is unchanged."""
+    torch.manual_seed(0)
+    base = CompileNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    gradients_of_the_parameters_only(eager, 3, how)
+    eager_report = remove_observer_and_read(eager, tmp_path / "eager")
+    assert eager_report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 0
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    losses = gradients_of_the_parameters_only(aot_eager(observed), 3, how)
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    assert losses == gradients_of_the_parameters_only(aot_eager(twin), 3, how)
+    assert_same_model(observed, twin)
+    compiled_capture = report["coverage"]["compiled_capture"]
+    assert compiled_capture["mode"] == "in_graph"
+    assert compiled_capture["gradient_samples_lost"] == 3
+    assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
+    eager_series = written_series(tmp_path / "eager")
+    compiled_series = written_series(tmp_path / "compiled")
+    expected = {
+        key: points
+        for key, points in eager_series.items()
+        if key[2] == "activation" or key[0] == "<root>"
+    }
+    assert {key[0] for key in eager_series if key[2] == "grad_output"} == {
+        "<root>",
+        "fc1",
+        "act",
+        "fc2",
+    }
+    assert_same_telemetry(expected, compiled_series)
+
+
 def test_injecting_into_a_model_never_compiled_invalidates_nothing(tmp_path: Path) -> None:
     """Dynamo loaded, but no compiled code of the model (a class of its own): the
     report says ``none``."""

@@ -54,8 +54,12 @@ logits (counted, see ``_attention.py``); calls of one module beyond ``ROWS_PER_M
 (call index, tensor path) rows per signal in a frame (counted); output gradients of
 outputs that are other containers (counted); output gradients of samples whose
 backward ran after more than ``MAX_GRADIENT_SETS`` sampled forwards in all (each
-sample's sinks are a gradient set of their own; counted), and of a sample that two
-backward passes reached (``retain_graph=True``; counted); output gradients of a
+sample's sinks are a gradient set of their own; counted), of a sample that two
+backward passes reached (``retain_graph=True``; counted), and of a sample whose
+backward pass runs the graph up to some inputs only (``torch.autograd.grad(loss,
+params)``, ``loss.backward(inputs=params)``, which leave the sinks out; counted, where
+the sinks' accumulators are found within ``MAX_NODES_SEARCHED`` nodes of the root
+output, see :meth:`CompiledCapture.end_sample`); output gradients of a
 compiled frame that a reentrant checkpoint recomputes
 (``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
 backward, after the sample, and takes the unsampled graph). A frame traced under
@@ -68,6 +72,7 @@ without ``torch.compiler.assume_constant_result``), forward hooks stay
 
 from __future__ import annotations
 
+import collections
 import itertools
 import types
 import weakref
@@ -77,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ._context_cadence import MAX_SAMPLES_AWAITING_BACKWARD
 from ._records import CompiledStatistics
 from ._state import SKIP
 from .capture import (
@@ -112,11 +118,21 @@ ROWS_PER_MODULE = 16
 #: run before their backward passes and keep their output-gradient rows apart (two
 #: views of a batch, each a forward, and one backward of the summed loss).
 MAX_GRADIENT_SETS = 4
+#: Autograd nodes searched at most, from a sampled forward's root output, for the
+#: gradient accumulator of one of the sample's gradient sinks (see
+#: :meth:`CompiledCapture.end_sample`).
+MAX_NODES_SEARCHED = 1024
 #: Signal name under which :func:`traced_activation` counts an untapped gradient.
 _UNTAPPED = "untapped"
 
 _assume_constant: Callable[[Callable[..., Any]], Callable[..., Any]] | None = getattr(
     getattr(torch, "compiler", None), "assume_constant_result", None
+)
+#: ``torch._C._will_engine_execute_node``: inside a backward pass, whether it will run a
+#: node (False for a node of the graph that the pass leaves out, as
+#: ``torch.autograd.grad(loss, params)`` leaves out every leaf not among ``params``).
+_will_engine_execute: Callable[[Any], bool] | None = getattr(
+    torch._C, "_will_engine_execute_node", None
 )
 #: Live captures by key: the traced graph names its capture by this int.
 _CAPTURES: weakref.WeakValueDictionary[int, CompiledCapture] = weakref.WeakValueDictionary()
@@ -196,8 +212,10 @@ class CompiledCapture:
         #: Sampled forwards whose output gradients are not recorded: more than
         #: ``MAX_GRADIENT_SETS`` sampled forwards before their backward passes, so
         #: that the backward passes of two samples sharing a gradient set both ran
-        #: before a flush or the next sampled forward took the set's gradients; or two
-        #: backward passes over one sample (``retain_graph=True``).
+        #: before a flush or the next sampled forward took the set's gradients; two
+        #: backward passes over one sample (``retain_graph=True``); or a backward pass
+        #: that left the sample's sinks out (``torch.autograd.grad(loss, params)``,
+        #: ``loss.backward(inputs=params)``: only the graph up to the inputs runs).
         self.gradient_samples_lost = 0
         # Calls traced per (module, signal, path) in this sample and trace.
         self._calls: dict[tuple[int, str, str], int] = {}
@@ -208,6 +226,14 @@ class CompiledCapture:
         #: Per gradient set, the samples whose backward fills it, oldest first (empty:
         #: free); more than one only once every set was in use.
         self._set_holders: list[list[int]] = [[]]
+        #: Per gradient set, the gradient accumulators of its sinks by ``id`` (held, so
+        #: that each sink keeps one accumulator, the node every graph links to).
+        self._accumulators: list[dict[int, Any]] = [{}]
+        #: Samples whose root output's graph reaches a sink of their gradient set: the
+        #: accumulator found (see :meth:`end_sample`), until their backward starts.
+        self._reaching: dict[int, Any] = {}
+        #: Samples whose backward pass left their gradient sinks out (counted lost).
+        self._not_reached: dict[int, None] = {}
         #: The gradient set the hooks hold now, and the one the open sample uses.
         self._current_set = 0
         self._sample_set = -1
@@ -311,13 +337,24 @@ class CompiledCapture:
             for device, buffer in self.buffers.items():
                 sets = sinks.setdefault(device, [])
                 while len(sets) < len(self._set_holders):
-                    sets.append(_new_sink(device))
+                    self._add_sink(sets, device)
                 rows = buffer[index]
                 hook_rows[device] = (rows, sets[self._current_set])
                 self._owners[id(rows)] = index
         self._order = _post_order(model, self._names)
         self._count = count
         self._allocated = len(self._hook_rows)
+
+    def _add_sink(self, sets: list[Tensor], device: str) -> None:
+        """Append a new gradient sink to ``sets`` (a module's sinks on ``device``, one per
+        gradient set) and note its gradient accumulator."""
+        sink = _new_sink(device)
+        with torch.enable_grad():
+            grad_fn = sink.view_as(sink).grad_fn
+        if grad_fn is not None:
+            accumulator = grad_fn.next_functions[0][0]
+            self._accumulators[len(sets)][id(accumulator)] = accumulator
+        sets.append(sink)
 
     # ---------------------------------------------------------------- run time
     def begin_sample(self, context: ForwardContext) -> None:
@@ -357,10 +394,11 @@ class CompiledCapture:
             elif len(holders) < MAX_GRADIENT_SETS:
                 chosen = len(holders)
                 holders.append([])
-                with torch.no_grad(), passive():
+                self._accumulators.append({})
+                with passive():
                     for by_device in self._sinks.values():
                         for device, sets in by_device.items():
-                            sets.append(_new_sink(device))
+                            self._add_sink(sets, device)
             else:
                 chosen = min(range(len(holders)), key=lambda k: holders[k][-1])
         if chosen != self._current_set:
@@ -371,21 +409,69 @@ class CompiledCapture:
                     hook_rows[device] = (rows, by_device[device][chosen])
         return chosen
 
-    def end_sample(self, context: ForwardContext) -> None:
-        """The root of the open sample returned: one device copy of each activation
-        buffer becomes pending rows of ``context.buffer`` (read at its next flush), in
-        module order, at forward positions after the calls observed eagerly. Never
-        raises (an error is counted)."""
+    def end_sample(self, context: ForwardContext, output: object) -> None:
+        """The root of the open sample returned ``output``: one device copy of each
+        activation buffer becomes pending rows of ``context.buffer`` (read at its next
+        flush), in module order, at forward positions after the calls observed eagerly.
+
+        Where graphs tap output gradients, the autograd graph of ``output`` is searched
+        (breadth first, at most ``MAX_NODES_SEARCHED`` nodes, no tensor read) for the
+        gradient accumulator of a sink of the sample's gradient set: when the sample's
+        backward starts, :meth:`backward_started` asks the engine whether it will run
+        that node. Never raises (an error is counted)."""
         if not self.active:
             return
         self.active = False
-        if self._sample_set >= 0:
-            self._set_holders[self._sample_set].append(context.sample)
-            self._sample_set = -1
+        chosen, self._sample_set = self._sample_set, -1
         try:
+            if chosen >= 0:
+                self._set_holders[chosen].append(context.sample)
+                if torch.is_grad_enabled() and self._rows_of(GRAD_OUTPUT):
+                    self._note_reaching(context.sample, output, chosen)
             self._take_activations(context)
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
+
+    def _note_reaching(self, sample: int, output: object, chosen: int) -> None:
+        targets = self._accumulators[chosen]
+        if not targets or _will_engine_execute is None:
+            return
+        queue = collections.deque(
+            leaf.grad_fn
+            for _, leaf in iter_output_tensors(output)
+            if isinstance(leaf, Tensor) and leaf.grad_fn is not None
+        )
+        seen: dict[int, Any] = {}  # holds the nodes: their ids stay theirs meanwhile
+        while queue and len(seen) < MAX_NODES_SEARCHED:
+            node = queue.popleft()
+            if id(node) in seen:
+                continue
+            seen[id(node)] = node
+            for child, _ in node.next_functions:
+                if child is None:
+                    continue
+                found = targets.get(id(child))
+                if found is not None:  # a graph input: checked as it is met, not queued
+                    self._reaching[sample] = found
+                    if len(self._reaching) > MAX_SAMPLES_AWAITING_BACKWARD:
+                        del self._reaching[next(iter(self._reaching))]
+                    return
+                queue.append(child)
+
+    def backward_started(self, sample: int) -> None:
+        """The first output gradient of ``sample`` arrived (inside its backward pass):
+        where its graph reaches its gradient sinks but the engine will not run their
+        accumulators (``torch.autograd.grad(loss, params)``,
+        ``loss.backward(inputs=params)``), its compiled modules' output gradients will
+        not come: counted in :attr:`gradient_samples_lost`."""
+        accumulator = self._reaching.pop(sample, None)
+        if accumulator is None or _will_engine_execute is None:
+            return
+        if not _will_engine_execute(accumulator):
+            self._not_reached[sample] = None
+            if len(self._not_reached) > MAX_SAMPLES_AWAITING_BACKWARD:
+                del self._not_reached[next(iter(self._not_reached))]
+            self.gradient_samples_lost += 1
 
     def _take_activations(self, context: ForwardContext) -> None:
         sample = context.sample
@@ -422,12 +508,16 @@ class CompiledCapture:
         the set are then the sum of several gradients' rows, which are not the rows of
         their total. A sample whose backward ran with nothing in its sinks ran no graph
         with taps (a compiled block skipped, or run uncompiled past the recompile
-        limit) and leaves its set, as does one older than a sample taken (a later
-        backward ran first: it had no backward, a forward with gradients on whose loss
-        was never used)."""
+        limit) and leaves its set, as does one older than a sample taken whose backward
+        started. A sample whose backward has not started keeps its set, even where a
+        later sample's backward ran first (backward passes out of forward order), until
+        it leaves ``context.awaiting_backward`` (the latest
+        ``MAX_SAMPLES_AWAITING_BACKWARD`` samples): a forward whose loss is never used
+        holds a set that long, and a later sample may share it."""
         buffer = context.buffer
         awaiting = context.awaiting_backward
         repeated = context.capture.samples_with_repeated_backward
+        not_reached = self._not_reached
         holders = self._set_holders
         taken = self._rows_of(GRAD_OUTPUT)
         newest = -1
@@ -436,6 +526,9 @@ class CompiledCapture:
         ):
             held = holders[chosen]
             grads = self._take_set(chosen)
+            held[:] = [sample for sample in held if sample not in not_reached]  # counted
+            if not held:
+                continue
             started = [sample for sample in held if sample not in awaiting]
             if not grads:
                 held[:] = [sample for sample in held if sample in awaiting]
@@ -451,8 +544,8 @@ class CompiledCapture:
                 self.gradient_samples_lost += len(owners)
             newest = max(newest, sample)
             held[:] = [other for other in held if other not in owners]
-        for held in holders:
-            held[:] = [sample for sample in held if sample >= newest]
+        for held in holders:  # a sample older than one taken, its backward started
+            held[:] = [sample for sample in held if sample >= newest or sample in awaiting]
 
     def _take_set(self, chosen: int) -> dict[str, list[tuple[int, Tensor]]]:
         """The gradients of gradient set ``chosen``'s sinks, by device, in module order

@@ -456,7 +456,7 @@ class ForwardContext(_ContextCadence):
             if state is SAMPLED and len(stack) == 1:
                 end_attention_sample(self)
             if self.compiled is not None and len(stack) == 1:
-                self.compiled.end_sample(self)  # rows before the root's own
+                self.compiled.end_sample(self, output)  # rows before the root's own
             self.on_forward(index, args, output)
             if self.sample_outputs and len(self._state_stack) == 1:
                 self.sample_outputs = {}  # the forward is over: its outputs are not shared

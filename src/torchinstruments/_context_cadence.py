@@ -134,6 +134,8 @@ class _ContextCadence(ForwardState):
     def backward_started(self, sample: int) -> None:
         """The first output gradient of ``sample`` arrived."""
         self.awaiting_backward.pop(sample, None)
+        if self.compiled is not None:
+            self.compiled.backward_started(sample)
         if self.implicit_opener is not None and sample == self.sample:
             self.implicit_backward_seen = True
 

@@ -113,8 +113,10 @@ class CompiledCaptureCounts:
     #: Code objects Dynamo stopped compiling in this process (any model's) because they
     #: reached ``recompile_limit``; their frames run uncompiled from then on.
     recompile_limit_hits: int = 0
-    #: Sampled forwards whose output gradients inside graphs were not recorded: no
-    #: backward ran before the next sampled forward.
+    #: Sampled forwards whose output gradients inside graphs were not recorded
+    #: (``CompiledCapture.gradient_samples_lost``): more sampled forwards before their
+    #: backward passes than gradient sets, ``retain_graph=True``, or a backward pass
+    #: up to some inputs only.
     gradient_samples_lost: int = 0
     #: How injection or removal last invalidated compiled code (``compiled.last_invalidation``).
     compiled_code_invalidation: str = "none"
