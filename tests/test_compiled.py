@@ -853,14 +853,10 @@ def test_more_sampled_forwards_than_gradient_sets_before_one_backward_are_counte
     assert "output gradients of 8 samples." in index
 
 
-class RetainGraphNet(nn.Module):
-    """Linear, Tanh, Linear; trained by :func:`two_losses_two_backward_passes`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(8, 3)
+class RetainGraphNet(CompileNet):
+    """:class:`CompileNet` with a forward of its own: Dynamo caches compiled code per code
+    object, and a backward that other tests compiled donates its buffers, which refuses
+    ``retain_graph=True``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
