@@ -268,13 +268,50 @@ def test_an_in_place_op_on_a_tapped_output_compiles_and_trains_identically(
 ) -> None:
     """The in-graph gradient tap returns a copy: an in-place ReLU on its output (which
     autograd forbids on a view a custom Function returned) trains as without the
-    observer, and the telemetry equals the eager path's."""
+    observer, and the telemetry equals the eager path's. The ReLU's output is its input,
+    so its gradient is not tapped (counted): a copy would no longer be that tensor."""
     torch.manual_seed(0)
-    eager, compiled, _ = observe_eager_and_compiled(
+    eager, compiled, report = observe_eager_and_compiled(
         InPlaceReLUNet(), tmp_path, aot_eager, sampling=1, steps=4
     )
     assert {("lin", "grad_output"), ("act", "activation")} <= {(key[0], key[2]) for key in compiled}
-    assert_same_telemetry(eager, compiled)
+    assert report["coverage"]["compiled_capture"]["gradients_not_captured"] >= 1
+    assert_same_telemetry(
+        {key: points for key, points in eager.items() if key[:3] != ("act", 0, "grad_output")},
+        compiled,
+    )
+
+
+class AliasNet(nn.Module):
+    """An ``nn.Identity`` whose output (its input itself) is read after the input was
+    changed in place: the model relies on the two being one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.keep = nn.Identity()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x) * 1.0
+        kept = self.keep(h)
+        h.mul_(2.0)
+        return self.out(kept)
+
+
+def test_an_output_that_is_its_input_stays_that_tensor(tmp_path: Path) -> None:
+    """The tap returns a copy, so an output that is one of the module's inputs
+    (``nn.Identity``) is not tapped: the model's in-place change of the input still
+    reaches the output (training identical, ``fullgraph=True``); its gradient is counted
+    under ``gradients_not_captured``, the other series equal the eager path's."""
+    torch.manual_seed(0)
+    eager, compiled, report = observe_eager_and_compiled(
+        AliasNet(), tmp_path, functools.partial(aot_eager, fullgraph=True), sampling=1, steps=4
+    )
+    assert report["coverage"]["compiled_capture"]["gradients_not_captured"] >= 1
+    keep_gradient = ("keep", 0, "grad_output", "output", "rms")
+    assert keep_gradient in eager and keep_gradient not in compiled
+    assert_same_telemetry({k: v for k, v in eager.items() if k[:3] != keep_gradient[:3]}, compiled)
 
 
 class NonReentrantNet(nn.Module):
@@ -916,6 +953,115 @@ def test_a_second_backward_pass_over_a_sample_leaves_its_compiled_gradients_out(
         expected = [p for p in eager_series[key] if not in_graph_gradient or p[0] in (1, 3)]
         assert [p[0] for p in points] == ([1, 3] if in_graph_gradient else [0, 1, 2, 3]), key
         assert_same_telemetry({key: expected}, {key: points})
+
+
+class TwoHeadNet(nn.Module):
+    """A trunk and two heads; the forward returns both heads' outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.head_a = nn.Linear(8, 1)
+        self.head_b = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h), self.head_b(h)
+
+
+def one_backward_pass_per_head(model: nn.Module, steps: int) -> list[float]:
+    """SGD steps of one forward and a backward pass from each head's loss (the first
+    with ``retain_graph=True``)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        a, b = model(torch.randn(4, 6, generator=generator))
+        loss_a, loss_b = a.square().mean(), b.abs().mean()
+        loss_a.backward(retain_graph=True)
+        loss_b.backward()
+        optimizer.step()
+        losses.append((loss_a + loss_b).item())
+    return losses
+
+
+def test_backward_passes_from_two_outputs_of_one_sample_are_counted(tmp_path: Path) -> None:
+    """Two backward passes over one forward, each from another output: the second is
+    known as another pass by its autograd graph task (no output gradient repeats at
+    the root), so the compiled modules' output gradients are left out and every sample
+    counted; activations and the root's gradients equal the eager path's."""
+    torch.manual_seed(0)
+    base = TwoHeadNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    one_backward_pass_per_head(eager, 3)
+    remove_observer(eager)
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    losses = one_backward_pass_per_head(aot_eager(observed), 3)
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    assert losses == one_backward_pass_per_head(aot_eager(twin), 3)
+    assert_same_model(observed, twin)
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 3
+    eager_series = written_series(tmp_path / "eager")
+    expected = {k: v for k, v in eager_series.items() if k[2] == "activation" or k[0] == "<root>"}
+    assert ("trunk", 0, "grad_output", "output", "rms") in eager_series
+    assert_same_telemetry(expected, written_series(tmp_path / "compiled"))
+
+
+def consistency_steps(model: nn.Module, steps: int) -> list[float]:
+    """SGD steps of two forwards A and B of one batch (B's input shifted): A's loss has a
+    backward pass of its own (``retain_graph=True``), then one pass of the consistency
+    loss between A and B and of B's loss, which runs through A's graph again."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        x = torch.randn(4, 6, generator=generator)
+        a = model(x)
+        loss_a = a.square().mean()
+        loss_a.backward(retain_graph=True)
+        b = model(x + 0.1)
+        loss = (a - b).square().mean() + b.abs().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append((loss_a + loss).item())
+    return losses
+
+
+def test_a_second_backward_pass_after_a_later_forward_is_counted(tmp_path: Path) -> None:
+    """A's second backward pass comes after B's forward, when A's rows were taken: the
+    late gradients reach A's own gradient set (a sample opens on the free set taken
+    longest ago), not B's, so B's output gradients equal the eager path's; A's rows
+    are taken back and A counted lost. The first sample's rows are read at once (until
+    then it is not known which modules the graphs ran), before its second pass: they
+    stay, from its first pass only (counted all the same)."""
+    torch.manual_seed(0)
+    base = RetainGraphNet()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    consistency_steps(eager, 3)
+    remove_observer(eager)
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    losses = consistency_steps(aot_eager(observed), 3)
+    report = remove_observer_and_read(observed, tmp_path / "compiled")
+    assert losses == consistency_steps(aot_eager(twin), 3)
+    assert_same_model(observed, twin)
+    assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 3
+    eager_series = written_series(tmp_path / "eager")
+    compiled_series = written_series(tmp_path / "compiled")
+    for key, points in compiled_series.items():
+        if key[2] == "grad_output" and key[0] != "<root>":
+            assert [p[0] for p in points] == [0, 1, 3, 5], key
+            expected = [p for p in eager_series[key] if p[0] in (1, 3, 5)]
+            assert_same_telemetry({key: expected}, {key: points[1:]})
+        elif key[2] == "grad_output":  # the root, observed eagerly: sample 0 read at once
+            assert_same_telemetry({key: eager_series[key][1:]}, {key: points[1:]})
+        else:
+            assert_same_telemetry({key: eager_series[key]}, {key: points})
+    # The root's sample 0 was read before its second pass: that gradient is not summed.
+    assert report["coverage"]["backward_gradients_not_summed"] == 1
 
 
 def backward_out_of_forward_order(model: nn.Module, steps: int) -> list[float]:

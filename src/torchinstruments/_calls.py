@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ._context import MAX_SAMPLES_AWAITING_BACKWARD, transform_level
-from ._records import HistogramCounts, LossScale, SeriesKey
+from ._records import ROOT_INDEX, HistogramCounts, LossScale, SeriesKey
 from ._state import IDLE, SAMPLED, SENTINEL
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
@@ -94,6 +94,10 @@ class CallCapture:
         #: latest ``MAX_SAMPLES_AWAITING_BACKWARD``: their compiled graphs' gradient
         #: rows hold both passes' rows summed (see ``CompiledCapture.take_gradients``).
         self.samples_with_repeated_backward: dict[int, None] = {}
+        #: The autograd graph task that brought each recent sample's first root output
+        #: gradient: a root gradient from another task is another backward pass, also
+        #: where the passes start from different outputs (two heads, one pass each).
+        self._root_grad_tasks: dict[int, int] = {}
 
     def plan_histograms(self, index: int, name: str) -> None:
         """Resolve once which histogram specs apply to module ``index`` (``name``)."""
@@ -312,12 +316,16 @@ class CallCapture:
                 ctx.backward_started(sample)
             elif key in seen:
                 self.repeated_backward_gradients += 1  # retain_graph: another backward pass
-                repeated = self.samples_with_repeated_backward
-                repeated[sample] = None
-                if len(repeated) > MAX_SAMPLES_AWAITING_BACKWARD:
-                    del repeated[next(iter(repeated))]
+                self._note_repeated(sample)
                 self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
                 return
+            if key[0] == ROOT_INDEX:
+                task = torch._C._current_graph_task_id()
+                first = self._root_grad_tasks.setdefault(sample, task)
+                if len(self._root_grad_tasks) > MAX_SAMPLES_AWAITING_BACKWARD:
+                    del self._root_grad_tasks[next(iter(self._root_grad_tasks))]
+                if first != task:
+                    self._note_repeated(sample)
             seen.add(key)
             reason = skip_reason(grad)
             if reason is not None:
@@ -330,6 +338,12 @@ class CallCapture:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
             self._errors.record("backward", self._names[key[0]], error)
+
+    def _note_repeated(self, sample: int) -> None:
+        repeated = self.samples_with_repeated_backward
+        repeated[sample] = None
+        if len(repeated) > MAX_SAMPLES_AWAITING_BACKWARD:
+            del repeated[next(iter(repeated))]
 
     def _sum_repeated(self, key: SeriesKey, sample: int, grad: Tensor) -> None:
         """Another backward pass over sample ``sample`` (``retain_graph=True``) brought

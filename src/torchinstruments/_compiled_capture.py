@@ -59,10 +59,17 @@ backward passes reached (``retain_graph=True``; counted), and of a sample whose
 backward pass runs the graph up to some inputs only (``torch.autograd.grad(loss,
 params)``, ``loss.backward(inputs=params)``, which leave the sinks out; counted, where
 the sinks' accumulators are found within ``MAX_NODES_SEARCHED`` nodes of the root
-output, see :meth:`CompiledCapture.end_sample`); output gradients of a
-compiled frame that a reentrant checkpoint recomputes
+output, see :meth:`CompiledCapture.end_sample`); output gradients of an output that is
+one of the module's inputs (``nn.Identity``, ``nn.ReLU(inplace=True)``: the tap's
+copy would break the alias; counted). Not told apart, and not counted: the calls of a
+block compiled on its own and called several times in one forward (each call runs the
+frame, whose rows are call 0: the last call's activation, the sum of the calls' gradient
+rows), and an output the loss does not use (autograd gives the tap a zero gradient,
+where eagerly none comes). Output gradients of a compiled frame that a reentrant
+checkpoint recomputes
 (``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
-backward, after the sample, and takes the unsampled graph). A frame traced under
+backward, after the sample, and takes the unsampled graph) are not captured either. A
+frame traced under
 saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph breaks, observed
 eagerly (see :func:`_recomputable`). Where Dynamo cannot take the capture (a torch
 without ``torch.compiler.assume_constant_result``), forward hooks stay
@@ -77,7 +84,7 @@ import itertools
 import types
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -202,7 +209,7 @@ class CompiledCapture:
         self.measured: set[_Key] = set()
         #: (call index, tensor path) pairs beyond ``ROWS_PER_MODULE`` per signal met while
         #: tracing, and outputs whose gradient is not captured in graphs (containers
-        #: other than a tuple or list of tensors).
+        #: other than a tuple or list of tensors, and outputs that are an input).
         self.slots_dropped = 0
         self.gradients_not_tapped = 0
         #: Hook calls traced under saved-tensor hooks (a compiled frame that
@@ -234,6 +241,14 @@ class CompiledCapture:
         self._reaching: dict[int, Any] = {}
         #: Samples whose backward pass left their gradient sinks out (counted lost).
         self._not_reached: dict[int, None] = {}
+        #: Per gradient set, when its gradients were last taken (a count of takes; -1:
+        #: never): a sample opens on the free set taken longest ago.
+        self._taken_at: list[int] = [-1]
+        self._takes = 0
+        #: Per free gradient set, the sample last recorded from it and its pending
+        #: rows: gradients that reach the set later are another backward pass over
+        #: that sample (``retain_graph=True``), which its rows do not include.
+        self._last_recorded: dict[int, tuple[int, list[CompiledStatistics]]] = {}
         #: The gradient set the hooks hold now, and the one the open sample uses.
         self._current_set = 0
         self._sample_set = -1
@@ -380,27 +395,30 @@ class CompiledCapture:
             context.errors.record("compiled_capture", "", error)
 
     def _choose_gradient_set(self) -> int:
-        """The gradient set for the sample that opens, handed to the hooks: the one they
-        hold if it is free, else another free one, else a new one (up to
-        ``MAX_GRADIENT_SETS``), else the one whose newest sample is the oldest; that set
-        then fills for two samples, whose gradients :meth:`take_gradients` tells apart
-        only if one backward ran before the other's did."""
+        """The gradient set for the sample that opens, handed to the hooks: a set never
+        used, else a new one (up to ``MAX_GRADIENT_SETS``), else the free set whose
+        gradients were taken longest ago (so that another backward pass over a recent
+        sample reaches its own set, see :meth:`take_gradients`), else the one whose
+        newest sample is the oldest; that set then fills for two samples, whose
+        gradients :meth:`take_gradients` tells apart only if one backward ran before the
+        other's did."""
         holders = self._set_holders
-        chosen = self._current_set
-        if holders[chosen]:
-            free = [k for k, held in enumerate(holders) if not held]
-            if free:
-                chosen = free[0]
-            elif len(holders) < MAX_GRADIENT_SETS:
-                chosen = len(holders)
-                holders.append([])
-                self._accumulators.append({})
-                with passive():
-                    for by_device in self._sinks.values():
-                        for device, sets in by_device.items():
-                            self._add_sink(sets, device)
-            else:
-                chosen = min(range(len(holders)), key=lambda k: holders[k][-1])
+        taken_at = self._taken_at
+        free = [k for k, held in enumerate(holders) if not held]
+        if free and (len(holders) >= MAX_GRADIENT_SETS or min(taken_at[k] for k in free) < 0):
+            chosen = min(free, key=taken_at.__getitem__)
+        elif len(holders) < MAX_GRADIENT_SETS:
+            chosen = len(holders)
+            holders.append([])
+            taken_at.append(-1)
+            self._accumulators.append({})
+            with passive():
+                for by_device in self._sinks.values():
+                    for device, sets in by_device.items():
+                        self._add_sink(sets, device)
+        else:
+            chosen = min(range(len(holders)), key=lambda k: holders[k][-1])
+        self._last_recorded.pop(chosen, None)  # its gradients are the new sample's now
         if chosen != self._current_set:
             self._current_set = chosen
             for index, hook_rows in self._hook_rows.items():
@@ -520,12 +538,18 @@ class CompiledCapture:
         not_reached = self._not_reached
         holders = self._set_holders
         taken = self._rows_of(GRAD_OUTPUT)
+        for chosen in range(len(holders)):
+            if not holders[chosen] and self._take_set(chosen):
+                self._late_gradients(buffer, chosen)
         newest = -1
         for chosen in sorted(
             (k for k, held in enumerate(holders) if held), key=holders.__getitem__
         ):
             held = holders[chosen]
             grads = self._take_set(chosen)
+            if grads:
+                self._taken_at[chosen] = self._takes
+                self._takes += 1
             held[:] = [sample for sample in held if sample not in not_reached]  # counted
             if not held:
                 continue
@@ -539,13 +563,27 @@ class CompiledCapture:
                 owners = started or list(held)
             sample = max(owners)
             if len(owners) == 1 and sample not in repeated:
-                self._append_gradients(buffer, sample, grads, taken)
+                records = self._append_gradients(buffer, sample, grads, taken)
+                self._last_recorded[chosen] = (sample, records)
             else:  # several gradients' rows summed in the set: not the rows of their total
                 self.gradient_samples_lost += len(owners)
             newest = max(newest, sample)
             held[:] = [other for other in held if other not in owners]
         for held in holders:  # a sample older than one taken, its backward started
             held[:] = [sample for sample in held if sample >= newest or sample in awaiting]
+
+    def _late_gradients(self, buffer: StatisticsBuffer, chosen: int) -> None:
+        """Gradients reached free set ``chosen`` after its sample's were taken: another
+        backward pass over that sample (``retain_graph=True``, after a later forward).
+        They are dropped, the sample's rows are taken back where not yet flushed, and
+        the sample is counted in :attr:`gradient_samples_lost` (once flushed, its rows
+        hold its first pass's gradients only)."""
+        recorded = self._last_recorded.pop(chosen, None)
+        if recorded is None:
+            return  # a sample already left out
+        ids = {id(record) for record in recorded[1]}
+        buffer.pending[:] = [record for record in buffer.pending if id(record) not in ids]
+        self.gradient_samples_lost += 1
 
     def _take_set(self, chosen: int) -> dict[str, list[tuple[int, Tensor]]]:
         """The gradients of gradient set ``chosen``'s sinks, by device, in module order
@@ -566,8 +604,11 @@ class CompiledCapture:
         sample: int,
         grads: dict[str, list[tuple[int, Tensor]]],
         taken: list[tuple[int, int, str]],
-    ) -> None:
+    ) -> list[CompiledStatistics]:
+        """Append ``sample``'s output-gradient rows from ``grads`` to the pending rows;
+        the records appended."""
         pending = buffer.pending
+        start = len(pending)
         stacks: dict[str, Tensor] = {}
         for device, by_module in grads.items():
             with torch.no_grad():
@@ -580,6 +621,7 @@ class CompiledCapture:
         if self._first_sample < 0:
             self._first_sample = sample
         _note_streams(buffer, stacks)
+        return cast("list[CompiledStatistics]", pending[start:])
 
     def note_measured(self, keys: set[_Key], processed_through: int) -> None:
         """After a flush: ``keys`` held elements in rows from graphs; every sample up to
@@ -706,7 +748,7 @@ def _forward_hook_call(
     if _is_compiling():
         compiled = self.compiled
         if isinstance(compiled, CompiledCapture) and not _recomputable_constant(compiled.key):
-            return traced_activation(compiled, self.rows, output)
+            return traced_activation(compiled, self.rows, output, args)
         assert _opaque_call is not None
         return _opaque_call(self, module, args, output)
     observer = self._observer()
@@ -784,14 +826,19 @@ def _reducible(leaf: object) -> bool:
     )
 
 
-def traced_activation(capture: CompiledCapture, rows: HookRows | None, output: object) -> object:
+def traced_activation(
+    capture: CompiledCapture, rows: HookRows | None, output: object, args: tuple[object, ...] = ()
+) -> object:
     """Traced by Dynamo in place of a forward hook: the statistics rows of ``output``'s
     floating tensors (complex ones by magnitude) go to the module's rows.
 
     Where gradients are on and the output is a tensor, or a tuple or list of tensors,
     each tensor that requires grad is passed through :class:`_GradientTap`, and the
     tapped output is returned (the hook's result replaces the output in the graph: the
-    same values, the same gradients); otherwise None.
+    same values, the same gradients); otherwise None. A tensor that is one of the
+    positional inputs ``args`` (``nn.Identity``) is not tapped (counted under
+    ``gradients_not_tapped``): the tap's copy would no longer be the input, and code
+    that changes one of them in place expects the other to change too.
 
     Args:
         capture: the observer's capture.
@@ -827,7 +874,9 @@ def traced_activation(capture: CompiledCapture, rows: HookRows | None, output: o
                 value = value.abs()
             activation_rows[row].copy_(_row(value)[0])
         if grads and leaf.requires_grad:
-            if isinstance(output, Tensor) or (
+            if any(leaf is arg for arg in args):
+                assign(capture.key, activation_rows, _UNTAPPED, path)
+            elif isinstance(output, Tensor) or (
                 type(output) in (tuple, list) and path.count("[") == 1
             ):
                 grad_row = assign(capture.key, activation_rows, GRAD_OUTPUT, path)

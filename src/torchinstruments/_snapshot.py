@@ -102,7 +102,7 @@ class CompiledCaptureCounts:
     #: has no rows on, met while tracing: not reduced.
     slots_dropped: int = 0
     #: Traced outputs whose gradient is not tapped (containers other than a tuple or
-    #: list of tensors).
+    #: list of tensors, and outputs that are one of the module's inputs).
     gradients_not_captured: int = 0
     #: Hook calls that Dynamo met under saved-tensor hooks (a compiled frame that
     #: non-reentrant checkpointing recomputes), left graph breaks and observed eagerly.
