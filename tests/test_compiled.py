@@ -348,19 +348,21 @@ def observe_eager_and_compiled(
     *,
     sampling: int,
     steps: int,
+    train: Callable[[nn.Module, int], list[float]] = train_steps,
 ) -> tuple[Series, Series, dict[str, Any]]:
-    """Train three copies of ``base`` ``steps`` SGD steps: observed eagerly, observed and
-    compiled by ``compile_model`` (which returns what to train), and compiled the same
-    way without the observer; training must be bit-identical to the last's. The eager
-    and compiled series and the compiled run's report."""
+    """Train three copies of ``base`` ``steps`` steps of ``train`` (which returns the
+    losses): observed eagerly, observed and compiled by ``compile_model`` (which returns
+    what to train), and compiled the same way without the observer; training must be
+    bit-identical to the last's. The eager and compiled series and the compiled run's
+    report."""
     eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     inject_observer(eager, output_dir=directory / "eager", sampling=sampling)
-    train_steps(eager, steps)
+    train(eager, steps)
     remove_observer(eager)
     inject_observer(observed, output_dir=directory / "compiled", sampling=sampling)
-    losses = train_steps(compile_model(observed), steps)
+    losses = train(compile_model(observed), steps)
     report = remove_observer_and_read(observed, directory / "compiled")
-    assert losses == train_steps(compile_model(twin), steps)
+    assert losses == train(compile_model(twin), steps)
     assert_same_model(observed, twin)
     return written_series(directory / "eager"), written_series(directory / "compiled"), report
 
@@ -931,22 +933,18 @@ def test_a_second_backward_pass_over_a_sample_leaves_its_compiled_gradients_out(
     others (1 and 3) equal the eager path's, as do all activations and the root's
     output gradients (the root is observed eagerly around the compiled frame)."""
     torch.manual_seed(0)
-    base = RetainGraphNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
-    two_losses_two_backward_passes(eager, 4)
-    eager_report = remove_observer_and_read(eager, tmp_path / "eager")
-    assert eager_report["coverage"]["backward_gradients_summed"] > 0
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
-    losses = two_losses_two_backward_passes(aot_eager(observed), 4)
-    report = remove_observer_and_read(observed, tmp_path / "compiled")
-    assert losses == two_losses_two_backward_passes(aot_eager(twin), 4)
-    assert_same_model(observed, twin)
+    eager_series, compiled_series, report = observe_eager_and_compiled(
+        RetainGraphNet(),
+        tmp_path,
+        aot_eager,
+        sampling=1,
+        steps=4,
+        train=two_losses_two_backward_passes,
+    )
+    assert read_report(tmp_path / "eager")["coverage"]["backward_gradients_summed"] > 0
     assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
     assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 2
     assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
-    eager_series = written_series(tmp_path / "eager")
-    compiled_series = written_series(tmp_path / "compiled")
     assert sorted(compiled_series) == sorted(eager_series)
     for key, points in compiled_series.items():
         in_graph_gradient = key[2] == "grad_output" and key[0] != "<root>"
@@ -992,21 +990,13 @@ def test_backward_passes_from_two_outputs_of_one_sample_are_counted(tmp_path: Pa
     the root), so the compiled modules' output gradients are left out and every sample
     counted; activations and the root's gradients equal the eager path's."""
     torch.manual_seed(0)
-    base = TwoHeadNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
-    one_backward_pass_per_head(eager, 3)
-    remove_observer(eager)
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
-    losses = one_backward_pass_per_head(aot_eager(observed), 3)
-    report = remove_observer_and_read(observed, tmp_path / "compiled")
-    assert losses == one_backward_pass_per_head(aot_eager(twin), 3)
-    assert_same_model(observed, twin)
+    eager_series, compiled_series, report = observe_eager_and_compiled(
+        TwoHeadNet(), tmp_path, aot_eager, sampling=1, steps=3, train=one_backward_pass_per_head
+    )
     assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 3
-    eager_series = written_series(tmp_path / "eager")
     expected = {k: v for k, v in eager_series.items() if k[2] == "activation" or k[0] == "<root>"}
     assert ("trunk", 0, "grad_output", "output", "rms") in eager_series
-    assert_same_telemetry(expected, written_series(tmp_path / "compiled"))
+    assert_same_telemetry(expected, compiled_series)
 
 
 def consistency_steps(model: nn.Module, steps: int) -> list[float]:
@@ -1038,19 +1028,10 @@ def test_a_second_backward_pass_after_a_later_forward_is_counted(tmp_path: Path)
     then it is not known which modules the graphs ran), before its second pass: they
     stay, from its first pass only (counted all the same)."""
     torch.manual_seed(0)
-    base = RetainGraphNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
-    consistency_steps(eager, 3)
-    remove_observer(eager)
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
-    losses = consistency_steps(aot_eager(observed), 3)
-    report = remove_observer_and_read(observed, tmp_path / "compiled")
-    assert losses == consistency_steps(aot_eager(twin), 3)
-    assert_same_model(observed, twin)
+    eager_series, compiled_series, report = observe_eager_and_compiled(
+        RetainGraphNet(), tmp_path, aot_eager, sampling=1, steps=3, train=consistency_steps
+    )
     assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 3
-    eager_series = written_series(tmp_path / "eager")
-    compiled_series = written_series(tmp_path / "compiled")
     for key, points in compiled_series.items():
         if key[2] == "grad_output" and key[0] != "<root>":
             assert [p[0] for p in points] == [0, 1, 3, 5], key
@@ -1091,23 +1072,15 @@ def test_backward_passes_out_of_forward_order_keep_each_samples_gradients(
     set until its own backward: every sample's output gradients are recorded, none is
     counted lost, and all series equal the eager path's."""
     torch.manual_seed(0)
-    base = CompileNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
-    backward_out_of_forward_order(eager, 2)
-    remove_observer_and_read(eager, tmp_path / "eager")
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
-    losses = backward_out_of_forward_order(aot_eager(observed), 2)
-    report = remove_observer_and_read(observed, tmp_path / "compiled")
-    assert losses == backward_out_of_forward_order(aot_eager(twin), 2)
-    assert_same_model(observed, twin)
+    eager, compiled, report = observe_eager_and_compiled(
+        CompileNet(), tmp_path, aot_eager, sampling=1, steps=2, train=backward_out_of_forward_order
+    )
     assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
     assert report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 0
-    compiled = written_series(tmp_path / "compiled")
     for key, points in compiled.items():
         if key[2] == "grad_output":
             assert [point[0] for point in points] == [0, 1, 2, 3, 4, 5], key
-    assert_same_telemetry(written_series(tmp_path / "eager"), compiled)
+    assert_same_telemetry(eager, compiled)
 
 
 def gradients_of_the_parameters_only(model: nn.Module, steps: int, how: str) -> list[float]:
@@ -1139,23 +1112,20 @@ def test_a_backward_pass_up_to_the_parameters_only_is_counted(tmp_path: Path, ho
     ``gradient_samples_lost`` (said in the report); activations and the root's output
     gradients (observed eagerly) equal the eager path's, training is unchanged."""
     torch.manual_seed(0)
-    base = CompileNet()
-    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
-    gradients_of_the_parameters_only(eager, 3, how)
-    eager_report = remove_observer_and_read(eager, tmp_path / "eager")
+    eager_series, compiled_series, report = observe_eager_and_compiled(
+        CompileNet(),
+        tmp_path,
+        aot_eager,
+        sampling=1,
+        steps=3,
+        train=functools.partial(gradients_of_the_parameters_only, how=how),
+    )
+    eager_report = read_report(tmp_path / "eager")
     assert eager_report["coverage"]["compiled_capture"]["gradient_samples_lost"] == 0
-    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
-    losses = gradients_of_the_parameters_only(aot_eager(observed), 3, how)
-    report = remove_observer_and_read(observed, tmp_path / "compiled")
-    assert losses == gradients_of_the_parameters_only(aot_eager(twin), 3, how)
-    assert_same_model(observed, twin)
     compiled_capture = report["coverage"]["compiled_capture"]
     assert compiled_capture["mode"] == "in_graph"
     assert compiled_capture["gradient_samples_lost"] == 3
     assert "compiled_gradient_samples" in report["coverage"]["limits_hit"]
-    eager_series = written_series(tmp_path / "eager")
-    compiled_series = written_series(tmp_path / "compiled")
     expected = {
         key: points
         for key, points in eager_series.items()
