@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ._context import MAX_SAMPLES_AWAITING_BACKWARD, transform_level
+from ._context_cadence import remember_sample
 from ._records import ROOT_INDEX, HistogramCounts, LossScale, SeriesKey
 from ._state import IDLE, SAMPLED, SENTINEL
 from .capture import (
@@ -305,9 +306,7 @@ class CallCapture:
             seen = self._grad_keys_seen.get(sample)
             if seen is None:
                 seen = set()
-                self._grad_keys_seen[sample] = seen
-                if len(self._grad_keys_seen) > MAX_SAMPLES_AWAITING_BACKWARD:
-                    del self._grad_keys_seen[next(iter(self._grad_keys_seen))]
+                remember_sample(self._grad_keys_seen, sample, seen)
                 if sample not in self._backward_counted:
                     self._backward_counted[sample] = None
                     if len(self._backward_counted) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
@@ -316,16 +315,16 @@ class CallCapture:
                 ctx.backward_started(sample)
             elif key in seen:
                 self.repeated_backward_gradients += 1  # retain_graph: another backward pass
-                self._note_repeated(sample)
+                remember_sample(self.samples_with_repeated_backward, sample)
                 self._sum_repeated((key[0], key[1], GRAD_OUTPUT, key[2]), sample, grad)
                 return
             if key[0] == ROOT_INDEX:
                 task = torch._C._current_graph_task_id()
-                first = self._root_grad_tasks.setdefault(sample, task)
-                if len(self._root_grad_tasks) > MAX_SAMPLES_AWAITING_BACKWARD:
-                    del self._root_grad_tasks[next(iter(self._root_grad_tasks))]
-                if first != task:
-                    self._note_repeated(sample)
+                first = self._root_grad_tasks.get(sample)
+                if first is None:
+                    remember_sample(self._root_grad_tasks, sample, task)
+                elif first != task:
+                    remember_sample(self.samples_with_repeated_backward, sample)
             seen.add(key)
             reason = skip_reason(grad)
             if reason is not None:
@@ -338,12 +337,6 @@ class CallCapture:
                 self._histogram(index, call, GRAD_OUTPUT, path, sample, grad)
         except Exception as error:  # never break training
             self._errors.record("backward", self._names[key[0]], error)
-
-    def _note_repeated(self, sample: int) -> None:
-        repeated = self.samples_with_repeated_backward
-        repeated[sample] = None
-        if len(repeated) > MAX_SAMPLES_AWAITING_BACKWARD:
-            del repeated[next(iter(repeated))]
 
     def _sum_repeated(self, key: SeriesKey, sample: int, grad: Tensor) -> None:
         """Another backward pass over sample ``sample`` (``retain_graph=True``) brought

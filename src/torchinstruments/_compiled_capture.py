@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from ._context_cadence import MAX_SAMPLES_AWAITING_BACKWARD
+from ._context_cadence import remember_sample
 from ._records import CompiledStatistics
 from ._state import SKIP
 from .capture import (
@@ -470,9 +470,7 @@ class CompiledCapture:
                     continue
                 found = targets.get(id(child))
                 if found is not None:  # a graph input: checked as it is met, not queued
-                    self._reaching[sample] = found
-                    if len(self._reaching) > MAX_SAMPLES_AWAITING_BACKWARD:
-                        del self._reaching[next(iter(self._reaching))]
+                    remember_sample(self._reaching, sample, found)
                     return
                 queue.append(child)
 
@@ -486,9 +484,7 @@ class CompiledCapture:
         if accumulator is None or _will_engine_execute is None:
             return
         if not _will_engine_execute(accumulator):
-            self._not_reached[sample] = None
-            if len(self._not_reached) > MAX_SAMPLES_AWAITING_BACKWARD:
-                del self._not_reached[next(iter(self._not_reached))]
+            remember_sample(self._not_reached, sample)
             self.gradient_samples_lost += 1
 
     def _take_activations(self, context: ForwardContext) -> None:
@@ -827,7 +823,7 @@ def _reducible(leaf: object) -> bool:
 
 
 def traced_activation(
-    capture: CompiledCapture, rows: HookRows | None, output: object, args: tuple[object, ...] = ()
+    capture: CompiledCapture, rows: HookRows | None, output: object, args: tuple[object, ...]
 ) -> object:
     """Traced by Dynamo in place of a forward hook: the statistics rows of ``output``'s
     floating tensors (complex ones by magnitude) go to the module's rows.
@@ -848,6 +844,8 @@ def traced_activation(
         output: the module output, any nesting (see
             :func:`~torchinstruments.capture.iter_output_tensors`); at most
             ``MAX_TENSORS_PER_OUTPUT`` of its tensors are taken.
+        args: the module's positional inputs (an output tensor among them is not
+            tapped).
     """
     assign = _assign_constant
     if assign is None or not capture.active or rows is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor
 
@@ -34,6 +34,16 @@ if TYPE_CHECKING:
 #: Sampled forwards whose backward bookkeeping is kept (gradient accumulation over more
 #: forwards than this before one backward loses loss-scale and repeat tracking).
 MAX_SAMPLES_AWAITING_BACKWARD = 256
+
+
+def remember_sample(samples: dict[int, Any], sample: int, value: Any = None) -> None:
+    """Set ``samples[sample] = value``, keeping the latest
+    ``MAX_SAMPLES_AWAITING_BACKWARD`` entries (the oldest inserted is dropped)."""
+    samples[sample] = value
+    if len(samples) > MAX_SAMPLES_AWAITING_BACKWARD:
+        del samples[next(iter(samples))]
+
+
 #: Flush interval (training forwards) while CUDA statistics are pending: sentinel sums
 #: are read at a flush, so a non-finite hit forces samples at most this much later.
 DEVICE_FLUSH_INTERVAL_FORWARDS = 32
@@ -122,10 +132,7 @@ class _ContextCadence(ForwardState):
                 self.compiled.begin_sample(cast("ForwardContext", self))
             if self.caller_step is not None:
                 self.store.note_step(self.sample, self.caller_step)
-            awaiting = self.awaiting_backward
-            awaiting[self.sample] = None
-            if len(awaiting) > MAX_SAMPLES_AWAITING_BACKWARD:
-                del awaiting[next(iter(awaiting))]
+            remember_sample(self.awaiting_backward, self.sample)
             self.call_counts = {}
             self.position = 0
             self.no_grad_calls = {}
