@@ -1173,3 +1173,86 @@ def test_rows_from_graphs_take_forward_positions_children_first() -> None:
     names = {0: "", 1: "0", 2: "0.0", 3: "0.1", 4: "1", 5: "2", 6: "2.0", 7: "2.0.0", 8: "2.1"}
     names[9] = "gone"
     assert _post_order(model, names) == [2, 3, 1, 4, 7, 6, 8, 5, 0, 9]
+
+
+class SiameseNet(nn.Module):
+    """One encoder (Linear, Tanh, Linear) applied to both halves of the input, then a
+    head on the two codes: ``run_encoder`` is the encoder, compiled on its own once
+    compiled (weight sharing, as in siamese and contrastive models)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.head = nn.Linear(8, 1)
+        self.run_encoder: Callable[[Tensor], Tensor] = self.encoder
+
+    def forward(self, x: Tensor) -> Tensor:
+        left, right = self.run_encoder(x[:, :3]), self.run_encoder(x[:, 3:])
+        return self.head(torch.cat((left, right), dim=1))
+
+
+def compile_encoder(model: nn.Module) -> nn.Module:
+    """:class:`SiameseNet` with its encoder compiled on its own (aot_eager)."""
+    assert isinstance(model, SiameseNet)
+    model.run_encoder = cast(
+        Callable[[Tensor], Tensor], torch.compile(model.encoder, backend="aot_eager")
+    )
+    return model
+
+
+@pytest.mark.parametrize("sampling", [1, 2])
+def test_a_block_compiled_on_its_own_and_called_twice_records_both_calls(
+    tmp_path: Path, sampling: int
+) -> None:
+    """The encoder's graph runs twice per forward: each run writes the next rows of the
+    encoder's modules, with call indices 0 and 1 counted on the device, so both calls'
+    activations and output gradients equal the eager path's (not the second call's
+    activation and the sum of both calls' gradient rows as call 0)."""
+    torch.manual_seed(0)
+    eager, compiled, report = observe_eager_and_compiled(
+        SiameseNet(), tmp_path, compile_encoder, sampling=sampling, steps=4
+    )
+    for call in (0, 1):
+        for signal in ("activation", "grad_output"):
+            assert len(compiled[("encoder.2", call, signal, "output", "rms")]) == 4 // sampling
+    left = compiled[("encoder.0", 0, "activation", "output", "rms")]
+    right = compiled[("encoder.0", 1, "activation", "output", "rms")]
+    assert left != right
+    assert_same_telemetry(eager, compiled)
+    coverage = report["coverage"]["compiled_capture"]
+    assert coverage["mode"] == "in_graph"
+    assert coverage["slots_dropped"] == 0
+
+
+class LoopNet(nn.Module):
+    """One Linear applied ``calls`` times in a loop, with a graph break after the first
+    call (``torch._dynamo.graph_break()``): its calls run in two compiled frames."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.calls = calls
+        self.step = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for call in range(self.calls):
+            x = torch.tanh(self.step(x))
+            if call == 0:
+                torch._dynamo.graph_break()
+        return self.head(x)
+
+
+def test_a_module_called_in_two_frames_and_beyond_its_rows_is_counted(tmp_path: Path) -> None:
+    """Calls of one module in two frames of one forward (a graph break between them) get
+    their own call indices; the 20 calls of ``step`` need 20 of its 16 rows: calls 0 to
+    15 equal the eager path's, the 4 beyond are counted under ``slots_dropped`` in each
+    sample and named in ``limits_hit``."""
+    torch.manual_seed(0)
+    eager, compiled, report = observe_eager_and_compiled(
+        LoopNet(20), tmp_path, aot_eager, sampling=1, steps=3
+    )
+    assert {key[1] for key in compiled if key[0] == "step"} == set(range(16))
+    kept = {key: points for key, points in eager.items() if key[0] != "step" or key[1] < 16}
+    assert_same_telemetry(kept, compiled)
+    assert report["coverage"]["compiled_capture"]["slots_dropped"] == 3 * 4
+    assert "compiled_max_slots" in report["coverage"]["limits_hit"]

@@ -1,8 +1,8 @@
 """Capture inside compiled graphs: the observer's stage for ``torch.compile``.
 
     ForwardHook traced by Dynamo -> traced_activation: each output's statistics row into
-        a row of the hook's own activation rows; each output that requires grad through
-        _GradientTap into a row of the hook's own gradient sink
+        the next row of the hook's own block; each output that requires grad through
+        _GradientTap into the same row of the hook's own gradient sink
     ForwardContext.open_sample (sampled)  -> CompiledCapture.begin_sample
     ForwardContext.leave_root (sampled)   -> CompiledCapture.end_sample: rows -> pending
     Observer.flush_statistics, next sample -> CompiledCapture.take_gradients
@@ -11,22 +11,25 @@ When Dynamo traces a submodule's forward hook of ours (``torch.compile`` of the 
 of a block, with or without ``fullgraph=True``), the hook does not break the graph: it
 traces :func:`traced_activation`, which reduces every floating tensor of the module
 output to its statistics row (:func:`~torchinstruments.reduce._statistics_rows`, the
-device path's masked reductions, float32 accumulation) and copies the row into the
-hook's activation rows: a ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 view, on the tensor's
-device, of one buffer that holds every observed module's rows. Each output tensor that
+device path's masked reductions, float32 accumulation) and writes the row into the
+hook's block: a ``(ROWS_PER_MODULE + 2, STAT_WIDTH + 2)`` float64 view, on the tensor's
+device, of one buffer that holds every observed module's block. Each output tensor that
 requires grad (of an output that is a tensor, or a tuple or list of tensors) passes
 through :class:`_GradientTap`, an identity whose backward makes the incoming gradient's
-row the gradient of the hook's own gradient sink (a small leaf).
+row the gradient of the hook's own gradient sink (a small leaf of the block's shape).
 
 Both tensors are attributes of the hook object, so Dynamo makes them graph inputs and
-guards only their shapes, strides and dtypes, never which module's they are: the row
-within them is a trace-time constant that depends on the (call index, signal, tensor
-path) alone (:meth:`CompiledCapture.assign`, ``torch.compiler.assume_constant_result``,
-the same for every module). So the blocks of one class, compiled one by one
-(``block.compile()`` for each), share one compiled graph: each call writes its own
-module's rows. Which module a traced hook belongs to is known while tracing from the
-identity of its activation rows (the real tensor behind the graph input), to count its
-calls within the traced frame.
+guards only their shapes, strides and dtypes, never which module's they are. Which row
+a tensor takes is counted in the block itself, on the device: its last row holds the
+module's hook calls and tensors reduced so far in the sample, so a tensor takes the
+next row, and the row holds the call index (the hook calls before it) and the index of
+its tensor path (a trace-time constant, :meth:`CompiledCapture.assign` under
+``torch.compiler.assume_constant_result``, the same for every module). So the blocks of
+one class, compiled one by one (``block.compile()`` for each), share one compiled graph,
+each call writing its own module's block; and a graph that runs several times in one
+forward (a block compiled on its own and called twice, a module called in two frames
+around a graph break) writes each call to rows of its own, under the call index the
+eager path gives it.
 
 The sampling decision is taken where it always is, in the root's forward pre-hook,
 which runs eagerly around the compiled model (see :func:`_run_root_hooks_eagerly`).
@@ -37,9 +40,10 @@ without them (in the steady state the variant traced with the hooks parked, see
 by its guards at every call, so the sampling decision never recompiles. A sampled
 forward zeroes the rows first (:meth:`CompiledCapture.begin_sample`); when the root
 returns (:meth:`CompiledCapture.end_sample`) one device copy of each device's buffer
-becomes that sample's pending rows in the statistics buffer, one per observed module and
-(call index, tensor path) that any graph traced; once its backward has run, the next
-flush or sampled forward takes the sinks' gradients as its output-gradient rows
+becomes that sample's pending record in the statistics buffer (a
+:class:`~torchinstruments._records.CompiledRows`, whose written rows the series store
+reads at the flush); once its backward has run, the next flush or sampled forward takes
+the sinks' gradients as its output-gradient rows
 (:meth:`CompiledCapture.take_gradients`). Each sample whose backward is still to come
 has sinks of its own (a gradient set; the hooks are handed the sinks of a free one when
 a sample opens, tensors of the same shapes, so nothing recompiles): two sampled forwards
@@ -50,8 +54,8 @@ observer which modules the graphs did run (:meth:`CompiledCapture.note_measured`
 parents are adopted only once those are known (:attr:`CompiledCapture.modules_known`).
 
 What is not captured inside compiled graphs: histograms, the full sentinel and attention
-logits (counted, see ``_attention.py``); calls of one module beyond ``ROWS_PER_MODULE``
-(call index, tensor path) rows per signal in a frame (counted); output gradients of
+logits (counted, see ``_attention.py``); tensors of one module's calls beyond its
+``ROWS_PER_MODULE`` rows in a sample (counted at the flush); output gradients of
 outputs that are other containers (counted); output gradients of samples whose
 backward ran after more than ``MAX_GRADIENT_SETS`` sampled forwards in all (each
 sample's sinks are a gradient set of their own; counted), of a sample that two
@@ -61,16 +65,13 @@ params)``, ``loss.backward(inputs=params)``, which leave the sinks out; counted,
 the sinks' accumulators are found within ``MAX_NODES_SEARCHED`` nodes of the root
 output, see :meth:`CompiledCapture.end_sample`); output gradients of an output that is
 one of the module's inputs (``nn.Identity``, ``nn.ReLU(inplace=True)``: the tap's
-copy would break the alias; counted). Not told apart, and not counted: the calls of a
-block compiled on its own and called several times in one forward (each call runs the
-frame, whose rows are call 0: the last call's activation, the sum of the calls' gradient
-rows), and an output the loss does not use (autograd gives the tap a zero gradient,
-where eagerly none comes). Output gradients of a compiled frame that a reentrant
-checkpoint recomputes
+copy would break the alias; counted). Not told apart, and not counted: an output the
+loss does not use (autograd gives the tap a zero gradient, where eagerly none comes).
+Output gradients of a compiled frame that a reentrant checkpoint recomputes
 (``checkpoint(compiled_block, x, use_reentrant=True)``: the recomputation runs in the
 backward, after the sample, and takes the unsampled graph) are not captured either. A
-frame traced under
-saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph breaks, observed
+frame traced under saved-tensor hooks (``use_reentrant=False``) keeps its hooks as graph
+breaks, observed
 eagerly (see :func:`_recomputable`). Where Dynamo cannot take the capture (a torch
 without ``torch.compiler.assume_constant_result``), forward hooks stay
 ``torch.compiler.disable``d: each observed module call is a graph break, and
@@ -84,13 +85,13 @@ import itertools
 import types
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from ._context_cadence import remember_sample
-from ._records import CompiledStatistics
+from ._records import CompiledRows
 from ._state import SKIP
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
@@ -117,10 +118,17 @@ __all__ = [
     "traced_activation",
 ]
 
-#: Rows per signal of one observed module inside compiled graphs: the (call index,
-#: tensor path) pairs a frame may reduce per module; further ones are counted under
-#: ``slots_dropped``.
+#: Rows of one observed module inside compiled graphs: the tensors (over its calls and
+#: their tensor paths) that graphs may reduce per module and sample; further ones are
+#: counted under ``slots_dropped``.
 ROWS_PER_MODULE = 16
+#: A module's block of rows: ``ROWS_PER_MODULE`` rows, the row that takes the tensors
+#: beyond them, and its counters (hook calls, tensors reduced) in the sample.
+_OVERFLOW_ROW = ROWS_PER_MODULE
+_COUNTER_ROW = ROWS_PER_MODULE + 1
+_BLOCK_ROWS = ROWS_PER_MODULE + 2
+#: A row: the statistics row, then the call index and the tensor path's index.
+_ROW_WIDTH = STAT_WIDTH + 2
 #: Gradient sets (each module's gradient sinks) at most: so many sampled forwards may
 #: run before their backward passes and keep their output-gradient rows apart (two
 #: views of a batch, each a forward, and one backward of the summed loss).
@@ -129,8 +137,10 @@ MAX_GRADIENT_SETS = 4
 #: gradient accumulator of one of the sample's gradient sinks (see
 #: :meth:`CompiledCapture.end_sample`).
 MAX_NODES_SEARCHED = 1024
-#: Signal name under which :func:`traced_activation` counts an untapped gradient.
+#: What :func:`traced_activation` does with a tensor's output gradient: tap it
+#: (``GRAD_OUTPUT``), count it not tapped, or nothing (no gradient).
 _UNTAPPED = "untapped"
+_NO_GRADIENT = ""
 
 _assume_constant: Callable[[Callable[..., Any]], Callable[..., Any]] | None = getattr(
     getattr(torch, "compiler", None), "assume_constant_result", None
@@ -148,18 +158,8 @@ _keys = itertools.count(1)
 _status = "waiting for Dynamo"
 
 _Key = tuple[int, int, str, str]  # module index, call index, signal, tensor path
-#: What a hook holds for each device: its activation rows and its gradient sink.
+#: What a hook holds for each device: its block of activation rows and its gradient sink.
 HookRows = dict[str, tuple[Tensor, Tensor]]
-
-
-def _trace_id() -> object:
-    """Dynamo's id of the trace running now (frame, compile and attempt), or None."""
-    try:
-        from torch._guards import CompileContext
-
-        return CompileContext.current_trace_id()
-    except Exception:
-        return None
 
 
 class CompiledCapture:
@@ -168,12 +168,16 @@ class CompiledCapture:
     Built by the :class:`~torchinstruments.observer.Observer` (None with
     ``capture_direct_forwards``) and handed to its forward hooks and its forward
     context; it holds no reference to either. Each observed module registers once
-    (:meth:`register`) and gets a dict that its hook holds: for each device, a
-    ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 view of that device's activation buffer
-    (written by the forward graph) and a leaf of the same shape, the gradient sink of
-    the sample's gradient set (the gradient the backward graph computes for it holds
-    the output-gradient rows). Row ``j`` of either
-    means the same (call index, tensor path) for every module (:attr:`rows`).
+    (:meth:`register`) and gets a dict that its hook holds: for each device, its
+    block, a ``(ROWS_PER_MODULE + 2, STAT_WIDTH + 2)`` float64 view of that device's
+    activation buffer (written by the forward graph), and a leaf of the same shape, the
+    gradient sink of the sample's gradient set (the gradient the backward graph
+    computes for it holds the output-gradient rows). Each tensor a graph reduces takes
+    the block's next row (counted in the block, on the device), which holds its
+    statistics row, its call index (the module's hook calls before it in the sample,
+    also counted in the block) and the index of its tensor path in :attr:`paths`; its
+    output gradient's row has the same place in the sink's gradient. The layout of a
+    block is :class:`~torchinstruments._records.CompiledRows`'s.
     """
 
     def __init__(self, model: Callable[[], nn.Module | None] | None = None) -> None:
@@ -184,21 +188,26 @@ class CompiledCapture:
         self._model = model
         _CAPTURES[self.key] = self
         #: Activation buffers by device string (``"cpu"``, ``"cuda:0"``): float64,
-        #: ``(capacity, ROWS_PER_MODULE, STAT_WIDTH)``; ``[index]`` is module ``index``'s.
+        #: ``(capacity, ROWS_PER_MODULE + 2, STAT_WIDTH + 2)``; ``[index]`` is module
+        #: ``index``'s block.
         self.buffers: dict[str, Tensor] = {}
         #: The dict each registered module's hook holds, by module index.
         self._hook_rows: dict[int, HookRows] = {}
         self._names: dict[int, str] = {}
-        #: Module index by ``id`` of its activation rows (the graph input Dynamo traces).
+        #: Module index by ``id`` of its block (the graph input Dynamo traces).
         self._owners: dict[int, int] = {}
         #: Module indices in the order their rows become pending (children before
-        #: parents, siblings in definition order): forward positions follow it.
+        #: parents, siblings in definition order): forward positions follow it; and,
+        #: by device, the same as a tensor (to gather the blocks in that order).
         self._order: list[int] = []
+        self._order_index: dict[str, Tensor] = {}
         self._allocated = 0  # registered modules with rows on every device
-        self._count = 0  # buffer rows in use: the largest allocated index + 1
-        #: Row within a module's rows by (signal, call index, tensor path), the same for
-        #: every module; assigned while tracing.
-        self.rows: dict[tuple[str, int, str], int] = {}
+        #: Tensor paths that traced graphs reduced, by the index their rows hold (the
+        #: same for every module); appended to while tracing.
+        self.paths: list[str] = []
+        self._path_index: dict[str, int] = {}
+        #: True once a traced graph taps an output gradient.
+        self.gradients_tapped = False
         #: True inside a sampled root forward. Traced code reads it, so Dynamo guards on
         #: it: a model has one compiled graph with the reductions (sampled forwards) and
         #: one without, each compiled once and chosen by its guard at every call.
@@ -207,9 +216,11 @@ class CompiledCapture:
         self.traced_modules: set[int] = set()
         #: (module, call index, signal, tensor path) whose rows held elements at a flush.
         self.measured: set[_Key] = set()
-        #: (call index, tensor path) pairs beyond ``ROWS_PER_MODULE`` per signal met while
-        #: tracing, and outputs whose gradient is not captured in graphs (containers
-        #: other than a tuple or list of tensors, and outputs that are an input).
+        #: Tensors that graphs reduced beyond a module's ``ROWS_PER_MODULE`` rows in a
+        #: sample (counted at flushes), output tensors on a device without rows of their
+        #: module (met while tracing); and outputs whose gradient is not captured in
+        #: graphs (containers other than a tuple or list of tensors, and outputs that
+        #: are an input).
         self.slots_dropped = 0
         self.gradients_not_tapped = 0
         #: Hook calls traced under saved-tensor hooks (a compiled frame that
@@ -224,9 +235,6 @@ class CompiledCapture:
         #: that left the sample's sinks out (``torch.autograd.grad(loss, params)``,
         #: ``loss.backward(inputs=params)``: only the graph up to the inputs runs).
         self.gradient_samples_lost = 0
-        # Calls traced per (module, signal, path) in this sample and trace.
-        self._calls: dict[tuple[int, str, str], int] = {}
-        self._trace: object = None
         #: Each module's gradient sinks by device, one per gradient set: set ``k`` holds
         #: the output-gradient rows of the samples in ``_set_holders[k]``.
         self._sinks: dict[int, dict[str, list[Tensor]]] = {}
@@ -248,7 +256,7 @@ class CompiledCapture:
         #: Per free gradient set, the sample last recorded from it and its pending
         #: rows: gradients that reach the set later are another backward pass over
         #: that sample (``retain_graph=True``), which its rows do not include.
-        self._last_recorded: dict[int, tuple[int, list[CompiledStatistics]]] = {}
+        self._last_recorded: dict[int, tuple[int, list[CompiledRows]]] = {}
         #: The gradient set the hooks hold now, and the one the open sample uses.
         self._current_set = 0
         self._sample_set = -1
@@ -265,7 +273,7 @@ class CompiledCapture:
         where hooks traced by Dynamo fall back to a graph break each."""
         if _status.startswith("off"):
             return _status
-        if self.rows:
+        if self.paths:
             return "in_graph"
         if self.calls_under_saved_tensor_hooks:
             return "graph_breaks: traced under saved-tensor hooks (activation checkpointing)"
@@ -286,40 +294,25 @@ class CompiledCapture:
         return self._first_sample < 0 or self._first_read
 
     # ---------------------------------------------------------------- trace time
-    def assign(self, owner: int, signal: str, path: str) -> int:
-        """The row, in its module's rows, of the next traced call of the module whose
-        activation rows have ``id`` ``owner`` (``signal`` at ``path``) in this frame, at
-        trace time only; -1 when ``ROWS_PER_MODULE`` rows of ``signal`` are taken."""
-        # Calls are counted per trace (a frame, or one attempt at it: Dynamo restarts
-        # its analysis at a graph break, and compiles the frames after a break on their
-        # own); a module called in two frames of one forward gets call index 0 in each.
-        trace = _trace_id()
-        if trace != self._trace:
-            self._trace = trace
-            self._calls = {}
-        if signal == _UNTAPPED:
+    def assign(self, owner: int, path: str, gradient: str) -> int:
+        """At trace time only: the index in :attr:`paths` of ``path``, for a tensor of an
+        output of the module whose block has ``id`` ``owner`` (-1 for a block of no
+        registered module: not reduced); ``gradient`` says what is done with its output
+        gradient (``GRAD_OUTPUT``: tapped; ``"untapped"``: counted under
+        ``gradients_not_tapped``; ``""``: it has none)."""
+        if gradient == _UNTAPPED:
             self.gradients_not_tapped += 1
-            return -1
         index = self._owners.get(owner)
         if index is None:
             return -1
-        counter = (index, signal, path)
-        call = self._calls.get(counter, 0)
-        self._calls[counter] = call + 1
-        row_key = (signal, call, path)
-        row = self.rows.get(row_key)
-        if row is None:
-            row = len(self._rows_of(signal))
-            if row >= ROWS_PER_MODULE:
-                self.slots_dropped += 1
-                return -1
-            self.rows[row_key] = row
+        if gradient == GRAD_OUTPUT:
+            self.gradients_tapped = True
         self.traced_modules.add(index)
-        return row
-
-    def _rows_of(self, signal: str) -> list[tuple[int, int, str]]:
-        """(row, call index, tensor path) of each row of ``signal`` traced so far."""
-        return [(row, call, path) for (s, call, path), row in self.rows.items() if s == signal]
+        slot = self._path_index.get(path)
+        if slot is None:
+            slot = self._path_index[path] = len(self.paths)
+            self.paths.append(path)
+        return slot
 
     # ---------------------------------------------------------------- allocation
     def _allocate(self) -> None:
@@ -344,7 +337,7 @@ class CompiledCapture:
                 continue
             capacity = max(64, 1 << (count - 1).bit_length())
             self.buffers[device] = torch.zeros(
-                capacity, ROWS_PER_MODULE, STAT_WIDTH, dtype=torch.float64, device=device
+                capacity, _BLOCK_ROWS, _ROW_WIDTH, dtype=torch.float64, device=device
             )
         self._owners = {}
         for index, hook_rows in self._hook_rows.items():
@@ -357,7 +350,10 @@ class CompiledCapture:
                 hook_rows[device] = (rows, sets[self._current_set])
                 self._owners[id(rows)] = index
         self._order = _post_order(model, self._names)
-        self._count = count
+        self._order_index = {
+            device: torch.tensor(self._order, dtype=torch.long, device=device)
+            for device in self.buffers
+        }
         self._allocated = len(self._hook_rows)
 
     def _add_sink(self, sets: list[Tensor], device: str) -> None:
@@ -384,9 +380,7 @@ class CompiledCapture:
                     self._allocate()
             self.take_gradients(context)
             self._sample_set = self._choose_gradient_set()
-            self._calls = {}
-            self._trace = None
-            if self.rows:
+            if self.paths:
                 with torch.no_grad():
                     for buffer in self.buffers.values():
                         buffer.zero_()
@@ -444,7 +438,7 @@ class CompiledCapture:
         try:
             if chosen >= 0:
                 self._set_holders[chosen].append(context.sample)
-                if torch.is_grad_enabled() and self._rows_of(GRAD_OUTPUT):
+                if torch.is_grad_enabled() and self.gradients_tapped:
                     self._note_reaching(context.sample, output, chosen)
             self._take_activations(context)
         except Exception as error:  # never break training
@@ -489,22 +483,19 @@ class CompiledCapture:
 
     def _take_activations(self, context: ForwardContext) -> None:
         sample = context.sample
-        taken = self._rows_of(ACTIVATION)
-        if not taken or not self.buffers:
+        if not self.paths or not self.buffers:
             return
-        count = self._count
         pending = context.buffer.pending
-        position = context.position
+        modules = tuple(self._order)
         with torch.no_grad():
-            copies = {device: rows[:count].clone() for device, rows in self.buffers.items()}
+            copies = {
+                device: buffer.index_select(0, self._order_index[device])
+                for device, buffer in self.buffers.items()
+            }
         for copy in copies.values():
-            by_row = {r: copy[:, r].unbind(0) for r, _, _ in taken}
-            for index in self._order:
-                for r, call, path in taken:
-                    key = (index, call, ACTIVATION, path)
-                    pending.append(CompiledStatistics(key, sample, position, by_row[r][index]))
-                    position += 1
-        context.position = position
+            position = context.position
+            pending.append(CompiledRows(sample, ACTIVATION, position, modules, self.paths, copy))
+            context.position = position + len(modules) * ROWS_PER_MODULE
         if self._first_sample < 0:
             self._first_sample = sample
         _note_streams(context.buffer, copies)
@@ -533,7 +524,6 @@ class CompiledCapture:
         repeated = context.capture.samples_with_repeated_backward
         not_reached = self._not_reached
         holders = self._set_holders
-        taken = self._rows_of(GRAD_OUTPUT)
         for chosen in range(len(holders)):
             if not holders[chosen] and self._take_set(chosen):
                 self._late_gradients(buffer, chosen)
@@ -559,7 +549,7 @@ class CompiledCapture:
                 owners = started or list(held)
             sample = max(owners)
             if len(owners) == 1 and sample not in repeated:
-                records = self._append_gradients(buffer, sample, grads, taken)
+                records = self._append_gradients(buffer, sample, grads)
                 self._last_recorded[chosen] = (sample, records)
             else:  # several gradients' rows summed in the set: not the rows of their total
                 self.gradient_samples_lost += len(owners)
@@ -595,34 +585,29 @@ class CompiledCapture:
         return by_device
 
     def _append_gradients(
-        self,
-        buffer: StatisticsBuffer,
-        sample: int,
-        grads: dict[str, list[tuple[int, Tensor]]],
-        taken: list[tuple[int, int, str]],
-    ) -> list[CompiledStatistics]:
+        self, buffer: StatisticsBuffer, sample: int, grads: dict[str, list[tuple[int, Tensor]]]
+    ) -> list[CompiledRows]:
         """Append ``sample``'s output-gradient rows from ``grads`` to the pending rows;
         the records appended."""
-        pending = buffer.pending
-        start = len(pending)
+        records = []
         stacks: dict[str, Tensor] = {}
         for device, by_module in grads.items():
             with torch.no_grad():
                 stacked = stacks[device] = torch.stack([grad for _, grad in by_module])
-            by_row = {r: stacked[:, r].unbind(0) for r, _, _ in taken}
-            for position, (index, _) in enumerate(by_module):
-                for r, call, path in taken:
-                    key = (index, call, GRAD_OUTPUT, path)
-                    pending.append(CompiledStatistics(key, sample, -1, by_row[r][position]))
+            modules = tuple(index for index, _ in by_module)
+            records.append(CompiledRows(sample, GRAD_OUTPUT, -1, modules, self.paths, stacked))
+        buffer.pending.extend(records)
         if self._first_sample < 0:
             self._first_sample = sample
         _note_streams(buffer, stacks)
-        return cast("list[CompiledStatistics]", pending[start:])
+        return records
 
-    def note_measured(self, keys: set[_Key], processed_through: int) -> None:
+    def note_measured(self, keys: set[_Key], processed_through: int, rows_dropped: int) -> None:
         """After a flush: ``keys`` held elements in rows from graphs; every sample up to
-        ``processed_through`` has been read (see :attr:`modules_known`)."""
+        ``processed_through`` has been read (see :attr:`modules_known`); ``rows_dropped``
+        tensors were reduced beyond their module's rows in the samples read."""
         self.measured |= keys
+        self.slots_dropped += rows_dropped
         if 0 <= self._first_sample <= processed_through:
             self._first_read = True
 
@@ -644,10 +629,11 @@ def _post_order(model: nn.Module, names: dict[int, str]) -> list[int]:
 
 
 def _new_sink(device: str) -> Tensor:
-    """A gradient sink: a zero ``(ROWS_PER_MODULE, STAT_WIDTH)`` float64 leaf on ``device``
-    that requires grad (the backward graph computes its gradient, the rows)."""
+    """A gradient sink: a zero float64 leaf on ``device`` of a module block's shape,
+    ``(ROWS_PER_MODULE + 2, STAT_WIDTH + 2)``, that requires grad (the backward graph
+    computes its gradient, the rows)."""
     return torch.zeros(
-        ROWS_PER_MODULE, STAT_WIDTH, dtype=torch.float64, device=device, requires_grad=True
+        _BLOCK_ROWS, _ROW_WIDTH, dtype=torch.float64, device=device, requires_grad=True
     )
 
 
@@ -658,9 +644,9 @@ def _note_streams(buffer: StatisticsBuffer, copies: dict[str, Tensor]) -> None:
             buffer.producer_streams.add(torch.cuda.current_stream(rows.device))
 
 
-def _assign(key: int, rows: Tensor, signal: str, path: str) -> int:
+def _assign(key: int, block: Tensor, path: str, gradient: str) -> int:
     capture = _CAPTURES.get(key)
-    return -1 if capture is None else capture.assign(id(rows), signal, path)
+    return -1 if capture is None else capture.assign(id(block), path, gradient)
 
 
 def _recomputable(key: int) -> bool:
@@ -788,7 +774,8 @@ def _row(value: Tensor) -> Tensor:
 
 class _GradientTap(torch.autograd.Function):
     """Identity in the forward (a copy of its input); in the backward, the statistics row
-    of the incoming gradient becomes row ``row`` of the gradient of ``sink`` (the
+    of the incoming gradient, then ``ids`` (its call index and tensor path index),
+    becomes row ``row`` (a one-element long tensor) of the gradient of ``sink`` (the
     gradient itself passes on unchanged).
 
     The forward returns a copy, not a view: autograd forbids in-place changes to a view
@@ -797,20 +784,22 @@ class _GradientTap(torch.autograd.Function):
     is made in sampled forwards only, of the tensors that require grad."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, sink: Tensor, row: int) -> Tensor:
-        ctx.row = row
-        ctx.rows = sink.shape[0]
+    def forward(ctx: Any, x: Tensor, sink: Tensor, row: Tensor, ids: Tensor) -> Tensor:
+        ctx.save_for_backward(row, ids)
+        ctx.shape = sink.shape
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         grad: Tensor = grad_outputs[0]
+        row, ids = ctx.saved_tensors
         value = grad.detach()
         if value.is_complex():
             value = value.abs()
-        # Row ``row`` of a zero (ROWS_PER_MODULE, STAT_WIDTH) gradient: padding, no mutation.
-        rows = torch.nn.functional.pad(_row(value), (0, 0, ctx.row, ctx.rows - ctx.row - 1))
-        return grad, rows, None
+        written = torch.cat((_row(value)[0], ids)).unsqueeze(0)
+        # Row ``row`` of a zero block: out of place, so that taps of several rows add.
+        block = torch.zeros(ctx.shape, dtype=torch.float64, device=ids.device)
+        return grad, block.index_copy(0, row, written), None, None
 
 
 def _reducible(leaf: object) -> bool:
@@ -826,7 +815,10 @@ def traced_activation(
     capture: CompiledCapture, rows: HookRows | None, output: object, args: tuple[object, ...]
 ) -> object:
     """Traced by Dynamo in place of a forward hook: the statistics rows of ``output``'s
-    floating tensors (complex ones by magnitude) go to the module's rows.
+    floating tensors (complex ones by magnitude) go to the next rows of the module's
+    block, with this hook call's call index (the module's hook calls before it in the
+    sample, counted in the block on the device: a block compiled on its own and called
+    twice in one forward runs its graph twice and writes calls 0 and 1).
 
     Where gradients are on and the output is a tensor, or a tuple or list of tensors,
     each tensor that requires grad is passed through :class:`_GradientTap`, and the
@@ -838,8 +830,8 @@ def traced_activation(
 
     Args:
         capture: the observer's capture.
-        rows: the hook's rows by device (see :meth:`CompiledCapture.register`); a
-            tensor on a device without rows is not reduced (counted under
+        rows: the hook's block and sink by device (see :meth:`CompiledCapture.register`);
+            a tensor on a device without them is not reduced (counted under
             ``slots_dropped``).
         output: the module output, any nesting (see
             :func:`~torchinstruments.capture.iter_output_tensors`); at most
@@ -853,6 +845,7 @@ def traced_activation(
     taken = 0
     grads = torch.is_grad_enabled()
     tapped: dict[str, Tensor] = {}
+    calls: dict[str, Tensor] = {}  # this hook call's call index, by device
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
             continue
@@ -860,28 +853,40 @@ def traced_activation(
         taken += 1
         if taken > MAX_TENSORS_PER_OUTPUT:
             break
-        entry = rows.get(str(leaf.device))
+        device = str(leaf.device)
+        entry = rows.get(device)
         if entry is None:
             _count_dropped_constant(capture.key)
             continue
-        activation_rows, sink = entry
-        row = assign(capture.key, activation_rows, ACTIVATION, path)
-        if row >= 0:
-            value = leaf.detach()
-            if value.is_complex():
-                value = value.abs()
-            activation_rows[row].copy_(_row(value)[0])
+        block, sink = entry
+        gradient = _NO_GRADIENT
         if grads and leaf.requires_grad:
             if any(leaf is arg for arg in args):
-                assign(capture.key, activation_rows, _UNTAPPED, path)
+                gradient = _UNTAPPED
             elif isinstance(output, Tensor) or (
                 type(output) in (tuple, list) and path.count("[") == 1
             ):
-                grad_row = assign(capture.key, activation_rows, GRAD_OUTPUT, path)
-                if grad_row >= 0:
-                    tapped[path] = _GradientTap.apply(leaf, sink, grad_row)
+                gradient = GRAD_OUTPUT
             else:
-                assign(capture.key, activation_rows, _UNTAPPED, path)
+                gradient = _UNTAPPED
+        slot = assign(capture.key, block, path, gradient)
+        if slot < 0:
+            continue
+        counters = block[_COUNTER_ROW]
+        call = calls.get(device)
+        if call is None:
+            call = calls[device] = counters[0].clone()
+        row = counters[1].clamp(max=_OVERFLOW_ROW).long().reshape(1)
+        ids = torch.stack((call, torch.full_like(call, slot)))
+        value = leaf.detach()
+        if value.is_complex():
+            value = value.abs()
+        block.index_copy_(0, row, torch.cat((_row(value)[0], ids)).unsqueeze(0))
+        counters[1].add_(1)
+        if gradient == GRAD_OUTPUT:
+            tapped[path] = _GradientTap.apply(leaf, sink, row, ids)
+    for block, _ in rows.values():
+        block[_COUNTER_ROW, 0].add_(1)
     if not tapped:
         return None
     if isinstance(output, Tensor):

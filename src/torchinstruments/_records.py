@@ -7,8 +7,10 @@ half records. After the transfer the series store tells the kinds apart by class
 (``type(record) is Statistics``), never by a string.
 
 - :class:`Statistics`: the ``STAT_WIDTH`` partial statistics of one tensor
-  (``reduce.py``), read by the trackers of its series; :class:`CompiledStatistics`, the
-  same written inside a compiled graph (``_compiled_capture.py``);
+  (``reduce.py``), read by the trackers of its series;
+- :class:`CompiledRows`: the rows that compiled graphs wrote in one sample, for every
+  observed module (``_compiled_capture.py``); the series store reads each written row
+  as a :class:`CompiledStatistics`;
 - :class:`HistogramCounts`: the counts per bin of one histogram spec, added to the
   histogram of its series;
 - :class:`SentinelSum`: one sum, non-finite where the checked tensor held a non-finite
@@ -25,6 +27,7 @@ from torch import Tensor
 
 __all__ = [
     "ROOT_INDEX",
+    "CompiledRows",
     "CompiledStatistics",
     "HistogramCounts",
     "LossScale",
@@ -55,11 +58,29 @@ class Statistics(NamedTuple):
 
 
 class CompiledStatistics(Statistics):
-    """A :class:`Statistics` row written inside a compiled graph, where the graph may
-    not have run the module (a row of 0 elements): the series store notes which of
-    these held elements (``SeriesStore.compiled_measured``)."""
+    """A :class:`Statistics` row written inside a compiled graph (read from a
+    :class:`CompiledRows`): the series store notes its key
+    (``SeriesStore.compiled_measured``)."""
 
     __slots__ = ()
+
+
+class CompiledRows(NamedTuple):
+    """What compiled graphs wrote for signal ``signal`` in ``sample``: ``row`` is a float64
+    ``(len(modules), rows + 2, STAT_WIDTH + 2)`` tensor, block ``m`` module
+    ``modules[m]``'s (modules in forward order). Row ``r < rows`` of a block, where its
+    element count (column 0) is not 0, is the statistics row of one tensor, then its
+    call index and the index of its tensor path in ``paths``; row ``rows`` takes the
+    tensors beyond ``rows``, and row ``rows + 1`` holds the module's hook calls and
+    tensors reduced in the sample (activation rows only). Forward positions are
+    ``position + m * rows + r`` (-1 for output gradients)."""
+
+    sample: int
+    signal: str
+    position: int
+    modules: tuple[int, ...]
+    paths: list[str]
+    row: Tensor
 
 
 class HistogramCounts(NamedTuple):
@@ -88,11 +109,11 @@ class LossScale(NamedTuple):
     row: Row
 
 
-Record = Statistics | HistogramCounts | SentinelSum | LossScale
+Record = Statistics | CompiledRows | HistogramCounts | SentinelSum | LossScale
 
 
 def sample_order(record: Record) -> int:
     """Sort key that puts each series' rows in sample order: the sample of statistics
     and histogram counts, -1 (first) for sentinel sums and loss scales, which belong
     to no series. Sorting is stable, so sentinel sums keep their forward order."""
-    return record.sample if isinstance(record, Statistics | HistogramCounts) else -1
+    return record.sample if isinstance(record, Statistics | CompiledRows | HistogramCounts) else -1

@@ -97,9 +97,9 @@ class CompiledCaptureCounts:
     #: (module, call index, signal, tensor path) reduced inside compiled graphs (rows
     #: that held elements at a flush).
     slots: int = 0
-    #: (call index, tensor path) pairs of a module's calls in a traced frame beyond
-    #: ``ROWS_PER_MODULE`` (16) per signal, and output tensors on a device the module
-    #: has no rows on, met while tracing: not reduced.
+    #: Tensors of a module's calls in one sample beyond its ``ROWS_PER_MODULE`` (16)
+    #: rows (summed over samples), and output tensors on a device the module has no
+    #: rows on, met while tracing: not recorded.
     slots_dropped: int = 0
     #: Traced outputs whose gradient is not tapped (containers other than a tuple or
     #: list of tensors, and outputs that are one of the module's inputs).

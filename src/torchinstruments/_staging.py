@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._records import Record, SeriesKey, Statistics, sample_order
+from ._records import CompiledRows, Record, SeriesKey, Statistics, sample_order
 from .reduce import (
     BATCH_MAX_ELEMENTS,
     Subsample,
@@ -444,7 +444,7 @@ class StatisticsBuffer:
         except Exception as error:
             self._errors.record("flush", "", error)
 
-    def arrived(self, *, block: bool) -> Iterator[tuple[list[Record], list[list[float]]]]:
+    def arrived(self, *, block: bool) -> Iterator[tuple[list[Record], list[list[float] | Tensor]]]:
         """The batches on the host, oldest first, each as (records, host rows); with
         ``block=False`` only batches whose copy has completed (no wait on the device)."""
         in_flight = self._in_flight
@@ -479,12 +479,18 @@ class _InFlight:
     def ready(self) -> bool:
         return all(event.query() for event in self._events)
 
-    def rows(self) -> list[list[float]]:
+    def rows(self) -> list[list[float] | Tensor]:
+        """The host rows, by record: floats, or for a :class:`CompiledRows` its host
+        tensor (the series store reads only the rows written in it)."""
         for event in self._events:
             event.synchronize()
-        rows: list[list[float]] = [[] for _ in range(len(self.meta))]
+        rows: list[list[float] | Tensor] = [[] for _ in range(len(self.meta))]
+        meta = self.meta
         for positions, host in self._host:
-            values = host.tolist() if isinstance(host, Tensor) else host
+            if isinstance(host, Tensor) and type(meta[positions[0]]) is CompiledRows:
+                values: Sequence[list[float] | Tensor] = host.unbind(0)
+            else:
+                values = host.tolist() if isinstance(host, Tensor) else host
             for i, row in zip(positions, values, strict=True):
                 rows[i] = row
         return rows
@@ -497,18 +503,19 @@ def _launch_transfer(records: list[Record]) -> _InFlight:
     """
     meta = records
     stats = [record.row for record in records]
-    by_device: dict[tuple[torch.device, int], list[int]] = {}
+    by_device: dict[tuple[torch.device, int, bool], list[int]] = {}
     host_rows: list[int] = []
     for i, item in enumerate(stats):
         if isinstance(item, Tensor):
-            by_device.setdefault((item.device, item.numel()), []).append(i)
+            group = (item.device, item.numel(), type(records[i]) is CompiledRows)
+            by_device.setdefault(group, []).append(i)
         else:
             host_rows.append(i)
     host: list[tuple[list[int], Tensor | list[list[float]]]] = []
     if host_rows:
         host.append((host_rows, [stats[i] for i in host_rows]))  # type: ignore[misc]
     events: list[Any] = []
-    for (device, _), positions in by_device.items():
+    for (device, _, _), positions in by_device.items():
         stacked = torch.stack([stats[i] for i in positions])  # type: ignore[misc]
         if device.type == "cuda":
             buffer = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from torch import Tensor
 
 from ._records import (
     ROOT_INDEX,
+    CompiledRows,
     CompiledStatistics,
     HistogramCounts,
     LossScale,
@@ -85,6 +88,10 @@ class SeriesStore:
         #: ``CompiledCapture.note_measured``.
         self.compiled_measured: set[SeriesKey] = set()
         self.compiled_through = -1
+        #: Tensors that compiled graphs reduced beyond a module's rows (``rows`` of
+        #: :class:`~._records.CompiledRows`) in the samples read since the observer
+        #: last took them: not recorded.
+        self.compiled_rows_dropped = 0
         self._loss_scales: dict[int, float] = {}
         # Per measured (key, sample): the keys and forward positions that share its row.
         self._aliases: dict[tuple[SeriesKey, int], list[tuple[SeriesKey, int]]] = {}
@@ -129,14 +136,25 @@ class SeriesStore:
         else:
             entry.append((key, position))
 
-    def process(self, records: list[Record], rows: list[list[float]]) -> list[SentinelSum]:
+    def process(
+        self, records: list[Record], rows: Sequence[list[float] | Tensor]
+    ) -> list[SentinelSum]:
         """Feed one host batch to the trackers (statistics in sample order; output
         gradients divided by their sample's loss scale and, as ``rms_to_root``, by the
         root's), add histogram counts, and hand the values to the scalar sinks.
 
+        Args:
+            records: the batch's records.
+            rows: their host rows: floats, or a host tensor for a
+                :class:`~._records.CompiledRows` (read with :meth:`_read_compiled`).
+
         Returns:
             The sentinel sums that were not finite (hits, in forward order).
         """
+        if any(type(record) is CompiledRows for record in records):
+            records, host_rows = self._read_compiled(records, rows)
+        else:
+            host_rows = cast("list[list[float]]", rows)
         hits: list[SentinelSum] = []
         grad_groups: dict[int, list[tuple[SeriesKey, dict[str, float | None]]]]
         grad_groups = {}
@@ -146,7 +164,7 @@ class SeriesStore:
         aliases = self._aliases
         forward_of = self._sample_forwards.forward
         forwards: dict[int, int | None] = {}
-        for record, row in zip(records, rows, strict=True):
+        for record, row in zip(records, host_rows, strict=True):
             if not isinstance(record, Statistics):
                 if isinstance(record, LossScale):
                     if row[0] > 0 and math.isfinite(row[0]):
@@ -155,15 +173,11 @@ class SeriesStore:
                             del loss_scales[next(iter(loss_scales))]
                 elif isinstance(record, HistogramCounts):
                     self._add_histogram(record, row)
-                elif not math.isfinite(row[0]):  # a SentinelSum
+                elif isinstance(record, SentinelSum) and not math.isfinite(row[0]):
                     hits.append(record)
                 continue
             key, sample, position, _ = record
             if type(record) is CompiledStatistics:
-                if sample > self.compiled_through:
-                    self.compiled_through = sample
-                if not row[0]:
-                    continue  # 0 elements: no graph wrote this row in this sample
                 self.compiled_measured.add(key)
             values = finish_statistics(row)
             shared = aliases.pop((key, sample), None) if aliases else None
@@ -215,6 +229,41 @@ class SeriesStore:
         if scalars:
             self._forward_scalars(scalars)
         return hits
+
+    def _read_compiled(
+        self, records: list[Record], rows: Sequence[list[float] | Tensor]
+    ) -> tuple[list[Record], list[list[float]]]:
+        """``records`` and ``rows`` with each :class:`~._records.CompiledRows` replaced
+        by a :class:`~._records.CompiledStatistics` per row written in it (in forward
+        order), its key made of the block's module, the row's call index and tensor
+        path; tensors beyond a block's rows are counted (:attr:`compiled_rows_dropped`)."""
+        out_records: list[Record] = []
+        out_rows: list[list[float]] = []
+        for record, row in zip(records, rows, strict=True):
+            if not isinstance(record, CompiledRows):
+                assert not isinstance(row, Tensor)
+                out_records.append(record)
+                out_rows.append(row)
+                continue
+            assert isinstance(row, Tensor)
+            sample, signal, position, modules, paths, _ = record
+            if sample > self.compiled_through:
+                self.compiled_through = sample
+            per_module = row.shape[1] - 2
+            width = row.shape[2] - 2
+            if signal != GRAD_OUTPUT:
+                reduced = row[:, per_module + 1, 1]
+                self.compiled_rows_dropped += int((reduced - per_module).clamp(min=0).sum())
+            written = row[:, :per_module, 0] != 0
+            places = written.nonzero().tolist()
+            values = row[:, :per_module][written].tolist()
+            for (block, r), value in zip(places, values, strict=True):
+                key = (modules[block], int(value[width]), signal, paths[int(value[width + 1])])
+                at = -1 if position < 0 else position + block * per_module + r
+                finished = value[:width]
+                out_records.append(CompiledStatistics(key, sample, at, finished))
+                out_rows.append(finished)
+        return out_records, out_rows
 
     def _forward_scalars(
         self, measured: list[tuple[TensorSeries, int, dict[str, float | None]]]

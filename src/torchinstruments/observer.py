@@ -331,8 +331,11 @@ class Observer:
             if self.compiled_capture is not None and store.compiled_through >= 0:
                 measured = store.compiled_measured
                 self.capture.modules_called.update(key[0] for key in measured)
-                self.compiled_capture.note_measured(measured, store.compiled_through)
+                self.compiled_capture.note_measured(
+                    measured, store.compiled_through, store.compiled_rows_dropped
+                )
                 store.compiled_measured = set()
+                store.compiled_rows_dropped = 0
 
     # ------------------------------------------------------------------ report
     def build_report(self, *, block: bool = True) -> dict[str, Any]:
