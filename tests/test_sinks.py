@@ -57,6 +57,9 @@ class RecordingLogger:
             "attention_logits[1]",
             "torchinstruments/h.0.attn@call1/activation/attention_logits[1]/rms",
         ),
+        ("head", 0, "activation", "output['a/b']", "torchinstruments/head/activation['a%2Fb']/rms"),
+        ("head", 0, "activation", "output['5%']", "torchinstruments/head/activation['5%25']/rms"),
+        ("my/net", 1, "grad_output", "output", "torchinstruments/my%2Fnet@call1/grad_output/rms"),
     ],
 )
 def test_scalar_tags_keep_every_tensor_path_whole(

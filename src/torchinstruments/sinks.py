@@ -89,7 +89,9 @@ def scalar_tag(module: str, call_index: int, signal: str, tensor_path: str, metr
 
     A path inside the output (``output[0]``, ``output.logits``) follows the signal with
     the leading ``output`` dropped; any other path (``attention_logits``) is a level of
-    its own between the signal and the metric.
+    its own between the signal and the metric. A ``/`` inside a module name or a tensor
+    path (a dict key such as ``output['a/b']``) is written ``%2F`` (and ``%`` as ``%25``),
+    so that every tag has the same levels: TensorBoard and wandb group tags by ``/``.
 
     Example:
         >>> scalar_tag("blocks.2.fc1", 0, "activation", "output", "rms")
@@ -98,17 +100,24 @@ def scalar_tag(module: str, call_index: int, signal: str, tensor_path: str, metr
         'torchinstruments/<root>@call1/grad_output[0]/rms'
         >>> scalar_tag("h.0.attn", 0, "activation", "attention_logits", "rms")
         'torchinstruments/h.0.attn/activation/attention_logits/rms'
+        >>> scalar_tag("head", 0, "activation", "output['a/b']", "rms")
+        "torchinstruments/head/activation['a%2Fb']/rms"
     """
-    name = module if module else "<root>"
+    name = _tag_level(module) if module else "<root>"
     if call_index:
         name += f"@call{call_index}"
     if tensor_path == "output":
         signal_part = signal
     elif tensor_path.startswith(("output[", "output.")):
-        signal_part = signal + tensor_path[len("output") :]
+        signal_part = signal + _tag_level(tensor_path[len("output") :])
     else:
-        signal_part = f"{signal}/{tensor_path}"
+        signal_part = f"{signal}/{_tag_level(tensor_path)}"
     return f"torchinstruments/{name}/{signal_part}/{metric}"
+
+
+def _tag_level(text: str) -> str:
+    """``text`` with no ``/``: ``%`` and ``/`` percent-encoded (``%25``, ``%2F``)."""
+    return text.replace("%", "%25").replace("/", "%2F") if "/" in text or "%" in text else text
 
 
 def _metrics_argument(owner: str, metrics: Iterable[str]) -> tuple[str, ...]:
