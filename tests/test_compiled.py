@@ -1256,3 +1256,82 @@ def test_a_module_called_in_two_frames_and_beyond_its_rows_is_counted(tmp_path: 
     assert_same_telemetry(kept, compiled)
     assert report["coverage"]["compiled_capture"]["slots_dropped"] == 3 * 4
     assert "compiled_max_slots" in report["coverage"]["limits_hit"]
+
+
+class TwiceReturned(nn.Module):
+    """Returns one tensor at both places of a tuple (a leaf module: no submodules)."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / 3)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(x @ self.weight)
+        return h, h
+
+
+class TwiceReturnedNet(nn.Module):
+    """Uses both places of :class:`TwiceReturned`'s output, with different weights;
+    with ``halves``, ``run_pair`` (the pair, compiled on its own once compiled) runs on
+    each half of the input."""
+
+    def __init__(self, halves: bool = False) -> None:
+        super().__init__()
+        self.halves = halves
+        width = 3 if halves else 6
+        self.pair = TwiceReturned(width)
+        self.run_pair: Callable[[Tensor], tuple[Tensor, Tensor]] = self.pair
+        self.left = nn.Linear(width, 1)
+        self.right = nn.Linear(width, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.zeros(x.shape[0], 1)
+        for part in x.split(3, dim=1) if self.halves else (x,):
+            a, b = self.run_pair(part)
+            out = out + self.left(a) * self.right(b)
+        return out
+
+
+def compile_pair(model: nn.Module) -> nn.Module:
+    """:class:`TwiceReturnedNet` with its pair compiled on its own (aot_eager)."""
+    assert isinstance(model, TwiceReturnedNet)
+    compiled = torch.compile(model.pair, backend="aot_eager", fullgraph=True)
+    model.run_pair = cast(Callable[[Tensor], tuple[Tensor, Tensor]], compiled)
+    return model
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_one_tensor_at_two_places_of_an_output_is_tapped_once(tmp_path: Path, halves: bool) -> None:
+    """``return h, h``: eagerly each place's output gradient is the whole gradient of
+    ``h``; in the graph one chain of taps makes one copy that takes both places, so both
+    rows equal the eager path's and training is bit-identical (a tap per place made two
+    copies, each place's share, and the summed gradient differed in the last bits). With
+    ``halves`` the pair's graph runs twice before the backward: the taps' saved rows are
+    their own tensors, not read again from the block the second run changes."""
+    torch.manual_seed(0)
+    compile_model = compile_pair if halves else functools.partial(aot_eager, fullgraph=True)
+    eager, compiled, _ = observe_eager_and_compiled(
+        TwiceReturnedNet(halves), tmp_path, compile_model, sampling=1, steps=4
+    )
+    for call in (0, 1) if halves else (0,):
+        first = compiled[("pair", call, "grad_output", "output[0]", "rms")]
+        assert len(first) == 4
+        assert first == compiled[("pair", call, "grad_output", "output[1]", "rms")]
+    assert_same_telemetry(eager, compiled)
+
+
+def test_a_second_observer_compiles_the_hook_frames_with_its_own_capture(
+    tmp_path: Path,
+) -> None:
+    """The pair compiled on its own with ``fullgraph=True`` compiles the hooks as frames
+    of their own; a second observer in the process compiles them again for its capture.
+    Its key is a string: an int key that changed became a symbol (Dynamo's automatic
+    dynamic shapes), which the slot assignment cannot take, and ``fullgraph`` failed."""
+    torch._dynamo.reset()
+    for run in ("first", "second"):
+        torch.manual_seed(0)
+        eager, compiled, _ = observe_eager_and_compiled(
+            TwiceReturnedNet(halves=True), tmp_path / run, compile_pair, sampling=1, steps=2
+        )
+        assert ("pair", 1, "grad_output", "output[0]", "rms") in compiled
+        assert_same_telemetry(eager, compiled)

@@ -151,8 +151,11 @@ _assume_constant: Callable[[Callable[..., Any]], Callable[..., Any]] | None = ge
 _will_engine_execute: Callable[[Any], bool] | None = getattr(
     torch._C, "_will_engine_execute_node", None
 )
-#: Live captures by key: the traced graph names its capture by this int.
-_CAPTURES: weakref.WeakValueDictionary[int, CompiledCapture] = weakref.WeakValueDictionary()
+#: Live captures by key: the traced graph names its capture by this string. Not an int:
+#: where a hook's frame is compiled again for another observer's capture, Dynamo's
+#: automatic dynamic shapes would make an int that changed a symbol, which
+#: ``assume_constant_result`` cannot take (strings are never made dynamic).
+_CAPTURES: weakref.WeakValueDictionary[str, CompiledCapture] = weakref.WeakValueDictionary()
 _keys = itertools.count(1)
 #: ``"waiting for Dynamo"``, ``"ready"`` once :func:`enable` ran, or ``"off: <reason>"``.
 _status = "waiting for Dynamo"
@@ -184,7 +187,7 @@ class CompiledCapture:
         """``model``: the observed model, by weak reference (or None): before the first
         sampled forward once Dynamo is loaded, the rows of every registered module are
         allocated on each device of its parameters and buffers (see :meth:`_allocate`)."""
-        self.key = next(_keys)
+        self.key = f"capture-{next(_keys)}"
         self._model = model
         _CAPTURES[self.key] = self
         #: Activation buffers by device string (``"cpu"``, ``"cuda:0"``): float64,
@@ -644,12 +647,12 @@ def _note_streams(buffer: StatisticsBuffer, copies: dict[str, Tensor]) -> None:
             buffer.producer_streams.add(torch.cuda.current_stream(rows.device))
 
 
-def _assign(key: int, block: Tensor, path: str, gradient: str) -> int:
+def _assign(key: str, block: Tensor, path: str, gradient: str) -> int:
     capture = _CAPTURES.get(key)
     return -1 if capture is None else capture.assign(id(block), path, gradient)
 
 
-def _recomputable(key: int) -> bool:
+def _recomputable(key: str) -> bool:
     """True (and counted) if the frame traced now runs under saved-tensor hooks.
 
     Non-reentrant activation checkpointing (``checkpoint(compiled_block, x,
@@ -679,7 +682,7 @@ def _recomputable(key: int) -> bool:
 _assign_constant: Callable[..., int] | None = None
 
 
-def _count_dropped(key: int) -> bool:
+def _count_dropped(key: str) -> bool:
     """Count, while tracing, an output tensor on a device without rows of its module."""
     capture = _CAPTURES.get(key)
     if capture is not None:
@@ -688,10 +691,10 @@ def _count_dropped(key: int) -> bool:
 
 
 #: :func:`_count_dropped` as Dynamo sees it; set by :func:`enable`.
-_count_dropped_constant: Callable[[int], bool] = _count_dropped
+_count_dropped_constant: Callable[[str], bool] = _count_dropped
 #: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
 #: :func:`enable`.
-_recomputable_constant: Callable[[int], bool] = _recomputable
+_recomputable_constant: Callable[[str], bool] = _recomputable
 #: ``ForwardHook.__call__`` as :func:`enable` found it (``torch.compiler.disable``d).
 _opaque_call: Callable[..., Any] | None = None
 
@@ -826,7 +829,9 @@ def traced_activation(
     same values, the same gradients); otherwise None. A tensor that is one of the
     positional inputs ``args`` (``nn.Identity``) is not tapped (counted under
     ``gradients_not_tapped``): the tap's copy would no longer be the input, and code
-    that changes one of them in place expects the other to change too.
+    that changes one of them in place expects the other to change too. A tensor at
+    several places of the output (``return h, h``) is tapped once, and its one tapped
+    copy takes each place: each place's row holds its whole gradient, as eagerly.
 
     Args:
         capture: the observer's capture.
@@ -844,7 +849,8 @@ def traced_activation(
         return None  # an unsampled forward's graph: nothing of ours in it
     taken = 0
     grads = torch.is_grad_enabled()
-    tapped: dict[str, Tensor] = {}
+    # Per tensor to tap: the tensor, its sink, and its rows, ids and paths in the output.
+    taps: list[tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]], list[str]]] = []
     calls: dict[str, Tensor] = {}  # this hook call's call index, by device
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
@@ -884,7 +890,22 @@ def traced_activation(
         block.index_copy_(0, row, torch.cat((_row(value)[0], ids)).unsqueeze(0))
         counters[1].add_(1)
         if gradient == GRAD_OUTPUT:
-            tapped[path] = _GradientTap.apply(leaf, sink, row, ids)
+            tap = next((tap for tap in taps if tap[0] is leaf), None)
+            if tap is None:
+                taps.append((leaf, sink, [(row, ids)], [path]))
+            else:
+                tap[2].append((row, ids))
+                tap[3].append(path)
+    tapped: dict[str, Tensor] = {}
+    for leaf, sink, places, paths in taps:
+        # One tap per place, chained: each sees the whole gradient of the one copy that
+        # takes every place. (One tap of several rows let AOT's partitioner save the
+        # block itself to recompute the rows in the backward, and a block whose graph
+        # runs again before the backward changes it: autograd's version check fails.)
+        copy = leaf
+        for row, ids in places:
+            copy = _GradientTap.apply(copy, sink, row, ids)
+        tapped.update(dict.fromkeys(paths, copy))
     for block, _ in rows.values():
         block[_COUNTER_ROW, 0].add_(1)
     if not tapped:
