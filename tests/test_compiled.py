@@ -282,31 +282,52 @@ def test_an_in_place_op_on_a_tapped_output_compiles_and_trains_identically(
     )
 
 
-class AliasNet(nn.Module):
-    """An ``nn.Identity`` whose output (its input itself) is read after the input was
-    changed in place: the model relies on the two being one tensor."""
+class First(nn.Module):
+    """Returns the first tensor of a pair (a tensor nested in its input)."""
 
-    def __init__(self) -> None:
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return pair[0]
+
+
+class AliasNet(nn.Module):
+    """A module whose output is its input itself, read after the input was changed in
+    place: the model relies on the two being one tensor. ``passing`` says how the input
+    reaches it: ``positional`` (``nn.Identity``), ``keyword`` (``nn.Identity`` called
+    as ``keep(input=h)``) or ``nested`` (:class:`First` of ``(h, x)``)."""
+
+    def __init__(self, passing: str = "positional") -> None:
         super().__init__()
+        self.passing = passing
         self.lin = nn.Linear(6, 8)
-        self.keep = nn.Identity()
+        self.keep = First() if passing == "nested" else nn.Identity()
         self.out = nn.Linear(8, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.lin(x) * 1.0
-        kept = self.keep(h)
+        if self.passing == "keyword":
+            kept = self.keep(input=h)
+        elif self.passing == "nested":
+            kept = self.keep((h, x))
+        else:
+            kept = self.keep(h)
         h.mul_(2.0)
         return self.out(kept)
 
 
-def test_an_output_that_is_its_input_stays_that_tensor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("passing", ["positional", "keyword", "nested"])
+def test_an_output_that_is_its_input_stays_that_tensor(tmp_path: Path, passing: str) -> None:
     """The tap returns a copy, so an output that is one of the module's inputs
-    (``nn.Identity``) is not tapped: the model's in-place change of the input still
-    reaches the output (training identical, ``fullgraph=True``); its gradient is counted
-    under ``gradients_not_captured``, the other series equal the eager path's."""
+    (positional, keyword or nested in one) is not tapped: the model's in-place change of
+    the input still reaches the output (training identical, ``fullgraph=True``); its
+    gradient is counted under ``gradients_not_captured``, the other series equal the
+    eager path's. (Keyword and nested inputs were tapped, and training changed.)"""
     torch.manual_seed(0)
     eager, compiled, report = observe_eager_and_compiled(
-        AliasNet(), tmp_path, functools.partial(aot_eager, fullgraph=True), sampling=1, steps=4
+        AliasNet(passing),
+        tmp_path,
+        functools.partial(aot_eager, fullgraph=True),
+        sampling=1,
+        steps=4,
     )
     assert report["coverage"]["compiled_capture"]["gradients_not_captured"] >= 1
     keep_gradient = ("keep", 0, "grad_output", "output", "rms")

@@ -724,7 +724,11 @@ def _run_root_hooks_eagerly() -> None:
 
 
 def _forward_hook_call(
-    self: ForwardHook, module: nn.Module, args: tuple[object, ...], output: object
+    self: ForwardHook,
+    module: nn.Module,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    output: object,
 ) -> object:
     """``ForwardHook.__call__`` once Dynamo is loaded: eagerly the same as before
     (returns at once in unsampled forwards); traced by Dynamo, the in-graph capture.
@@ -733,9 +737,9 @@ def _forward_hook_call(
     if _is_compiling():
         compiled = self.compiled
         if isinstance(compiled, CompiledCapture) and not _recomputable_constant(compiled.key):
-            return traced_activation(compiled, self.rows, output, args)
+            return traced_activation(compiled, self.rows, output, args, kwargs)
         assert _opaque_call is not None
-        return _opaque_call(self, module, args, output)
+        return _opaque_call(self, module, args, kwargs, output)
     observer = self._observer()
     if observer is None or observer.state is SKIP:  # the fast path
         return None
@@ -815,7 +819,11 @@ def _reducible(leaf: object) -> bool:
 
 
 def traced_activation(
-    capture: CompiledCapture, rows: HookRows | None, output: object, args: tuple[object, ...]
+    capture: CompiledCapture,
+    rows: HookRows | None,
+    output: object,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
 ) -> object:
     """Traced by Dynamo in place of a forward hook: the statistics rows of ``output``'s
     floating tensors (complex ones by magnitude) go to the next rows of the module's
@@ -827,9 +835,10 @@ def traced_activation(
     each tensor that requires grad is passed through :class:`_GradientTap`, and the
     tapped output is returned (the hook's result replaces the output in the graph: the
     same values, the same gradients); otherwise None. A tensor that is one of the
-    positional inputs ``args`` (``nn.Identity``) is not tapped (counted under
-    ``gradients_not_tapped``): the tap's copy would no longer be the input, and code
-    that changes one of them in place expects the other to change too. A tensor at
+    module's inputs (``nn.Identity``; positional or keyword, at any nesting that
+    :func:`~torchinstruments.capture.iter_output_tensors` walks) is not tapped (counted
+    under ``gradients_not_tapped``): the tap's copy would no longer be the input, and
+    code that changes one of them in place expects the other to change too. A tensor at
     several places of the output (``return h, h``) is tapped once, and its one tapped
     copy takes each place: each place's row holds its whole gradient, as eagerly.
 
@@ -843,6 +852,7 @@ def traced_activation(
             ``MAX_TENSORS_PER_OUTPUT`` of its tensors are taken.
         args: the module's positional inputs (an output tensor among them is not
             tapped).
+        kwargs: its keyword inputs (likewise).
     """
     assign = _assign_constant
     if assign is None or not capture.active or rows is None:
@@ -852,6 +862,7 @@ def traced_activation(
     # Per tensor to tap: the tensor, its sink, and its rows, ids and paths in the output.
     taps: list[tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]], list[str]]] = []
     calls: dict[str, Tensor] = {}  # this hook call's call index, by device
+    inputs: list[object] | None = None  # the module's input tensors, once needed
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
             continue
@@ -867,7 +878,9 @@ def traced_activation(
         block, sink = entry
         gradient = _NO_GRADIENT
         if grads and leaf.requires_grad:
-            if any(leaf is arg for arg in args):
+            if inputs is None:
+                inputs = [tensor for _, tensor in iter_output_tensors((args, kwargs))]
+            if any(leaf is tensor for tensor in inputs):
                 gradient = _UNTAPPED
             elif isinstance(output, Tensor) or (
                 type(output) in (tuple, list) and path.count("[") == 1

@@ -35,6 +35,8 @@ from ._copies import CopiedAsInert, InertForward, InertHook, PrepareScriptable, 
 from ._state import SKIP
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from ._context import ForwardContext
 
 __all__ = [
@@ -419,9 +421,16 @@ class ForwardHook(_HookBase):
     """Forward hook on one observed module; returns at once in unsampled forwards.
     ``compiled``: the observer's capture inside compiled graphs (``_compiled_capture.py``
     replaces this ``__call__`` with one Dynamo traces, once Dynamo is loaded), and
-    ``rows`` this module's rows for it by device (``CompiledCapture.register``)."""
+    ``rows`` this module's rows for it by device (``CompiledCapture.register``).
+    Registered with ``with_kwargs=True`` (see :meth:`register`): the capture inside
+    graphs tells the module's keyword inputs from its outputs."""
 
     __slots__ = ("_index", "compiled", "rows")
+
+    def register(self, module: nn.Module) -> RemovableHandle:
+        """Register this hook on ``module`` as a forward hook that also receives the
+        module's keyword arguments; returns its handle."""
+        return module.register_forward_hook(self, with_kwargs=True)
 
     def __init__(
         self,
@@ -436,7 +445,13 @@ class ForwardHook(_HookBase):
         self.rows = rows
 
     @_opaque_to_compiler
-    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+    def __call__(
+        self,
+        module: nn.Module,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+        output: object,
+    ) -> None:
         observer = self._observer()
         if observer is None or observer.state is SKIP:  # the fast path
             return

@@ -239,7 +239,7 @@ class Observer:
                 self._handles.append(handle)
             else:
                 hook = self._forward_hook(index, self.names[index])
-                handle = module.register_forward_hook(hook)
+                handle = hook.register(module)
                 self._handles.append(handle)
                 parking.parkable.append((module._forward_hooks, handle.id, hook))
         self._prepare_for_scripting()
@@ -440,7 +440,7 @@ class Observer:
         self._modules.append(weakref.ref(module))
         self.capture.plan_histograms(index, name)
         hook = self._forward_hook(index, name)
-        handle = module.register_forward_hook(hook)
+        handle = hook.register(module)
         self._handles.append(handle)
         self.parking.parkable.append((module._forward_hooks, handle.id, hook))
 
