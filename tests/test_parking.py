@@ -272,8 +272,15 @@ def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> No
     """Compiled code guards on hook dictionaries (set when Dynamo loads): the hooks are
     parked in unsampled compiled forwards as in eager ones, and Dynamo holds one entry
     per hook state (in place, parked), compiled once, not one per park and restore.
+    Parked, a module's hook dictionaries are those of a module without hooks (the
+    with-kwargs flag goes too), so the parked entry guards as much as the plain twin's.
     Losses equal the compiled twin's; every submodule is observed in each sample."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
+
+    def guard_lines() -> list[int]:
+        entries = _debug_get_cache_entry_list(CompileNet.forward.__code__)
+        return sorted(str(entry.guard_manager).count("\n") for entry in entries)
 
     torch.manual_seed(0)
     model, twin = CompileNet(), CompileNet()
@@ -281,23 +288,26 @@ def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> No
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
     compiled = cast(nn.Module, torch.compile(model, backend="eager"))
     twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
-    losses, hooks_after = [], []
+    losses, hooks_after, flags_after = [], [], []
     graphs = 0
     for step in range(14):
         losses += train(model if step < 2 else compiled, 1, seed=step)
         hooks_after.append(len(model.act._forward_hooks))
+        flags_after.append(len(model.act._forward_hooks_with_kwargs))
         if step == 3:  # compiled the sampled entry (forward 2), then the parked one
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs == 2
+    parked_entry, sampled_entry = guard_lines()
     remove_observer(model)
     torch._dynamo.reset()
     twin_losses = [
         train(twin if step < 2 else twin_compiled, 1, seed=step)[0] for step in range(14)
     ]
     assert losses == twin_losses
+    assert guard_lines() == [parked_entry] and sampled_entry > parked_entry
     # Sampled forwards 0, 2, ..., 12 have our hook in place (eager or compiled); it is
     # parked in the others, and stays out until the next sampled forward.
-    assert hooks_after == [1, 0] * 7
+    assert hooks_after == flags_after == [1, 0] * 7
     report = read_report(tmp_path)
     assert report["run"]["hook_parking"] == "on"
     assert_observed_in_each_sample(tmp_path, ("fc1", "act", "fc2"), 7)

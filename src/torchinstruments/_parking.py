@@ -36,8 +36,8 @@ _CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", No
 _WRAPPED_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", None)
 _getframe = sys._getframe
 
-#: (hooks dict, handle id, hook) of one submodule hook.
-_Slot = tuple[dict[int, Any], int, "ForwardHook"]
+#: (hooks dict, with-kwargs flags dict, handle id, hook) of one submodule hook.
+_Slot = tuple[dict[int, Any], dict[int, bool], int, "ForwardHook"]
 
 
 class HookParking:
@@ -102,10 +102,18 @@ class HookParking:
             return
         self.frames_at_park = frames
         # Only where ours is the module's only forward hook (order stays as it was).
-        parked = [entry for entry in self.parkable if len(entry[0]) == 1 and entry[1] in entry[0]]
-        for hooks, key, _ in parked:
+        parked = [entry for entry in self.parkable if len(entry[0]) == 1 and entry[2] in entry[0]]
+        for hooks, flags, key, _ in parked:
             del hooks[key]
+            # Its with-kwargs flag too: a parked module's hook dictionaries are then as
+            # a module's without hooks, and so are the guards compiled code keeps on them.
+            flags.pop(key, None)
         self.parked = parked
+
+    def add(self, module: nn.Module, key: int, hook: ForwardHook) -> None:
+        """Make ``hook``, registered on ``module`` with handle id ``key`` and
+        ``with_kwargs=True``, parkable."""
+        self.parkable.append((module._forward_hooks, module._forward_hooks_with_kwargs, key, hook))
 
     def shown_status(self) -> str:
         """:attr:`status` as the report shows it (``run.hook_parking``): where
@@ -132,7 +140,8 @@ class HookParking:
         if not parked:
             return
         self.parked = []
-        for hooks, key, hook in parked:
+        for hooks, flags, key, hook in parked:
+            flags[key] = True
             if hooks:
                 # A hook registered while ours was parked: ours goes back in front.
                 others = list(hooks.items())

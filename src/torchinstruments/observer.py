@@ -241,7 +241,7 @@ class Observer:
                 hook = self._forward_hook(index, self.names[index])
                 handle = hook.register(module)
                 self._handles.append(handle)
-                parking.parkable.append((module._forward_hooks, handle.id, hook))
+                parking.add(module, handle.id, hook)
         self._prepare_for_scripting()
         context.attached = self.buffer.attached = True
         _amp.install(self)
@@ -442,7 +442,7 @@ class Observer:
         hook = self._forward_hook(index, name)
         handle = hook.register(module)
         self._handles.append(handle)
-        self.parking.parkable.append((module._forward_hooks, handle.id, hook))
+        self.parking.add(module, handle.id, hook)
 
     def _adopt_attention_callers(self, root: nn.Module, observed: set[int]) -> None:
         """Observe the modules of ``root`` that called ``scaled_dot_product_attention``
