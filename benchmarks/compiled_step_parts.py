@@ -50,6 +50,12 @@ ratio is the median over rounds.
 Printed per kind: the mean of its copies' median blocks (us/step), the median ratio to
 plain and the half-width of its approximate 95 % interval, and each copy's median block;
 then the same ratio between the first two plain copies (what the comparison can resolve).
+With ``--root-hooks``, more rounds (``--blocks`` again, after the timed ones, their step times
+not used) time the calls of the observer's root pre- and post-hooks, which run eagerly
+around the compiled frame: per observer kind, the median and mean time of a pre-hook
+call (one a forward), the post-hook's calls per forward (only forwards that need it:
+samples and root sentinel checks) and their mean time, and what both take per step, in
+us and as a fraction of the plain step (the timing wrappers' own cost included).
 With ``--then-remove`` the observers are removed and the same copies are timed again:
 their compiled code stays, so a kind's ratio before over its ratio after removal is its
 observer's own cost (its hooks and eager work; not the hook-dictionary guards, which
@@ -60,6 +66,7 @@ Measurement only; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import random
 import statistics
@@ -67,7 +74,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -78,7 +85,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchinstruments import inject_observer, remove_observer
-from torchinstruments.capture import ForwardHook, recompile_limit_hits
+from torchinstruments.capture import ForwardHook, RootPostHook, RootPreHook, recompile_limit_hits
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 WARMUP_STEPS = 1_600  # the default schedule reaches its steady interval by then
@@ -233,6 +240,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help=f"comma-separated kinds of copy, plain among them (default: {','.join(KIND_NAMES)})",
     )
     parser.add_argument(
+        "--root-hooks",
+        action="store_true",
+        help="then time the calls of the observers' root hooks, in further rounds",
+    )
+    parser.add_argument(
         "--then-remove",
         action="store_true",
         help="then remove the observers and time the same copies again",
@@ -275,6 +287,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     step()
                 copies.append((kind, step, model))
         times = _time_rounds(copies, args.blocks, args.steps, seed=0)
+        hook_times = None
+        if args.root_hooks:
+            hook_times = _RootHookTimes()
+            with hook_times.installed():
+                _time_rounds(copies, args.blocks, args.steps, seed=2)
+            hook_times.find_observers(copies)
         removed_times: list[list[float]] | None = None
         for kind, _, model in copies:
             if kind.startswith("observer"):
@@ -297,6 +315,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         first, second = (times[index] for index in plain_indices[:2])
         ratio, notch = _median_and_notch([a / b for a, b in zip(second, first, strict=True)])
         print(f"plain copy 2 / plain copy 1: {ratio:.3f} +- {notch:.3f} (the resolution)")
+    if hook_times is not None:
+        plain_step = statistics.median(
+            statistics.mean(t)
+            for t in zip(
+                *(
+                    blocks
+                    for (kind, _, _), blocks in zip(copies, times, strict=True)
+                    if kind == "plain"
+                ),
+                strict=True,
+            )
+        )
+        hook_times.print(args.blocks * args.steps, plain_step)
     if removed_times is not None:
         print("the same copies after remove_observer:")
         removed = _print_ratios(copies, removed_times, kinds)
@@ -306,6 +337,76 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{kind}: its observer's own cost on the same copies "
                     f"{ratios[kind] / removed[kind]:.3f} (ratio before / ratio after removal)"
                 )
+
+
+class _RootHookTimes:
+    """Times of the calls of every observer's root pre- and post-hook (``--root-hooks``),
+    by the observer's forward context."""
+
+    def __init__(self) -> None:
+        self.pre: dict[int, list[float]] = {}
+        self.post: dict[int, list[float]] = {}
+        #: Each observer kind's forward contexts (see :meth:`find_observers`).
+        self.contexts: dict[str, list[int]] = {}
+
+    def find_observers(self, copies: Sequence[tuple[str, object, nn.Module]]) -> None:
+        """Note which forward context observes which copy (before the observers go)."""
+        for kind, _, model in copies:
+            for hook in model._forward_pre_hooks.values():
+                if isinstance(hook, RootPreHook):
+                    self.contexts.setdefault(kind, []).append(id(hook._observer()))
+
+    @contextlib.contextmanager
+    def installed(self) -> Generator[None]:
+        """Wrap both hook classes' ``__call__`` in timing wrappers that Dynamo runs
+        eagerly, as it does the originals; the originals are back on exit."""
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+
+        pre, post = RootPreHook.__call__, RootPostHook.__call__
+        clock, pre_times, post_times = time.perf_counter, self.pre, self.post
+
+        def timed_pre(hook: RootPreHook, module: nn.Module, args: object) -> None:
+            start = clock()
+            pre(hook, module, args)
+            pre_times.setdefault(id(hook._observer()), []).append(clock() - start)
+
+        def timed_post(hook: RootPostHook, module: nn.Module, args: Any, output: object) -> None:
+            start = clock()
+            post(hook, module, args, output)
+            post_times.setdefault(id(hook._observer()), []).append(clock() - start)
+
+        for wrapper in (timed_pre, timed_post):
+            strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+            set_code_exec_strategy(wrapper.__code__, strategy)
+        RootPreHook.__call__ = timed_pre  # type: ignore[method-assign]
+        RootPostHook.__call__ = timed_post  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            RootPreHook.__call__ = pre  # type: ignore[method-assign]
+            RootPostHook.__call__ = post  # type: ignore[method-assign]
+
+    def print(self, steps: int, plain_step: float) -> None:
+        """One line per observer kind: its copies' hook calls over ``steps`` steps each
+        (one forward a step), against ``plain_step`` (s)."""
+        print("the observers' root hooks, per kind (us):")
+        for kind, ids in self.contexts.items():
+            pre = [value for key in ids for value in self.pre.get(key, [])]
+            post = [value for key in ids for value in self.post.get(key, [])]
+            if not pre:
+                continue
+            per_step = (sum(pre) + sum(post)) / (steps * len(ids))
+            post_mean = statistics.mean(post) * 1e6 if post else 0.0
+            print(
+                f"{kind:22s} pre-hook {statistics.median(pre) * 1e6:.1f} median, "
+                f"{statistics.mean(pre) * 1e6:.1f} mean; post-hook {len(post) / len(pre):.3f} "
+                f"calls a forward, {post_mean:.1f} mean; both {per_step * 1e6:.1f} a step "
+                f"({per_step / plain_step:.1%} of the plain step)"
+            )
 
 
 def _time_rounds(
