@@ -1,6 +1,7 @@
 """The shipped callbacks run inside the real trainers, on tiny models with random
 initial weights and local data: the report covers the model, and the dashboard scalars
-sit at the trainer's own logging steps. ``accelerate`` is tested in both orders
+sit at the trainer's own logging steps; ``transformers.Trainer`` also with
+``torch_compile=True``, training as without the callback. ``accelerate`` is tested in both orders
 (prepare then inject, inject then prepare), with and without bf16 autocast.
 """
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import REPO, read_report
+from tests.harness import REPO, read_report, read_series
 from torchinstruments import MetricLoggerSink, inject_observer, remove_observer
 from torchinstruments.sinks import scalar_tag
 
@@ -210,6 +211,52 @@ def test_transformers_callback_observes_training(
     assert recorder.steps() == loss_steps
     tag = scalar_tag("lm_head", 0, "activation", "output", "rms")
     assert all((step, tag) in recorder.points for step in loss_steps)
+
+
+def test_transformers_trainer_with_torch_compile_trains_as_without_the_callback(
+    tmp_path: Path,
+) -> None:
+    """``TrainingArguments(torch_compile=True)``: Trainer compiles the model itself
+    (``aot_eager`` here, to keep the test short); with the callback the statistics are
+    computed inside the compiled graphs and every logged loss and every parameter after
+    training equal those of the same run without it."""
+    transformers = pytest.importorskip("transformers")
+    from torchinstruments.integrations.transformers import TorchInstrumentsCallback
+
+    def train(callbacks: list[Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = tiny_gpt2()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "trainer"),
+            max_steps=4,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            torch_compile=True,
+            torch_compile_backend="aot_eager",
+        )
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=token_rows(16), callbacks=callbacks
+        )
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, model.state_dict()
+
+    losses, parameters = train([TorchInstrumentsCallback(tmp_path / "stats", sampling=2)])
+    plain_losses, plain_parameters = train([])
+    assert len(losses) == 4 and losses == plain_losses
+    assert all(torch.equal(value, plain_parameters[name]) for name, value in parameters.items())
+    report = read_report(tmp_path / "stats")
+    assert report["errors"] == []
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert report["coverage"]["backward_samples_observed"] == 2
+    assert {"transformer.h.0.mlp.c_fc", "lm_head"} <= {
+        row["module"] for row in read_series(tmp_path / "stats")
+    }
 
 
 # -------------------------------------------------------------------------- accelerate

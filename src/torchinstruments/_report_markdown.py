@@ -432,7 +432,10 @@ def _compiled_lines(compiled: dict) -> list[str]:
     if compiled.get("attention_calls_not_measured"):
         gaps.append(f"attention logits ({compiled['attention_calls_not_measured']} traced calls)")
     if compiled.get("gradients_not_captured"):
-        gaps.append(f"output gradients of {compiled['gradients_not_captured']} container outputs")
+        gaps.append(
+            f"output gradients of {compiled['gradients_not_captured']} traced outputs "
+            "(containers other than a plain tuple or list, or one of the module's inputs)"
+        )
     if compiled.get("gradient_samples_lost"):
         gaps.append(f"output gradients of {compiled['gradient_samples_lost']} samples")
     line = (
