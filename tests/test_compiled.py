@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 import json
 import subprocess
 import sys
@@ -1362,3 +1363,62 @@ def test_a_second_observer_compiles_the_hook_frames_with_its_own_capture(
         )
         assert ("pair", 1, "grad_output", "output[0]", "rms") in compiled
         assert_same_telemetry(eager, compiled)
+
+
+HOOK_DICTIONARIES = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+def hook_dictionaries(model: nn.Module) -> list[dict[str, dict]]:
+    """Each module's hook dictionaries, by name, in module order."""
+    return [{name: dict(getattr(m, name)) for name in HOOK_DICTIONARIES} for m in model.modules()]
+
+
+def reload(model: nn.Module) -> nn.Module:
+    """``model`` through ``torch.save`` and ``torch.load``, as a checkpoint of it."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return cast(nn.Module, torch.load(buffer, weights_only=False))
+
+
+@pytest.mark.parametrize("compile_what", ["model", "block"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
+def test_a_copy_of_an_observed_model_compiles_with_fullgraph(
+    tmp_path: Path, how: str, compile_what: str
+) -> None:
+    """A copy of an observed model carries inert placeholders of our hooks. Compiled
+    with ``fullgraph=True``, whole or its encoder on its own, it trains as the same
+    model never observed: the root's placeholders run eagerly and remove every
+    placeholder of the copy before Dynamo traces it (Dynamo could not trace their
+    removal, and ``fullgraph=True`` failed). ``remove_observer`` of a copy removes them
+    at once."""
+    torch.manual_seed(0)
+    base = SiameseNet()
+    observed = copy.deepcopy(base)
+    inject_observer(observed, output_dir=tmp_path / "original", sampling=1)
+    train_steps(observed, 1)
+    copied = copy.deepcopy(observed) if how == "deepcopy" else reload(observed)
+    other = copy.deepcopy(observed)
+    remove_observer(observed)
+    twin = copy.deepcopy(observed)
+    assert hook_dictionaries(copied) != hook_dictionaries(twin)
+    remove_observer(other)
+    assert hook_dictionaries(other) == hook_dictionaries(twin)
+
+    def compile_model(model: nn.Module) -> nn.Module:
+        assert isinstance(model, SiameseNet)
+        if compile_what == "model":
+            return cast(nn.Module, torch.compile(model, backend="aot_eager", fullgraph=True))
+        encoder = torch.compile(model.encoder, backend="aot_eager", fullgraph=True)
+        model.run_encoder = cast(Callable[[Tensor], Tensor], encoder)
+        return model
+
+    assert train_steps(compile_model(copied), 3) == train_steps(compile_model(twin), 3)
+    assert_same_model(copied, twin)
+    assert hook_dictionaries(copied) == hook_dictionaries(twin)

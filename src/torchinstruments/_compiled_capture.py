@@ -91,6 +91,7 @@ import torch
 from torch import Tensor, nn
 
 from ._context_cadence import remember_sample
+from ._copies import InertHook
 from ._records import CompiledRows
 from ._state import SKIP
 from .capture import (
@@ -709,7 +710,10 @@ def _run_root_hooks_eagerly() -> None:
     marked to run eagerly with everything they call (Dynamo's frame execution strategy
     SKIP, recursively); nothing of this costs anything in eager training. Where they are
     traced inline instead (a compiled function that calls the model), they remain a
-    graph break each.
+    graph break each. The inert hooks of copies of an observed model
+    (:class:`~torchinstruments._copies.InertHook`) are marked too: run eagerly, a copy's
+    root placeholders remove every placeholder of the copy before its compiled forward
+    is traced.
     """
     from torch._C._dynamo.eval_frame import (
         _FrameAction,
@@ -717,7 +721,7 @@ def _run_root_hooks_eagerly() -> None:
         set_code_exec_strategy,
     )
 
-    for hook in (RootPreHook, RootPostHook):
+    for hook in (RootPreHook, RootPostHook, InertHook):
         code = getattr(hook.__dict__.get("__call__"), "__code__", None)
         if isinstance(code, types.CodeType):
             set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))

@@ -25,6 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+#: True while Dynamo traces (it evaluates the call as a constant); False when run.
+_is_compiling: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_compiling", lambda: False
+)
+
 __all__ = [
     "PREPARE_ATTRIBUTE",
     "CopiedAsInert",
@@ -32,6 +37,7 @@ __all__ = [
     "InertHook",
     "PrepareScriptable",
     "WrapperCopies",
+    "remove_inert",
     "scriptable_copy",
 ]
 
@@ -67,25 +73,22 @@ _SCRIPT_ADVICE = (
 class InertHook:
     """What an observer's hook becomes in a deep-copied or unpickled model.
 
-    It does nothing, and on its first call removes itself from the module it is called
-    for, so a copy (an EMA model, a checkpoint loaded with ``torch.load``) ends up with
-    exactly the hooks it would have had without the observer.
+    It does nothing, and on its first call (run eagerly) removes every inert placeholder
+    from the module it is called for and from all of that module's submodules
+    (:func:`remove_inert`), so a copy (an EMA model, a checkpoint loaded with
+    ``torch.load``) ends up with exactly the hooks it would have had without the
+    observer. The root's placeholders run first in a forward, so a copy compiled whole
+    (``fullgraph=True`` too) is clean before Dynamo traces its submodules. Traced by
+    Dynamo (a block of a copy compiled on its own, called before any eager forward of
+    its parent), it is a no-op in the graph and stays until an eager call.
     """
 
     __slots__ = ()
 
     def __call__(self, module: nn.Module, *args: object, **kwargs: object) -> None:
-        for name in _HOOK_DICTS:
-            hooks = getattr(module, name, None)
-            if not isinstance(hooks, dict):
-                continue
-            for key in [k for k, v in hooks.items() if v is self]:
-                del hooks[key]
-                for other in _HOOK_DICTS:
-                    extra = getattr(module, other, None)
-                    if isinstance(extra, dict):
-                        extra.pop(key, None)
-        _drop_copied_preparers(module)
+        if _is_compiling():
+            return  # Dynamo cannot trace the removal; the next eager call does it
+        remove_inert(module)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return (InertHook, ())
@@ -220,6 +223,30 @@ class PrepareScriptable:
 
 #: The attribute :class:`PrepareScriptable` is set as.
 PREPARE_ATTRIBUTE = "__prepare_scriptable__"
+
+
+def remove_inert(module: nn.Module) -> None:
+    """Remove the inert placeholders of a copied observed model from ``module`` and its
+    submodules: :class:`InertHook` entries of the hook dictionaries (with their flags),
+    :class:`InertForward` instance attributes and inert :class:`PrepareScriptable`
+    attributes. Nothing else changes; a module without them is left as it is."""
+    for sub in module.modules():
+        state = sub.__dict__
+        inert = {
+            key
+            for name in ("_forward_pre_hooks", "_forward_hooks")
+            if isinstance(hooks := state.get(name), dict)
+            for key, hook in hooks.items()
+            if isinstance(hook, InertHook)
+        }
+        for key in inert:
+            for name in _HOOK_DICTS:
+                entries = state.get(name)
+                if isinstance(entries, dict):
+                    entries.pop(key, None)
+        if isinstance(state.get("forward"), InertForward):
+            del state["forward"]
+    _drop_copied_preparers(module)
 
 
 def _drop_copied_preparers(module: nn.Module) -> None:

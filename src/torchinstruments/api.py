@@ -15,6 +15,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from ._copies import remove_inert
 from ._validate import shown
 from .capture import COMPILED_WRAPPER_ATTRIBUTE, is_compile_wrapper, without_compile_wrappers
 from .config import ReportConfig, TrackConfig
@@ -563,7 +564,9 @@ def remove_observer(model: nn.Module) -> None:
     """Detach the observer of ``model``, write its final report, restore the model.
 
     Every hook and wrapper of ours is removed and instance attributes are restored; a
-    second call (or a call on a model without an observer) does nothing.
+    second call (or a call on a model without an observer) does nothing, except on a
+    copy of an observed model (``copy.deepcopy``, ``torch.load``): the inert
+    placeholders that its first forward would remove are removed at once.
 
     Raises:
         ConfigError: ``model`` is not an ``nn.Module``.
@@ -577,6 +580,7 @@ def remove_observer(model: nn.Module) -> None:
         if handle is None:
             handle = _REGISTRY.get(_unwrap(model))
         if handle is None:
+            remove_inert(_unwrap(model))
             return
         for key in [k for k, v in list(_REGISTRY.items()) if v is handle]:
             del _REGISTRY[key]
