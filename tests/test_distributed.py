@@ -336,3 +336,45 @@ def test_distributed_data_parallel_single_process(tmp_path: Path) -> None:
         assert report["coverage"]["errors_total"] == 0
     finally:
         dist.destroy_process_group()
+
+
+def compiled_ddp_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    """``torch.compile(DDP(model))`` (aot_eager), observed on every rank, against the
+    same unobserved; a fresh Dynamo state in each rank."""
+    torch._dynamo.reset()
+    model, twin = seeded_net(), seeded_net()
+    inject_observer(model, output_dir=out_dir, sampling=2, rank_policy="all")
+    compiled = torch.compile(DistributedDataParallel(model), backend="aot_eager")
+    losses = train(compiled, rank_batches(rank))
+    remove_observer(model)
+    twin_compiled = torch.compile(DistributedDataParallel(twin), backend="aot_eager")
+    twin_losses = train(twin_compiled, rank_batches(rank))
+    return {
+        "identical": losses == twin_losses and parameters_equal(model, twin),
+        "checksum": [float(p.double().sum()) for p in model.parameters()],
+    }
+
+
+def test_compiled_ddp_is_observed_inside_the_graphs_and_trains_bit_identically(
+    tmp_path: Path,
+) -> None:
+    """DDP compiled by Dynamo (its DDP optimizer splits the graph at gradient buckets):
+    on both ranks training equals the unobserved compiled DDP's, and every module's
+    statistics come from inside the compiled graphs, in every sample."""
+    out = tmp_path / "stats"
+    results = run_ranks(compiled_ddp_worker, 2, tmp_path, str(out))
+    for rank, result in enumerate(results):
+        assert result["identical"] is True
+        report = read_report(out / f"rank-{rank:03d}")
+        assert report["errors"] == []
+        capture = report["coverage"]["compiled_capture"]
+        assert capture["mode"] == "in_graph"
+        assert capture["slots"] == 6  # fc1, act and fc2, activation and output gradient
+        assert report["coverage"]["backward_samples_observed"] == STEPS // 2
+        assert module_names(out / f"rank-{rank:03d}" / "report.json") == {
+            "<root>",
+            "fc1",
+            "act",
+            "fc2",
+        }
+    assert results[0]["checksum"] == results[1]["checksum"]
