@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -344,10 +344,12 @@ def compiled_ddp_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     torch._dynamo.reset()
     model, twin = seeded_net(), seeded_net()
     inject_observer(model, output_dir=out_dir, sampling=2, rank_policy="all")
-    compiled = torch.compile(DistributedDataParallel(model), backend="aot_eager")
+    compiled = cast(nn.Module, torch.compile(DistributedDataParallel(model), backend="aot_eager"))
     losses = train(compiled, rank_batches(rank))
     remove_observer(model)
-    twin_compiled = torch.compile(DistributedDataParallel(twin), backend="aot_eager")
+    twin_compiled = cast(
+        nn.Module, torch.compile(DistributedDataParallel(twin), backend="aot_eager")
+    )
     twin_losses = train(twin_compiled, rank_batches(rank))
     return {
         "identical": losses == twin_losses and parameters_equal(model, twin),
