@@ -84,7 +84,7 @@ import collections
 import itertools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,6 +95,7 @@ from ._copies import InertHook
 from ._records import CompiledRows
 from ._state import SKIP
 from .capture import (
+    MAX_OUTPUT_DEPTH,
     MAX_TENSORS_PER_OUTPUT,
     ForwardHook,
     RootPostHook,
@@ -223,8 +224,8 @@ class CompiledCapture:
         #: Tensors that graphs reduced beyond a module's ``ROWS_PER_MODULE`` rows in a
         #: sample (counted at flushes), output tensors on a device without rows of their
         #: module (met while tracing); and outputs whose gradient is not captured in
-        #: graphs (containers other than a tuple or list of tensors, and outputs that
-        #: are an input).
+        #: graphs (tensors in containers other than plain tuples, lists, dicts and
+        #: namedtuples, and outputs that are an input).
         self.slots_dropped = 0
         self.gradients_not_tapped = 0
         #: Hook calls traced under saved-tensor hooks (a compiled frame that
@@ -835,10 +836,13 @@ def traced_activation(
     sample, counted in the block on the device: a block compiled on its own and called
     twice in one forward runs its graph twice and writes calls 0 and 1).
 
-    Where gradients are on and the output is a tensor, or a tuple or list of tensors,
-    each tensor that requires grad is passed through :class:`_GradientTap`, and the
-    tapped output is returned (the hook's result replaces the output in the graph: the
-    same values, the same gradients); otherwise None. A tensor that is one of the
+    Where gradients are on, each tensor of the output that requires grad and lies in
+    plain tuples, lists, dicts and namedtuples only (at any nesting the walk reaches:
+    ``(out, (k, v))``, ``{"logits": x}``) is passed through :class:`_GradientTap`, and
+    the output rebuilt with the tapped copies is returned (the hook's result replaces
+    the output in the graph: the same values, the same gradients); otherwise None.
+    Tensors in other containers (dataclasses, ``ModelOutput``) are not tapped (counted
+    under ``gradients_not_tapped``). A tensor that is one of the
     module's inputs (``nn.Identity``; positional or keyword, at any nesting that
     :func:`~torchinstruments.capture.iter_output_tensors` walks) is not tapped (counted
     under ``gradients_not_tapped``): the tap's copy would no longer be the input, and
@@ -867,6 +871,7 @@ def traced_activation(
     taps: list[tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]], list[str]]] = []
     calls: dict[str, Tensor] = {}  # this hook call's call index, by device
     inputs: list[object] | None = None  # the module's input tensors, once needed
+    tappable: set[str] | None = None  # paths of the tensors the output can be rebuilt with
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
             continue
@@ -884,14 +889,12 @@ def traced_activation(
         if grads and leaf.requires_grad:
             if inputs is None:
                 inputs = [tensor for _, tensor in iter_output_tensors((args, kwargs))]
-            if any(leaf is tensor for tensor in inputs):
+            if tappable is None:
+                tappable = set(_rebuildable_paths(output, "output", 0))
+            if any(leaf is tensor for tensor in inputs) or path not in tappable:
                 gradient = _UNTAPPED
-            elif isinstance(output, Tensor) or (
-                type(output) in (tuple, list) and path.count("[") == 1
-            ):
-                gradient = GRAD_OUTPUT
             else:
-                gradient = _UNTAPPED
+                gradient = GRAD_OUTPUT
         slot = assign(capture.key, block, path, gradient)
         if slot < 0:
             continue
@@ -927,7 +930,52 @@ def traced_activation(
         block[_COUNTER_ROW, 0].add_(1)
     if not tapped:
         return None
-    if isinstance(output, Tensor):
-        return tapped.get("output", output)
-    items = [tapped.get(f"output[{i}]", item) for i, item in enumerate(output)]  # type: ignore[arg-type]
-    return tuple(items) if type(output) is tuple else items
+    return _rebuilt(output, "output", tapped, 0)
+
+
+def _is_rebuildable(node: object) -> bool:
+    """A container the traced hook can return a new one of, with tapped tensors in it:
+    a plain tuple, list, dict or OrderedDict, or a namedtuple."""
+    return type(node) in (tuple, list, dict, collections.OrderedDict) or (
+        isinstance(node, tuple) and hasattr(node, "_fields")
+    )
+
+
+def _rebuildable_paths(node: object, path: str, depth: int) -> Iterator[str]:
+    """The tensor paths of ``node`` (named as
+    :func:`~torchinstruments.capture.iter_output_tensors` names them) that lie inside
+    rebuildable containers only (see :func:`_is_rebuildable`)."""
+    if isinstance(node, Tensor):
+        yield path
+    elif depth < MAX_OUTPUT_DEPTH and _is_rebuildable(node):
+        for child, item in _children(node, path):
+            yield from _rebuildable_paths(item, child, depth + 1)
+
+
+def _rebuilt(node: object, path: str, tapped: dict[str, Tensor], depth: int) -> object:
+    """``node`` with each tensor at a path of ``tapped`` replaced by its tapped copy:
+    new containers of the same types where something inside changed (see
+    :func:`_rebuildable_paths`), the rest as it was."""
+    if isinstance(node, Tensor):
+        return tapped.get(path, node)
+    if depth >= MAX_OUTPUT_DEPTH or not _is_rebuildable(node):
+        return node
+    values = [_rebuilt(item, child, tapped, depth + 1) for child, item in _children(node, path)]
+    if isinstance(node, dict):
+        return type(node)([(key, values[index]) for index, key in enumerate(node)])
+    if type(node) is list:
+        return values
+    if type(node) is tuple:
+        return tuple(values)
+    return type(node)(*values)  # a namedtuple
+
+
+def _children(node: object, path: str) -> list[tuple[str, object]]:
+    """The (path, item) pairs of a rebuildable container, in order, with the paths
+    :func:`~torchinstruments.capture.iter_output_tensors` gives them."""
+    if isinstance(node, dict):
+        return [(f"{path}[{key!r}]", item) for key, item in node.items()]
+    fields = getattr(node, "_fields", None)
+    if isinstance(node, tuple) and fields is not None:
+        return [(f"{path}.{field}", getattr(node, field)) for field in fields]
+    return [(f"{path}[{index}]", item) for index, item in enumerate(node)]  # type: ignore[arg-type]
