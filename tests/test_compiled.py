@@ -1488,3 +1488,57 @@ def test_tensors_in_nested_plain_containers_have_their_output_gradients(
     assert len(paths) == (2 if kind == "namedtuple" else 3)
     assert report["coverage"]["compiled_capture"]["gradients_not_captured"] == 0
     assert_same_telemetry(eager, compiled)
+
+
+class Collector(nn.Module):
+    """Appends its activation to the list it is given, and returns that list and a
+    multiple of the activation (a leaf module: no submodules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, features: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        h = torch.tanh(features[-1] @ self.weight)
+        features.append(h)
+        return features, h * 2.0
+
+
+class CollectorNet(nn.Module):
+    """Reads the list it passed to :class:`Collector` after changing the returned one
+    in place: the model relies on the two being one list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collect = Collector()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        features = [x]
+        returned, doubled = self.collect(features)
+        returned.append(doubled)
+        return self.head(features[-1])
+
+
+def test_a_list_of_the_inputs_inside_an_output_stays_that_list(tmp_path: Path) -> None:
+    """A module that returns the list it was given (with its activation appended) next
+    to a new tensor: the new tensor is tapped and the output tuple rebuilt around the
+    copy, while the list, whose tensors are inputs now and are not tapped, stays the
+    very list the caller holds (a new list would leave the caller's list without the
+    later changes): training is bit-identical, the new tensor's output gradient equals
+    the eager path's and the list's tensors' are counted as not captured."""
+    torch.manual_seed(0)
+    eager, compiled, report = observe_eager_and_compiled(
+        CollectorNet(), tmp_path, functools.partial(aot_eager, fullgraph=True), sampling=1, steps=3
+    )
+    assert report["coverage"]["compiled_capture"]["gradients_not_captured"] >= 1
+    gradients = {key[3] for key in compiled if key[0] == "collect" and key[2] == "grad_output"}
+    assert gradients == {"output[1]"}
+    assert_same_telemetry(
+        {
+            k: v
+            for k, v in eager.items()
+            if k[0] != "collect" or k[3] == "output[1]" or k[2] == "activation"
+        },
+        compiled,
+    )

@@ -955,12 +955,17 @@ def _rebuildable_paths(node: object, path: str, depth: int) -> Iterator[str]:
 def _rebuilt(node: object, path: str, tapped: dict[str, Tensor], depth: int) -> object:
     """``node`` with each tensor at a path of ``tapped`` replaced by its tapped copy:
     new containers of the same types where something inside changed (see
-    :func:`_rebuildable_paths`), the rest as it was."""
+    :func:`_rebuildable_paths`), the others (and everything else) the very objects they
+    were: a list of the module's inputs returned inside its output (whose tensors are
+    inputs, never tapped) stays the list the caller holds."""
     if isinstance(node, Tensor):
         return tapped.get(path, node)
     if depth >= MAX_OUTPUT_DEPTH or not _is_rebuildable(node):
         return node
-    values = [_rebuilt(item, child, tapped, depth + 1) for child, item in _children(node, path)]
+    children = _children(node, path)
+    values = [_rebuilt(item, child, tapped, depth + 1) for child, item in children]
+    if all(values[index] is children[index][1] for index in range(len(values))):
+        return node
     if isinstance(node, dict):
         return type(node)([(key, values[index]) for index, key in enumerate(node)])
     if type(node) is list:
