@@ -224,8 +224,8 @@ class CompiledCapture:
         #: Tensors that graphs reduced beyond a module's ``ROWS_PER_MODULE`` rows in a
         #: sample (counted at flushes), output tensors on a device without rows of their
         #: module (met while tracing); and outputs whose gradient is not captured in
-        #: graphs (tensors in containers other than plain tuples, lists, dicts and
-        #: namedtuples, and outputs that are an input).
+        #: graphs (tensors outside tuples and namedtuples and a top-level list, and
+        #: outputs that are an input).
         self.slots_dropped = 0
         self.gradients_not_tapped = 0
         #: Hook calls traced under saved-tensor hooks (a compiled frame that
@@ -837,12 +837,13 @@ def traced_activation(
     twice in one forward runs its graph twice and writes calls 0 and 1).
 
     Where gradients are on, each tensor of the output that requires grad and lies in
-    plain tuples, lists, dicts and namedtuples only (at any nesting the walk reaches:
-    ``(out, (k, v))``, ``{"logits": x}``) is passed through :class:`_GradientTap`, and
-    the output rebuilt with the tapped copies is returned (the hook's result replaces
-    the output in the graph: the same values, the same gradients); otherwise None.
-    Tensors in other containers (dataclasses, ``ModelOutput``) are not tapped (counted
-    under ``gradients_not_tapped``). A tensor that is one of the
+    plain tuples and namedtuples only (at any nesting the walk reaches: ``nn.LSTM``'s
+    ``(out, (h, c))``), or in the output itself when that is a plain list, is passed
+    through :class:`_GradientTap`, and the output rebuilt with the tapped copies is
+    returned (the hook's result replaces the output in the graph: the same values, the
+    same gradients); otherwise None. Tensors in other containers (dicts, lists inside
+    the output, dataclasses, ``ModelOutput``) are not tapped (counted under
+    ``gradients_not_tapped``): see :func:`_is_rebuildable`. A tensor that is one of the
     module's inputs (``nn.Identity``; positional or keyword, at any nesting that
     :func:`~torchinstruments.capture.iter_output_tensors` walks) is not tapped (counted
     under ``gradients_not_tapped``): the tap's copy would no longer be the input, and
@@ -933,11 +934,17 @@ def traced_activation(
     return _rebuilt(output, "output", tapped, 0)
 
 
-def _is_rebuildable(node: object) -> bool:
-    """A container the traced hook can return a new one of, with tapped tensors in it:
-    a plain tuple, list, dict or OrderedDict, or a namedtuple."""
-    return type(node) in (tuple, list, dict, collections.OrderedDict) or (
-        isinstance(node, tuple) and hasattr(node, "_fields")
+def _is_rebuildable(node: object, depth: int) -> bool:
+    """A container the traced hook returns a new one of, with tapped tensors in it: a
+    plain tuple or a namedtuple at any depth (immutable: no code can tell the new one
+    from the old by changing it), and a plain list as the output itself. Lists inside
+    the output and dicts stay the very objects they are, shared or changed in place by
+    the caller (a list of the inputs returned in a tuple, one list at two places), and
+    their tensors are not tapped."""
+    return (
+        type(node) is tuple
+        or (isinstance(node, tuple) and hasattr(node, "_fields"))
+        or (depth == 0 and type(node) is list)
     )
 
 
@@ -947,27 +954,20 @@ def _rebuildable_paths(node: object, path: str, depth: int) -> Iterator[str]:
     rebuildable containers only (see :func:`_is_rebuildable`)."""
     if isinstance(node, Tensor):
         yield path
-    elif depth < MAX_OUTPUT_DEPTH and _is_rebuildable(node):
+    elif depth < MAX_OUTPUT_DEPTH and _is_rebuildable(node, depth):
         for child, item in _children(node, path):
             yield from _rebuildable_paths(item, child, depth + 1)
 
 
 def _rebuilt(node: object, path: str, tapped: dict[str, Tensor], depth: int) -> object:
-    """``node`` with each tensor at a path of ``tapped`` replaced by its tapped copy:
-    new containers of the same types where something inside changed (see
-    :func:`_rebuildable_paths`), the others (and everything else) the very objects they
-    were: a list of the module's inputs returned inside its output (whose tensors are
-    inputs, never tapped) stays the list the caller holds."""
+    """``node`` with each tensor at a path of ``tapped`` replaced by its tapped copy,
+    in new rebuildable containers (see :func:`_is_rebuildable`); everything else is the
+    very object it was."""
     if isinstance(node, Tensor):
         return tapped.get(path, node)
-    if depth >= MAX_OUTPUT_DEPTH or not _is_rebuildable(node):
+    if depth >= MAX_OUTPUT_DEPTH or not _is_rebuildable(node, depth):
         return node
-    children = _children(node, path)
-    values = [_rebuilt(item, child, tapped, depth + 1) for child, item in children]
-    if all(values[index] is children[index][1] for index in range(len(values))):
-        return node
-    if isinstance(node, dict):
-        return type(node)([(key, values[index]) for index, key in enumerate(node)])
+    values = [_rebuilt(item, child, tapped, depth + 1) for child, item in _children(node, path)]
     if type(node) is list:
         return values
     if type(node) is tuple:
@@ -978,8 +978,6 @@ def _rebuilt(node: object, path: str, tapped: dict[str, Tensor], depth: int) -> 
 def _children(node: object, path: str) -> list[tuple[str, object]]:
     """The (path, item) pairs of a rebuildable container, in order, with the paths
     :func:`~torchinstruments.capture.iter_output_tensors` gives them."""
-    if isinstance(node, dict):
-        return [(f"{path}[{key!r}]", item) for key, item in node.items()]
     fields = getattr(node, "_fields", None)
     if isinstance(node, tuple) and fields is not None:
         return [(f"{path}.{field}", getattr(node, field)) for field in fields]

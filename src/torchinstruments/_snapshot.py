@@ -101,9 +101,9 @@ class CompiledCaptureCounts:
     #: rows (summed over samples), and output tensors on a device the module has no
     #: rows on, met while tracing: not recorded.
     slots_dropped: int = 0
-    #: Traced outputs whose gradient is not tapped (tensors in containers other than
-    #: plain tuples, lists, dicts and namedtuples, and outputs that are one of the
-    #: module's inputs, positional, keyword or nested in one).
+    #: Traced outputs whose gradient is not tapped (tensors outside tuples and
+    #: namedtuples and a top-level list, as in dicts and dataclasses, and outputs that
+    #: are one of the module's inputs, positional, keyword or nested in one).
     gradients_not_captured: int = 0
     #: Hook calls that Dynamo met under saved-tensor hooks (a compiled frame that
     #: non-reentrant checkpointing recomputes), left graph breaks and observed eagerly.
