@@ -148,6 +148,25 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+def training_arguments(directory: Path, **options: Any) -> Any:
+    """``TrainingArguments`` of the tiny runs, with ``options`` added: 4 optimizer steps
+    of 4 rows on the CPU, the loss logged at each, nothing saved or reported."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.TrainingArguments(
+        output_dir=str(directory / "trainer"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **options,
+    )
+
+
 def token_rows(count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -178,19 +197,10 @@ def test_transformers_callback_observes_training(
         if "activation_checkpointing" in fields
         else "gradient_checkpointing"
     )
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "trainer"),
-        max_steps=4,
-        per_device_train_batch_size=4,
+    args = training_arguments(
+        tmp_path,
         gradient_accumulation_steps=2,  # 8 forwards
         **{name: gradient_checkpointing},
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=token_rows(32), callbacks=[callback]
@@ -225,20 +235,7 @@ def test_transformers_trainer_with_torch_compile_trains_as_without_the_callback(
 
     def train(callbacks: list[Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
         model = tiny_gpt2()
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / "trainer"),
-            max_steps=4,
-            per_device_train_batch_size=4,
-            learning_rate=1e-3,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            torch_compile=True,
-            torch_compile_backend="aot_eager",
-        )
+        args = training_arguments(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
         trainer = transformers.Trainer(
             model=model, args=args, train_dataset=token_rows(16), callbacks=callbacks
         )
