@@ -427,11 +427,6 @@ class ForwardHook(_HookBase):
 
     __slots__ = ("_index", "compiled", "rows")
 
-    def register(self, module: nn.Module) -> RemovableHandle:
-        """Register this hook on ``module`` as a forward hook that also receives the
-        module's keyword arguments; returns its handle."""
-        return module.register_forward_hook(self, with_kwargs=True)
-
     def __init__(
         self,
         observer: ForwardContext,
@@ -443,6 +438,11 @@ class ForwardHook(_HookBase):
         self._index = index
         self.compiled = compiled
         self.rows = rows
+
+    def register(self, module: nn.Module) -> RemovableHandle:
+        """Register this hook on ``module`` as a forward hook that also receives the
+        module's keyword arguments; returns its handle."""
+        return module.register_forward_hook(self, with_kwargs=True)
 
     @_opaque_to_compiler
     def __call__(
