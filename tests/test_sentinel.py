@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.harness import event_of, read_report
 from tests.harness.scenarios import check_poisoned_report, inject, train_poisoned
@@ -310,6 +312,59 @@ def test_complex_outputs_take_the_sentinel_by_their_parts(
     assert coverage["errors_total"] == 0
     assert coverage["sentinel_checks"] == 3  # forwards 7, 8 and 17
     assert coverage["sentinel_nonfinite_forwards"] == 0
+
+
+class _CountingFunctions(TorchFunctionMode):
+    calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        _CountingFunctions.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CountingOps(TorchDispatchMode):
+    calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        _CountingOps.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [None, _CountingFunctions, _CountingOps])
+def test_the_root_sentinel_is_invisible_to_user_modes(
+    tmp_path: Path, mode: type[_CountingFunctions] | type[_CountingOps] | None
+) -> None:
+    """The root sentinel's check of a plain tensor skips passive() only while no user
+    mode is active; under a torch-function or dispatch mode the user's mode sees the
+    ops of training and nothing of the check, nor of the sampled forwards' work, and the
+    one-off is found either way. Dynamo is loaded first, so that the observer sets up
+    its capture inside compiled graphs, whose sample openings read the gradient sinks
+    (seen by a torch-function mode before they ran in passive())."""
+    import torch._dynamo  # what any compiled model in the process does
+
+    def counted_run(model: Net) -> int:
+        if mode is None:
+            run(model, bad_forwards={17})
+            return 0
+        mode.calls = 0
+        with mode():
+            run(model, bad_forwards={17})
+        return mode.calls
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.inp.bias.zero_()
+    plain_calls = counted_run(model)
+    inject_observer(model, output_dir=tmp_path, sampling=100)
+    observed_calls = counted_run(model)
+    remove_observer(model)
+    assert observed_calls == plain_calls
+    assert mode is None or plain_calls > 0
+    coverage = read_report(tmp_path)["coverage"]
+    assert coverage["errors_total"] == 0
+    assert coverage["sentinel_checks"] == 4  # forwards 7, 8, 17 and 26
+    assert coverage["sentinel_nonfinite_forwards"] == 1
 
 
 @pytest.mark.parametrize("phase", [0, 1, 2, 3])

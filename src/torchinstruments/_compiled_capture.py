@@ -378,17 +378,19 @@ class CompiledCapture:
         of earlier samples whose backward ran go to ``context.buffer``, the hooks get a
         free gradient set (see :meth:`_choose_gradient_set`), then the rows are cleared,
         so that rows no graph writes in this sample (a module not called) count 0
-        elements. Never raises: an error is counted, and the sample runs without."""
+        elements. Never raises: an error is counted, and the sample runs without. Runs
+        in :func:`passive`: a user's torch-function or dispatch mode sees none of it (the
+        sinks' ``.grad`` reads, the buffers made and cleared)."""
         try:
-            if self._allocated != len(self._hook_rows) and _status == "ready":
-                with passive():  # made under a user's dispatch mode, it would see them
+            with passive():
+                if self._allocated != len(self._hook_rows) and _status == "ready":
                     self._allocate()
-            self.take_gradients(context)
-            self._sample_set = self._choose_gradient_set()
-            if self.paths:
-                with torch.no_grad():
-                    for buffer in self.buffers.values():
-                        buffer.zero_()
+                self.take_gradients(context)
+                self._sample_set = self._choose_gradient_set()
+                if self.paths:
+                    with torch.no_grad():
+                        for buffer in self.buffers.values():
+                            buffer.zero_()
             self.active = True
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
@@ -435,17 +437,19 @@ class CompiledCapture:
         (breadth first, at most ``MAX_NODES_SEARCHED`` nodes, no tensor read) for the
         gradient accumulator of a sink of the sample's gradient set: when the sample's
         backward starts, :meth:`backward_started` asks the engine whether it will run
-        that node. Never raises (an error is counted)."""
+        that node. Never raises (an error is counted). Runs in :func:`passive`, as
+        :meth:`begin_sample` does."""
         if not self.active:
             return
         self.active = False
         chosen, self._sample_set = self._sample_set, -1
         try:
-            if chosen >= 0:
-                self._set_holders[chosen].append(context.sample)
-                if torch.is_grad_enabled() and self.gradients_tapped:
-                    self._note_reaching(context.sample, output, chosen)
-            self._take_activations(context)
+            with passive():
+                if chosen >= 0:
+                    self._set_holders[chosen].append(context.sample)
+                    if torch.is_grad_enabled() and self.gradients_tapped:
+                        self._note_reaching(context.sample, output, chosen)
+                self._take_activations(context)
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
 

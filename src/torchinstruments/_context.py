@@ -152,12 +152,13 @@ class ForwardContext(_ContextCadence):
         index = self.forwards_seen
         parking = self.parking
         try:
+            # Not asked here: whether torch.compile compiled something since the hooks
+            # were parked. Code compiled in a quiet forward runs only in unsampled ones,
+            # which need no hook, and the forward that ends the stretch (its post-hook, or
+            # close_open_ended) asks and deals with it before any forward needs a hook.
             quiet = (
                 (index < self._quiet_until or index == self._quiet_sentinel)
                 and _training_context(module)
-                and (
-                    parking.status == COMPILE_IN_USE or compiled_frames() == parking.frames_at_park
-                )
                 and (  # not called by the root's own forward (see _nested_root_call)
                     (caller := _getframe(parking.caller_depth)).f_code
                     is not parking.root_forward_code

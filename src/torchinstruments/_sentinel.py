@@ -39,6 +39,9 @@ __all__ = ["ROOT_SENTINEL_INTERVAL", "Sentinel", "next_root_sentinel", "root_sen
 #: of a 0.75 ms MLP step, over half of a 1.03x budget.
 ROOT_SENTINEL_INTERVAL = 8
 
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
 
 class Sentinel:
     """Checks and hits of one observer.
@@ -86,15 +89,24 @@ class Sentinel:
         """Check one tensor; True if it is found non-finite now (CPU). On the accelerator
         path the sum goes to the buffer and the answer comes with the flush."""
         self.sentinel_checks += 1
-        value = tensor.detach()
+        value = tensor
         if value.is_complex():
             # Real and imaginary parts side by side: |z| could overflow where they do not.
-            value = torch.view_as_real(value.resolve_conj())
+            value = torch.view_as_real(value.detach().resolve_conj())
         if value.is_cpu and "cpu" not in self._buffer.device_path_types:
             # A non-finite element makes the sum non-finite; one plain reduction is
             # cheaper than an isfinite mask (and a sum in the tensor's own dtype than one
-            # with a dtype argument). Confirm before counting: a sum can overflow.
-            return not math.isfinite(value.sum().item()) and not bool(torch.isfinite(value).all())
+            # with a dtype argument). Confirm before counting: a sum can overflow. Grad
+            # mode off rather than detach(): no autograd node and no tensor made for it.
+            enabled = _grad_enabled()
+            _set_grad_enabled(False)
+            try:
+                return not math.isfinite(value.sum().item()) and not bool(
+                    torch.isfinite(value).all()
+                )
+            finally:
+                _set_grad_enabled(enabled)
+        value = value.detach()
         # One launch: a non-finite element makes the float64 sum non-finite, and float64
         # cannot overflow on a sum of finite float32 values. Float64 values can, so
         # their zero products are summed instead (NaN exactly where one is non-finite).

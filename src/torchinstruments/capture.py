@@ -257,6 +257,16 @@ def recompile_limit_hits() -> int:
 
 _dispatch_depth: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 _DisableTorchFunction: Any = getattr(torch._C, "DisableTorchFunction", None)
+_function_mode_enabled: Callable[[], bool] = getattr(
+    torch._C, "_is_torch_function_mode_enabled", lambda: True
+)
+
+
+def user_modes_active() -> bool:
+    """True while a torch-function mode or a ``TorchDispatchMode`` is active: only then
+    does an op on a plain ``torch.Tensor`` (not a subclass) reach user code, so only then
+    is :func:`passive` needed for it. True where torch cannot tell."""
+    return bool(_function_mode_enabled() or _dispatch_depth())
 
 
 class _Passive:
