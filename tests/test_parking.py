@@ -383,6 +383,40 @@ def test_code_first_compiled_in_a_parked_forward_is_traced_again(
         assert seen[(name, "activation")] == 3, (name, seen)
 
 
+@pytest.mark.parametrize("hook_guards", [True, False], ids=["hook-guards", "no-hook-guards"])
+def test_a_model_compiled_in_a_quiet_forward_is_observed_in_every_later_sample(
+    tmp_path: Path, fresh_dynamo, hook_guards_off_later: Callable[[], None], hook_guards: bool
+) -> None:
+    """A quiet forward (the open-ended stretch between samples) does not ask whether
+    something was compiled: a model first compiled in one runs its code compiled without
+    our hooks in the quiet forwards that follow, and the forward that ends the stretch
+    deals with it (with hook guards, the next sample compiles its own entry; without,
+    the model's hook-free code is invalidated). Every sample after the compile is
+    observed in full, and training equals the compiled twin's."""
+    torch.manual_seed(0)
+    model, twin = Net(), Net()
+    twin.load_state_dict(model.state_dict())
+    handle = inject_observer(
+        model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(12)
+    )
+    observer = handle._observer
+    assert observer is not None
+    if not hook_guards:
+        hook_guards_off_later()
+    losses = train(model, 5)
+    assert observer.context._quiet_until > observer.context.forwards_seen  # forward 5 is quiet
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend="eager"))
+    losses += train(compiled, 31, seed=1)
+    remove_observer(model)
+    torch._dynamo.reset()
+    assert losses == train(twin, 5) + train(twin_compiled, 31, seed=1)
+    report = read_report(tmp_path)
+    assert report["run"]["hook_parking"] == ("on" if hook_guards else "off: torch.compile in use")
+    # Forwards 0, 12 and 24 sampled, the last two compiled: every module in each.
+    assert_observed_in_each_sample(tmp_path, ("fc1", "probe", "fc2"), 3)
+
+
 def test_a_hook_added_during_a_parked_forward_runs_after_ours(tmp_path: Path, fresh_dynamo) -> None:
     model = Net()
     inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=OddForwards())
