@@ -298,7 +298,8 @@ def passive() -> _Passive:
     (``torch._C.DisableTorchFunction``), and the user's ``TorchDispatchMode`` stack is
     set aside for the duration (``_disable_current_modes``), then restored. Ops on a
     subclass instance then return plain tensors. Costs a few microseconds; used on
-    sampled paths only (and the root sentinel, one forward in 8).
+    sampled paths only (and by the root sentinel, one forward in 8, where the root output
+    is not a plain tensor or :func:`user_modes_active`).
     """
     return _Passive()
 
