@@ -367,6 +367,42 @@ def test_the_root_sentinel_is_invisible_to_user_modes(
     assert coverage["sentinel_nonfinite_forwards"] == 1
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("kind", ["float8", "nested"])
+def test_root_outputs_that_cannot_be_reduced_are_skipped_not_errors(
+    tmp_path: Path, kind: str
+) -> None:
+    """A float8 or a nested root output (no CPU reduction takes them) is skipped, by the
+    root sentinel between samples as in sampled forwards: no error is counted."""
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 4)
+            self.hidden = torch.zeros(0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.hidden = self.fc(x)
+            if kind == "float8":
+                return self.hidden.detach().to(torch.float8_e4m3fn)
+            return torch.nested.nested_tensor(
+                [self.hidden[0].detach(), self.hidden[1, :2].detach()]
+            )
+
+    torch.manual_seed(0)
+    model = Odd()
+    inject_observer(model, output_dir=tmp_path, sampling=100)
+    for _ in range(20):
+        model(torch.randn(4, 6))
+        model.hidden.square().mean().backward()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert report["errors"] == []
+    assert report["coverage"]["errors_total"] == 0
+    assert report["coverage"]["sentinel_checks"] == 0  # forwards 7, 8 and 17: skipped
+    assert report["coverage"]["tensors_skipped"] == {kind: 1}  # the sampled forward 0
+
+
 @pytest.mark.parametrize("phase", [0, 1, 2, 3])
 def test_a_fault_recurring_every_4th_forward_meets_the_root_sentinel(
     tmp_path: Path, phase: int

@@ -18,6 +18,7 @@ from ._records import ROOT_INDEX
 from ._staging import MAX_PENDING_RECORDS
 from ._state import SKIP, ForwardState
 from .capture import passive, user_modes_active
+from .reduce import skip_reason
 
 if TYPE_CHECKING:
     from ._calls import CallCapture
@@ -75,7 +76,7 @@ class _ContextCadence(ForwardState):
         """Check the root output of an unsampled training forward for non-finite values
         (one training forward in :attr:`ROOT_SENTINEL_INTERVAL`, see there)."""
         try:
-            if not user_modes_active() and type(output) is Tensor and output.is_floating_point():
+            if not user_modes_active() and type(output) is Tensor and skip_reason(output) is None:
                 # The common case, kept short (one forward in 8 between samples): ops on a
                 # plain tensor reach no user code while no mode is active, so the check
                 # needs no passive() around it (a few microseconds saved).

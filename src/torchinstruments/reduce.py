@@ -84,13 +84,32 @@ _is_functorch_wrapped = getattr(
 )
 
 
-def skip_reason(value: object) -> str | None:
-    """Return why a tensor cannot be reduced (``"integer"``, ``"sparse"``, ...), or None.
+#: The float8 dtypes this torch has (none before 2.1).
+_FLOAT8_DTYPES = frozenset(
+    dtype
+    for name in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+)
 
-    Floating and complex dense tensors with at least one element are reducible.
+
+def skip_reason(value: object) -> str | None:
+    """Return why a tensor cannot be reduced (``"non_floating"``, ``"sparse"``, ...), or
+    None.
+
+    Floating and complex dense tensors with at least one element are reducible, except
+    nested tensors (``"nested"``) and the float8 dtypes (``"float8"``: torch's CPU
+    reductions do not take them).
     """
     if not isinstance(value, Tensor):
         return "not_a_tensor"
+    if value.is_nested:  # strided or jagged
+        return "nested"
     if value.layout != torch.strided:
         return "sparse"
     if value.is_meta:
@@ -99,6 +118,8 @@ def skip_reason(value: object) -> str | None:
         return "functorch_transform"
     if not (value.is_floating_point() or value.is_complex()):
         return "non_floating"
+    if value.dtype in _FLOAT8_DTYPES:
+        return "float8"
     if value.numel() == 0:
         return "empty"
     return None
