@@ -1577,3 +1577,34 @@ def test_checkpoint_inside_a_frame_compiled_with_the_eager_backend(
         compiled(torch.randn(4, 6)).square().mean().backward()
     finally:
         remove_observer(model)
+
+
+def test_a_float8_output_inside_a_compiled_graph_is_skipped(tmp_path: Path) -> None:
+    """No reduction takes float8 on the CPU: the traced capture skips such an output as
+    the eager path does (it raised inside the graph, and training stopped); the other
+    modules are captured in the graph, and training equals the compiled twin's."""
+
+    class Quantize(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.to(torch.float8_e4m3fn)
+
+    class Float8Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.quantize, self.out = nn.Linear(6, 4), Quantize(), nn.Linear(4, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.fc(x)
+            return self.out(h + self.quantize(h.detach()).to(torch.float32))
+
+    torch.manual_seed(0)
+    model, twin = Float8Net(), Float8Net()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    losses = train_steps(aot_eager(model), 3)
+    report = remove_observer_and_read(model, tmp_path)
+    assert losses == train_steps(aot_eager(twin), 3)
+    assert report["errors"] == []
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    observed = {key[0] for key in written_series(tmp_path)}
+    assert {"fc", "out"} <= observed and "quantize" not in observed

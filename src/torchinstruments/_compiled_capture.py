@@ -106,7 +106,7 @@ from .capture import (
     on_compiler_loaded,
     passive,
 )
-from .reduce import STAT_WIDTH, _statistics_rows
+from .reduce import FLOAT8_DTYPES, STAT_WIDTH, _statistics_rows
 from .series import ACTIVATION, GRAD_OUTPUT
 
 if TYPE_CHECKING:
@@ -819,10 +819,13 @@ class _GradientTap(torch.autograd.Function):
 
 
 def _reducible(leaf: object) -> bool:
+    """What :func:`~torchinstruments.reduce.skip_reason` accepts, as Dynamo can trace it
+    (a float8 output raised in the traced reductions, and training stopped)."""
     return (
         isinstance(leaf, Tensor)
         and leaf.layout == torch.strided
         and (leaf.is_floating_point() or leaf.is_complex())
+        and leaf.dtype not in FLOAT8_DTYPES
         and leaf.numel() > 0
     )
 

@@ -50,6 +50,7 @@ from ._reduce_device import (
 )
 
 __all__ = [
+    "FLOAT8_DTYPES",
     "METRICS",
     "STAT_WIDTH",
     "cpu_statistics",
@@ -84,8 +85,9 @@ _is_functorch_wrapped = getattr(
 )
 
 
-#: The float8 dtypes this torch has (none before 2.1).
-_FLOAT8_DTYPES = frozenset(
+#: The float8 dtypes this torch has (none before 2.1): no CPU reduction takes them, so
+#: tensors of these dtypes are skipped (``"float8"``), eagerly and inside compiled graphs.
+FLOAT8_DTYPES: tuple[torch.dtype, ...] = tuple(
     dtype
     for name in (
         "float8_e4m3fn",
@@ -118,7 +120,7 @@ def skip_reason(value: object) -> str | None:
         return "functorch_transform"
     if not (value.is_floating_point() or value.is_complex()):
         return "non_floating"
-    if value.dtype in _FLOAT8_DTYPES:
+    if value.dtype in FLOAT8_DTYPES:
         return "float8"
     if value.numel() == 0:
         return "empty"
