@@ -39,6 +39,7 @@ from tests.harness import (
     train_on_noise,
 )
 from tests.harness.scenarios import (
+    CheckpointNet,
     CompileNet,
     Series,
     assert_identical_training,
@@ -1553,24 +1554,8 @@ def test_a_list_of_the_inputs_inside_an_output_stays_that_list(tmp_path: Path) -
 def test_checkpoint_inside_a_frame_compiled_with_the_eager_backend(
     tmp_path: Path, fresh_dynamo
 ) -> None:
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(12, 12)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return torch.tanh(self.lin(x))
-
-    class Checkpointed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.block, self.fc2 = nn.Linear(6, 12), Block(), nn.Linear(12, 1)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return self.fc2(checkpoint(self.block, self.fc1(x), use_reentrant=False))
-
     torch.manual_seed(0)
-    model = Checkpointed()
+    model = CheckpointNet("non_reentrant")
     inject_observer(model, output_dir=tmp_path, sampling=1)
     compiled = cast(nn.Module, torch.compile(model, backend="eager"))
     try:

@@ -79,7 +79,7 @@ class _ContextCadence(ForwardState):
             if not user_modes_active() and type(output) is Tensor and skip_reason(output) is None:
                 # The common case, kept short (one forward in 8 between samples): ops on a
                 # plain tensor reach no user code while no mode is active, so the check
-                # needs no passive() around it (a few microseconds saved).
+                # needs no passive() around it.
                 forward = self.forwards_seen - 1
                 if self.sentinel.check(
                     ROOT_INDEX, 0, "output", output, forward, self.samples_observed
