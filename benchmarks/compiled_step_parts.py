@@ -20,17 +20,21 @@ What is compiled (``--compile``): ``model`` (default), ``torch.compile(model)``;
 ``blocks``, GPT-2's ``transformer.h``), the rest eager, as large models are often
 compiled. Blocks of one class share one code object, so every copy's blocks share
 its compiled entries; ``recompile_limit`` is raised to 64 for them, and the number of
-times Dynamo still reached a limit is printed (it should be 0).
+times Dynamo still reached a limit is printed (it should be 0). The block class is then
+an observed one, so the plain copies' blocks guard on their forward hook dictionaries
+too (another instance of an observed class must not run the observed one's code).
 
 Kinds of copy:
 
-- ``plain``: no observer, compiled as in a process without one: Dynamo's guards on
-  module hook dictionaries off (``skip_nnmodule_hook_guards=True``, Dynamo's default),
-  set for its compilation only;
-- ``plain, hook guards``: no observer, compiled with those guards on, as every model
-  compiled after the first injection in a process is (the observer turns them on
-  process-wide when Dynamo loads: see ``torchinstruments.compiled``); its ratio is what
-  the guards cost a model that the observer never touches;
+- ``plain``: no observer, compiled as in a process without one (Dynamo's default
+  ``skip_nnmodule_hook_guards=True``: no guards on empty module hook dictionaries), as
+  every model that the observer never touches is compiled in a process with one (see
+  ``torchinstruments.compiled``);
+- ``plain, hook guards``: no observer, compiled with ``skip_nnmodule_hook_guards=False``
+  for its compilation only (guards on each module's six hook dictionaries), the
+  process-wide setting the observer falls back to where Dynamo lacks the guard it
+  scopes to observed models; its ratio is what that fallback costs a model the observer
+  never touches;
 - ``no-op hooks``: a forward hook that does nothing on each module the observer
   selects (what Dynamo's handling of hooks on inlined modules costs by itself: the
   floor of any capture through module hooks);

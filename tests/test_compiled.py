@@ -125,12 +125,14 @@ class UnrelatedNet(nn.Module):
 
 def test_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) -> None:
     """:func:`check_inject_and_remove_keep_another_models_compiled_code` in a fresh
-    interpreter, where Dynamo is loaded before the first injection: the code compiled
-    before injection has no hook guards, so injection must invalidate it, and removal
-    compiles the model anew. In a process where an observer was injected before Dynamo
-    loaded, hook guards are on from Dynamo's start: the code compiled before injection
-    guards on the empty hook dictionaries and runs again after removal, compiling
-    nothing (the same graph, by its size: the check's last assertion holds there too)."""
+    interpreter, where the observed model's class was never observed before: the code
+    compiled before injection has no hook guards, so injection must invalidate it, and
+    removal compiles the model anew (its entry compiled with the hooks fails their
+    guards). In a process where the class was observed before, the code compiled before
+    this injection guards on the empty hook dictionaries already and runs again after
+    removal, compiling nothing (the same graph, by its size: the check's last assertion
+    holds there too). The other model's class is never observed: its code carries no hook
+    guards (Dynamo's default), and nothing invalidates it."""
     code = (
         "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
         f"from {__name__} import check_inject_and_remove_keep_another_models_compiled_code"

@@ -10,8 +10,11 @@ from __future__ import annotations
 import _thread
 import contextlib
 import copy
+import functools
+import re
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
@@ -24,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.harness import WIDE, forward_hook_counts, read_report, read_series, train_on_noise
 from tests.harness.scenarios import CompileNet
-from torchinstruments import EveryNSampling, inject_observer, remove_observer
+from torchinstruments import EveryNSampling, compiled, inject_observer, remove_observer
 
 
 class Probe(nn.Module):
@@ -313,17 +316,192 @@ def test_parking_goes_on_under_torch_compile(tmp_path: Path, fresh_dynamo) -> No
     assert_observed_in_each_sample(tmp_path, ("fc1", "act", "fc2"), 7)
 
 
+class GuardedNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:  # a code object of its own (Dynamo's cache)
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class UntouchedNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def empty_hook_dict_guards(code: types.CodeType) -> list[set[str]]:
+    """Per cache entry of ``code``: the modules' hook dictionaries its guards require
+    empty (not the global ones)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return [
+        set(re.findall(r"DICT_LENGTH: not (L\S+hooks)\b", str(entry.guard_manager)))
+        for entry in _debug_get_cache_entry_list(code)
+    ]
+
+
+def test_a_model_the_observer_never_touches_compiles_without_hook_guards(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """With Dynamo's default ``skip_nnmodule_hook_guards=True`` left as it is, only the
+    observed model's compiled code guards on its modules' empty ``_forward_hooks`` (what
+    parking changes); another model compiled in the same process keeps Dynamo's default
+    guards, none on its hooks."""
+    torch.manual_seed(0)
+    model, untouched = GuardedNet(), UntouchedNet()
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
+    compiled_model = cast(nn.Module, torch.compile(model, backend="eager"))
+    compiled_untouched = cast(nn.Module, torch.compile(untouched, backend="eager"))
+    train(compiled_model, 4)
+    train(compiled_untouched, 4)
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is True
+    assert empty_hook_dict_guards(UntouchedNet.forward.__code__) == [set()]
+    parked, sampled = sorted(empty_hook_dict_guards(GuardedNet.forward.__code__), key=len)
+    assert parked == {
+        f"L['self']._modules['{name}']._forward_hooks" for name in ("fc1", "act", "fc2")
+    }
+    # Sampled: our hooks are in place (Dynamo guards their length itself).
+    assert not {guard for guard in sampled if guard.endswith("._forward_hooks")}
+    remove_observer(model)
+    assert_observed_in_each_sample(tmp_path, ("fc1", "act", "fc2"), 2)
+
+
+class FallbackNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class FallbackUntouchedNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_where_the_guard_cannot_be_scoped_hook_guards_go_on_for_every_model(
+    tmp_path: Path, fresh_dynamo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a torch whose Dynamo lacks the guard that injection scopes to observed models
+    (here: the wrapper made to fail), ``skip_nnmodule_hook_guards`` is set to False for
+    the process: parking goes on, and every compiled model, observed or not, guards on
+    its modules' empty hook dictionaries."""
+    from torch._dynamo.guards import GuardBuilder
+
+    scoped = GuardBuilder.__dict__[compiled.EMPTY_HOOKS_GUARD]
+    dynamos_own = getattr(scoped, "_torchinstruments_wrapped", scoped)
+    monkeypatch.setattr(GuardBuilder, compiled.EMPTY_HOOKS_GUARD, dynamos_own)
+    monkeypatch.setattr(compiled, "_wrap_empty_hooks_guard", lambda: False)
+    monkeypatch.setattr(compiled, "_scoped", compiled._scoped)
+    torch.manual_seed(0)
+    model, untouched = FallbackNet(), FallbackUntouchedNet()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        run_with_fallback(tmp_path, model, untouched)
+
+
+def run_with_fallback(tmp_path: Path, model: nn.Module, untouched: nn.Module) -> None:
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(2))
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+    assert compiled.hooks_guarded()
+    train(cast(nn.Module, torch.compile(model, backend="eager")), 4)
+    train(cast(nn.Module, torch.compile(untouched, backend="eager")), 2)
+    every_hook_dict = {
+        f"L['self']._modules['{name}'].{hooks}"
+        for name in ("fc1", "act", "fc2")
+        for hooks in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        )
+    }
+    assert every_hook_dict <= empty_hook_dict_guards(FallbackUntouchedNet.forward.__code__)[0]
+    entries = empty_hook_dict_guards(FallbackNet.forward.__code__)
+    assert len(entries) == 2  # sampled, parked
+    assert any(every_hook_dict <= entry for entry in entries)  # the parked one
+    remove_observer(model)
+    assert read_report(tmp_path)["run"]["hook_parking"] == "on"
+    assert_observed_in_each_sample(tmp_path, ("fc1", "act", "fc2"), 2)
+
+
+class TwinNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SequentialHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+        self.run_body: Callable[[Tensor], Tensor] = self.body
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.run_body(x)
+
+
+@pytest.mark.parametrize("compiled", ["modules", "function", "builtin"])
+def test_another_instance_of_the_observed_class_never_runs_the_observed_models_code(
+    tmp_path: Path, fresh_dynamo, compiled: str
+) -> None:
+    """A twin of the observed model's class (an EMA copy, a teacher), compiled in the same
+    process, shares the observed model's code objects and so Dynamo's cache entries:
+    the twin's entries, traced without our hooks, guard on its empty hook dictionaries
+    and never run in place of the observed model's, which would leave its samples
+    unobserved. Compiled as two modules, or as one function called with either model, or
+    as the ``nn.Sequential`` inside each model compiled on its own (a ``torch.nn`` class,
+    which Dynamo compiles through a wrapper frame shared by every such module: the
+    frame's code is not the class's)."""
+    torch.manual_seed(0)
+    names = ("fc1", "act", "fc2")
+    model: nn.Module
+    twin: nn.Module
+    if compiled == "builtin":
+        model, twin = SequentialHolder(), SequentialHolder()
+        names = ("body.0", "body.1", "body.2")
+    else:
+        model, twin = TwinNet(), TwinNet()
+    twin.load_state_dict(model.state_dict())
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(1))
+    if compiled == "builtin":  # the bodies compiled on their own, the holders eager
+        for holder in (model, twin):
+            cast(SequentialHolder, holder).run_body = torch.compile(
+                cast(SequentialHolder, holder).body, backend="eager"
+            )
+        run_model, run_twin = model, twin
+    elif compiled == "modules":
+        run_model = cast(nn.Module, torch.compile(model, backend="eager"))
+        run_twin = cast(nn.Module, torch.compile(twin, backend="eager"))
+    else:
+        step = torch.compile(lambda module, x: module(x), backend="eager")
+        run_model, run_twin = functools.partial(step, model), functools.partial(step, twin)
+    generator = torch.Generator().manual_seed(0)
+    losses: list[tuple[float, float]] = []
+    for _ in range(6):
+        x = torch.randn(4, 6, generator=generator)
+        pair_losses = []
+        for run in (run_twin, run_model):  # the twin first: its entry is tried first
+            loss = run(x).square().mean()
+            loss.backward()
+            pair_losses.append(float(loss.detach()))
+        losses.append((pair_losses[0], pair_losses[1]))
+    remove_observer(model)
+    assert all(twin_loss == model_loss for twin_loss, model_loss in losses)
+    assert_observed_in_each_sample(tmp_path, names, 6)
+
+
 @pytest.fixture
-def hook_guards_off_later() -> Iterator[Callable[[], None]]:
-    """Returns what turns Dynamo's hook guards off, as a user may do after injecting
-    (injection turns them on); on again at the test's end."""
+def hook_guards_off_later(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
+    """Returns what leaves compiled code without guards on the observed model's empty
+    hook dictionaries, as in a torch whose Dynamo lacks the guard that injection scopes
+    to observed models, with ``skip_nnmodule_hook_guards`` set back to True by the user
+    after injecting; both as they were at the test's end."""
+    from torch._dynamo.guards import GuardBuilder
+
     config = torch._dynamo.config
+    flag = config.skip_nnmodule_hook_guards
 
     def turn_off() -> None:
         config.skip_nnmodule_hook_guards = True
+        scoped = GuardBuilder.__dict__[compiled.EMPTY_HOOKS_GUARD]
+        dynamos_own = getattr(scoped, "_torchinstruments_wrapped", scoped)
+        monkeypatch.setattr(GuardBuilder, compiled.EMPTY_HOOKS_GUARD, dynamos_own)
 
     yield turn_off
-    config.skip_nnmodule_hook_guards = False
+    config.skip_nnmodule_hook_guards = flag
 
 
 def test_without_hook_guards_parking_stops_once_the_model_is_compiled(

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["COMPILE_IN_USE", "HookParking", "find_caller_depth", "root_calls_on_stack"]
 
 #: ``HookParking.status`` once ``torch.compile`` compiled anything in the process while
-#: compiled code does not guard on module hooks (see ``HookParking.park``).
+#: compiled code does not guard on the observed modules' hooks (see ``HookParking.park``).
 COMPILE_IN_USE = "off: torch.compile in use"
 
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
@@ -81,14 +81,16 @@ class HookParking:
         calls of submodules outside any root forward are not seen (they are only ever
         counted, under ``calls_outside_root_skipped``).
 
-        Under ``torch.compile`` parking goes on while compiled code guards on module hook
-        dictionaries (:func:`~torchinstruments.compiled.hooks_guarded`, the setting made
-        when Dynamo loads): the compiled frame then has two cache entries, one traced with
-        our hooks in place (sampled forwards, whose reductions are traced into the graph)
-        and one traced with them parked (an empty hook dictionary is a guard of its own),
-        each compiled once, so parking and restoring never recompile. Where the hook
-        guards are off (a user set ``skip_nnmodule_hook_guards`` back to True), compiled
-        code would not see the hooks come and go: parking stops for good once
+        Under ``torch.compile`` parking goes on while compiled code guards on the observed
+        modules' hook dictionaries (:func:`~torchinstruments.compiled.hooks_guarded`, set
+        up when Dynamo loads): the compiled frame then has two cache entries, one traced
+        with our hooks in place (sampled forwards, whose reductions are traced into the
+        graph) and one traced with them parked (an empty hook dictionary is a guard of its
+        own), each compiled once, so parking and restoring never recompile. Where those
+        guards are missing (a torch whose Dynamo lacks the guard that
+        :func:`~torchinstruments.compiled.guard_on_hooks` scopes, with the user's
+        ``skip_nnmodule_hook_guards`` set back to True), compiled code would not see the
+        hooks come and go: parking stops for good once
         ``torch.compile`` has compiled anything in the process, and if something was
         compiled during a parked forward, that code of this model is invalidated
         (:func:`~torchinstruments.compiled.forget_compiled_code`, in :meth:`restore`) so

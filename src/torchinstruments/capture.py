@@ -101,7 +101,7 @@ def _make_hooks_opaque() -> None:
         _opaque_applied = True
         from .compiled import guard_on_hooks
 
-        guard_on_hooks()  # before anything compiles: compiled code then sees our hooks
+        guard_on_hooks()  # before anything compiles: observed models' code then sees our hooks
         disable = getattr(getattr(torch, "compiler", None), "disable", None)
         if disable is None:
             return

@@ -1,22 +1,33 @@
-"""``torch.compile`` support: per-model invalidation of compiled code.
+"""``torch.compile`` support: compiled code that sees the observer's hooks come and go,
+for observed models only, without ``torch._dynamo.reset()``.
 
 Dynamo caches compiled code on the code objects it compiled (a model's ``forward``, a
 compiled block's ``forward``, and the resume functions it generates after graph
 breaks), each entry with guards that say when it may run. By default
-(``torch._dynamo.config.skip_nnmodule_hook_guards = True``) those guards ignore module
-hook dictionaries, so hooks added or removed after a model was compiled would go unseen:
-the model would keep running code compiled without them (or with them).
+(``torch._dynamo.config.skip_nnmodule_hook_guards = True``) those guards ignore empty
+module hook dictionaries, so hooks added after a model was compiled would go unseen: the
+model would keep running code compiled without them. Observers add and remove hooks all
+the time (hook parking, ``_parking.py``), so their models' compiled code must guard on
+them, and other models' code should not pay for it.
 
-Two measures make injection and removal take effect for the observed model only,
-without ``torch._dynamo.reset()`` (which discards every model's compiled code):
-
-* :func:`guard_on_hooks` sets ``skip_nnmodule_hook_guards = False`` (once Dynamo is
-  loaded and whenever an observer is injected or removed). Code compiled from then on
-  guards on the hook dictionaries of the modules it traced, so a hook change fails the
-  guards of exactly the models whose hooks changed, and only those are compiled again.
+* :func:`guard_on_hooks` makes Dynamo keep the guard on an empty ``_forward_hooks``
+  dictionary (one dictionary-length check) where it belongs to a module of an observed
+  model (:func:`note_observed`), or to any module traced in compiled code that another
+  call could run with an observed model (the compiled frame's outermost module, its
+  ``self`` or the module a compiled function or Dynamo's wrapper takes, is of the class
+  of an observed module: another instance of that class, an EMA copy or a teacher,
+  shares the code object and its cache entries), and on the empty ``_forward_pre_hooks``
+  of instances of an observed root's class (where the root pre-hook goes). Every other
+  module's empty hook dictionaries stay unguarded, as Dynamo's default leaves them. It
+  does so by wrapping Dynamo's ``GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT`` (the guard
+  that ``skip_nnmodule_hook_guards`` switches); where that guard or Dynamo's inlining of
+  built-in modules (``inline_inbuilt_nn_modules``) is missing, it falls back to
+  ``skip_nnmodule_hook_guards = False`` for the whole process (every compiled model then
+  guards on its six hook dictionaries per module). A non-empty hook dictionary is always
+  guarded by Dynamo (its length), whatever the setting.
 * :func:`forget_compiled_code` invalidates, on the code objects of the observed
-  model's modules, the cache entries compiled without hook guards (before the setting
-  above): Dynamo's own per-entry invalidation, the one it applies when an object its
+  model's modules, the cache entries compiled without hook guards (before the model was
+  observed): Dynamo's own per-entry invalidation, the one it applies when an object its
   guards refer to is freed. Models of other classes keep all of their compiled code.
 
 Where the per-entry invalidation is not available (a torch whose Dynamo lacks it), the
@@ -26,20 +37,48 @@ code objects' caches are reset (``reset_code``), and failing that the whole of D
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
+import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["forget_compiled_code", "guard_on_hooks", "last_invalidation"]
+__all__ = [
+    "forget_compiled_code",
+    "guard_on_hooks",
+    "hooks_guarded",
+    "last_invalidation",
+    "note_observed",
+]
 
-#: The Dynamo setting that :func:`guard_on_hooks` turns off.
+#: The Dynamo setting that :func:`guard_on_hooks` turns off where it cannot scope the
+#: hook guards to observed models.
 HOOK_GUARD_FLAG = "skip_nnmodule_hook_guards"
+
+#: The Dynamo guard method that :func:`guard_on_hooks` wraps.
+EMPTY_HOOKS_GUARD = "EMPTY_NN_MODULE_HOOKS_DICT"
+
+#: Marks our wrapper of :data:`EMPTY_HOOKS_GUARD` (its value: the wrapped method).
+_WRAPPED_MARK = "_torchinstruments_wrapped"
+
+#: Every module of every model observed in this process (while it lives), the
+#: ``forward`` codes and the classes of those modules, and the classes of the observed
+#: roots: whose empty hook dictionaries stay guarded (see :func:`guard_on_hooks`).
+_observed_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_observed_codes: set[types.CodeType] = set()
+_observed_types: weakref.WeakSet[type] = weakref.WeakSet()
+_observed_root_types: weakref.WeakSet[type] = weakref.WeakSet()
+#: Whether the last :func:`guard_on_hooks` scoped the hook guards to observed models.
+_scoped = False
 
 #: Deepest chain of decorators followed from a ``forward`` (see :func:`_module_codes`).
 _MAX_WRAPPERS = 16
+#: Longest chain of guard sources followed to the outermost module (see :func:`_top_module`).
+_MAX_SOURCE_DEPTH = 64
 
 #: How the last call of :func:`forget_compiled_code` invalidated compiled code.
 _last_method = "none"
@@ -49,21 +88,51 @@ def _dynamo() -> Any:
     return sys.modules.get("torch._dynamo")
 
 
-def guard_on_hooks() -> bool:
-    """Make code that Dynamo compiles from now on guard on module hook dictionaries.
+def note_observed(root: nn.Module) -> None:
+    """Record ``root`` and its modules as observed, so that code Dynamo compiles from
+    now on (this process, while they live) guards on their hook dictionaries (see
+    :func:`guard_on_hooks`). Cheap; does not import Dynamo."""
+    modules = list(root.modules())
+    _observed_modules.update(modules)
+    _observed_codes.update(_module_codes(modules))
+    _observed_types.update(type(module) for module in modules)
+    _observed_root_types.add(type(root))
 
-    Sets ``torch._dynamo.config.skip_nnmodule_hook_guards`` to False, a process-wide
-    setting (Dynamo documents True as unsafe when hooks are added or removed after
-    compiling). Code compiled before keeps its guards. Does nothing, and does not import
-    Dynamo, when Dynamo is not loaded.
+
+def guard_on_hooks() -> bool:
+    """Make code that Dynamo compiles from now on guard on the hook dictionaries of
+    observed models (:func:`note_observed`).
+
+    Wraps ``torch._dynamo.guards.GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT``, once: where
+    ``skip_nnmodule_hook_guards`` is True (Dynamo's default) the wrapper still guards an
+    empty hook dictionary (its length, the check Dynamo makes with the setting False)
+    where our hooks come and go or tell models apart. That is the ``_forward_hooks`` of
+    an observed module; of any module whose guard source starts at a module of an
+    observed module's class (:func:`_top_module`: the frame's ``self``, or the module a
+    compiled function or Dynamo's wrapper of a ``torch.nn`` module takes, which another
+    call of the same code may pass an observed model as); and of any module traced in a
+    frame whose code is an observed module class's ``forward`` (or its decorators'
+    wrappers, or a resume function Dynamo made from them). And the
+    ``_forward_pre_hooks`` of a module of an observed root's class: the root pre-hook is
+    never parked, so this tells an observed root from another instance of its class.
+    Every other guard is left to Dynamo. Where the
+    wrapper cannot be installed, or Dynamo does not inline built-in modules (where the
+    guards of a module traced whole are filtered before that method runs), sets
+    ``skip_nnmodule_hook_guards`` to False, a process-wide setting (Dynamo documents
+    True as unsafe when hooks are added or removed after compiling). Code compiled
+    before keeps its guards. Does nothing, and does not import Dynamo, when Dynamo is
+    not loaded.
 
     Returns:
-        True if Dynamo is loaded and the setting is False now.
+        True if Dynamo is loaded and compiled code guards on observed models' hooks now.
     """
-    dynamo = _dynamo()
-    config = getattr(dynamo, "config", None) if dynamo is not None else None
+    config = _dynamo_config()
     if config is None or not hasattr(config, HOOK_GUARD_FLAG):
         return False
+    global _scoped
+    _scoped = _wrap_empty_hooks_guard() and _inlines_builtin_modules(config)
+    if _scoped:
+        return True
     try:
         setattr(config, HOOK_GUARD_FLAG, False)
     except Exception:
@@ -72,14 +141,103 @@ def guard_on_hooks() -> bool:
 
 
 def hooks_guarded() -> bool:
-    """True if Dynamo is loaded and code it compiles guards on module hook dictionaries
-    (``skip_nnmodule_hook_guards`` is False, as :func:`guard_on_hooks` sets it)."""
-    dynamo = _dynamo()
-    config = getattr(dynamo, "config", None) if dynamo is not None else None
+    """True if Dynamo is loaded and code it compiles guards on the hook dictionaries of
+    observed models: ``skip_nnmodule_hook_guards`` is False, or :func:`guard_on_hooks`'s
+    wrapper is in place and Dynamo inlines built-in modules (as of the last
+    :func:`guard_on_hooks`)."""
+    config = _dynamo_config()
     try:
-        return config is not None and getattr(config, HOOK_GUARD_FLAG) is False
+        if config is None:
+            return False
+        if getattr(config, HOOK_GUARD_FLAG) is False:
+            return True
+        guards = sys.modules.get("torch._dynamo.guards")
+        builder = getattr(guards, "GuardBuilder", None)
+        method = getattr(builder, EMPTY_HOOKS_GUARD, None)
+        return _scoped and getattr(method, _WRAPPED_MARK, None) is not None
     except Exception:
         return False
+
+
+def _inlines_builtin_modules(config: Any) -> bool:
+    """Dynamo's ``inline_inbuilt_nn_modules`` (read once per injection or removal: the
+    torch versions where it is always True warn when it is read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(getattr(config, "inline_inbuilt_nn_modules", False))
+
+
+def _dynamo_config() -> Any:
+    dynamo = _dynamo()
+    return getattr(dynamo, "config", None) if dynamo is not None else None
+
+
+def _wrap_empty_hooks_guard() -> bool:
+    """Wrap ``GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT`` (see :func:`guard_on_hooks`);
+    True if the wrapper is in place."""
+    try:
+        from torch._dynamo.guards import GuardBuilder
+    except Exception:
+        return False
+    original = GuardBuilder.__dict__.get(EMPTY_HOOKS_GUARD)
+    if getattr(original, _WRAPPED_MARK, None) is not None:
+        return True
+    if not callable(original) or not callable(getattr(GuardBuilder, "SEQUENCE_LENGTH", None)):
+        return False
+    config = _dynamo_config()
+
+    @functools.wraps(original)  # keeps the name and the guard_check_spec Dynamo reads
+    def empty_hooks_dict(builder: Any, guard: Any) -> None:
+        if getattr(config, HOOK_GUARD_FLAG, True) and _keeps_hook_guard(builder, guard):
+            builder.SEQUENCE_LENGTH(guard)  # what the guard does with the setting False
+            return
+        original(builder, guard)
+
+    setattr(empty_hooks_dict, _WRAPPED_MARK, original)
+    try:
+        setattr(GuardBuilder, EMPTY_HOOKS_GUARD, empty_hooks_dict)
+    except Exception:
+        return False
+    return True
+
+
+def _keeps_hook_guard(builder: Any, guard: Any) -> bool:
+    """Whether the guard on an empty hook dictionary stays (see :func:`guard_on_hooks`);
+    True where that cannot be told (the safe side: one more guard)."""
+    try:
+        source = guard.originating_source
+        member = getattr(source, "member", None)
+        if member == "_forward_pre_hooks":  # our pre-hook goes on roots only
+            return type(builder.get(source.base)) in _observed_root_types
+        if member != "_forward_hooks":
+            return False
+        if builder.get(source.base) in _observed_modules:
+            return True
+        top = _top_module(builder, source.base)
+        if top is None or type(top) in _observed_types:
+            return True
+        code = getattr(builder, "f_code", None)
+        return code is None or code in _with_resume_functions(set(_observed_codes))
+    except Exception:
+        return True
+
+
+def _top_module(builder: Any, source: Any) -> nn.Module | None:
+    """The outermost module on ``source``'s chain of bases (the frame's ``self``, or the
+    module a compiled function or Dynamo's wrapper takes): what another call of the
+    same compiled code may pass in its place."""
+    chain = []
+    while source is not None and len(chain) < _MAX_SOURCE_DEPTH:
+        chain.append(source)
+        source = getattr(source, "base", None)
+    for outer in reversed(chain):
+        try:
+            value = builder.get(outer)
+        except Exception:
+            continue
+        if isinstance(value, nn.Module):
+            return value
+    return None
 
 
 def _module_codes(modules: Iterable[nn.Module]) -> set[types.CodeType]:
