@@ -483,6 +483,60 @@ def test_another_instance_of_the_observed_class_never_runs_the_observed_models_c
     assert_observed_in_each_sample(tmp_path, names, 6)
 
 
+class StepNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class HeldNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Holder(nn.Module):
+    """Holds a model and calls it: compiled whole, its frame is the holder's."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("compiled", ["function", "holder", "builtin"])
+def test_code_compiled_elsewhere_before_injection_runs_the_hooks_after(
+    tmp_path: Path, fresh_dynamo, compiled: str
+) -> None:
+    """Code compiled before injection that runs the model from another frame (a compiled
+    training-step function taking the model, a holder model compiled whole, Dynamo's
+    wrapper frame of a ``torch.nn`` root) has no guards on the model's hooks: injection
+    invalidates it, so every sample is observed."""
+    torch.manual_seed(0)
+    names = ("fc1", "act", "fc2")
+    model: nn.Module
+    if compiled == "function":
+        model = StepNet()
+        step = torch.compile(lambda module, x: module(x), backend="eager")
+        run: Callable[[Tensor], Tensor] = functools.partial(step, model)
+    elif compiled == "holder":
+        model = HeldNet()
+        run = cast(nn.Module, torch.compile(Holder(model), backend="eager"))
+    else:
+        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+        names = ("0", "1", "2")
+        run = cast(nn.Module, torch.compile(model, backend="eager"))
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(4, 6, generator=generator) for _ in range(6)]
+    for x in batches[:2]:  # compiled before injection
+        run(x).square().mean().backward()
+    inject_observer(model, output_dir=tmp_path, report_config=WIDE, sampling=EveryNSampling(1))
+    for x in batches[2:]:
+        run(x).square().mean().backward()
+    remove_observer(model)
+    assert_observed_in_each_sample(tmp_path, names, 4)
+
+
 @pytest.fixture
 def hook_guards_off_later(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
     """Returns what leaves compiled code without guards on the observed model's empty

@@ -505,7 +505,7 @@ def inject_observer(
         # of warm-up, then every rewrite_interval_s) still leaves one.
         observer.write_report(files_only=True)
         note_observed(root)  # before anything compiles it with our hooks
-        _forget_compiled_code(model)
+        _forget_compiled_code(model, root=root)
         _REGISTRY[model] = handle
         if root is not model:
             _REGISTRY[root] = handle
@@ -550,16 +550,18 @@ def _typed(name: str, value: object, kind: type) -> Any:
     return value
 
 
-def _forget_compiled_code(model: nn.Module) -> None:
+def _forget_compiled_code(model: nn.Module, *, root: nn.Module | None = None) -> None:
     """Invalidate code that ``torch.compile`` compiled for ``model`` without guarding on
-    its hooks, so that hooks just added or removed take effect; other models keep their
-    compiled code (see :mod:`torchinstruments.compiled`). Nothing happens unless Dynamo
-    is loaded; recompilation of ``model`` follows on its next call."""
+    its hooks, so that hooks just added or removed take effect; with ``root`` (the
+    observed model, at injection) also such code compiled elsewhere that may run it (see
+    :func:`torchinstruments.compiled.forget_compiled_code`). Other models keep their
+    compiled code. Nothing happens unless Dynamo is loaded; recompilation of ``model``
+    follows on its next call."""
     if "torch._dynamo" not in sys.modules:
         return
     from .compiled import forget_compiled_code
 
-    forget_compiled_code(model.modules())
+    forget_compiled_code(model.modules(), root=root)
 
 
 def remove_observer(model: nn.Module) -> None:

@@ -38,6 +38,7 @@ code objects' caches are reset (``reset_code``), and failing that the whole of D
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import types
 import warnings
@@ -285,26 +286,24 @@ def _with_resume_functions(codes: set[types.CodeType]) -> set[types.CodeType]:
     return found
 
 
-def _guards_on_hooks(guard_manager: object) -> bool:
-    """True if a cache entry's guards check the forward-hook dictionaries of modules
-    (``L['self']._modules['fc']._forward_hooks``; not the global ones)."""
-    try:
-        return "]._forward_hooks" in str(guard_manager)
-    except Exception:
-        return False
-
-
-def forget_compiled_code(modules: Iterable[nn.Module]) -> int:
+def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None = None) -> int:
     """Invalidate compiled code that could run ``modules`` without seeing hook changes.
 
     Turns hook guards on (:func:`guard_on_hooks`), then invalidates each cache entry on
     the ``forward`` code objects of ``modules`` (and their resume functions) whose guards
-    do not check hook dictionaries. Other code objects, and entries that guard on hooks
-    (their guards see the change), keep their compiled code. Does nothing, and does not
-    import Dynamo, when Dynamo is not loaded.
+    do not check hook dictionaries. With ``root`` (at injection), also each such entry on
+    any other code Dynamo compiled (a training-step function, a wrapper model, Dynamo's
+    own wrapper frame of a ``torch.nn`` module) whose guards say it may run the observed
+    model: they check a type against ``root``'s class at any depth, against the class of
+    one of ``modules`` on a frame's local or global itself (the module a compiled
+    function takes), or an object's identity against one of ``modules``. Other entries,
+    and entries that guard on hooks (their guards see the change), keep their compiled
+    code. Does nothing, and does not import Dynamo, when Dynamo is not loaded.
 
     Args:
         modules: the modules whose hooks changed (every module of the observed model).
+        root: the observed model, at injection; None at removal, where code compiled
+            without hook guards was traced without our hooks and stays right.
 
     Returns:
         The number of cache entries invalidated; -1 if Dynamo's caches had to be reset
@@ -316,19 +315,31 @@ def forget_compiled_code(modules: Iterable[nn.Module]) -> int:
         _last_method = "none"
         return 0
     guard_on_hooks()
+    modules = list(modules)
     codes = _with_resume_functions(_module_codes(modules))
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     except Exception:
         return _reset_all(dynamo)
+    candidates = [(code, False) for code in codes]
+    if root is not None:
+        candidates += [(code, True) for code in _compiled_codes() if code not in codes]
+        identities = _Identities(root, modules)
     invalidated = 0
     reset_codes = 0
-    for code in codes:
+    for code, by_guards in candidates:
         try:
             entries = _debug_get_cache_entry_list(code)
         except Exception:
             continue
-        stale = [entry for entry in entries if not _guards_on_hooks(entry.guard_manager)]
+        stale = []
+        for entry in entries:
+            text = _guard_text(entry.guard_manager)
+            if "]._forward_hooks" in text:  # guards on hook dictionaries: sees the change
+                continue
+            if by_guards and not identities.may_run_observed(text):
+                continue
+            stale.append(entry)
         if not stale:
             continue
         try:
@@ -356,6 +367,55 @@ def forget_compiled_code(modules: Iterable[nn.Module]) -> int:
                 return _reset_all(dynamo)
     _last_method = "reset_code" if reset_codes else "cache_entries" if invalidated else "none"
     return invalidated
+
+
+#: Dynamo's type and identity guards as their text shows them: (source, id).
+_TYPE_CHECK = re.compile(r"___check_type_id\((.+?), (\d+)\)")
+_IDENTITY_CHECK = re.compile(r"___check_obj_id\((.+?), (\d+)\)")
+#: A frame's local or global itself, no attribute or item of it (``L['model']``).
+_FRAME_VARIABLE = re.compile(r"[LG]\[(?:'[^']*'|\"[^\"]*\")\]")
+
+
+class _Identities:
+    """What tells, from a cache entry's guard text, that it may run an observed model
+    (see :func:`forget_compiled_code`)."""
+
+    def __init__(self, root: nn.Module, modules: list[nn.Module]) -> None:
+        self.root_type = id(type(root))
+        self.types = {id(type(module)) for module in modules}
+        self.modules = {id(module) for module in modules}
+
+    def may_run_observed(self, text: str) -> bool:
+        for source, number in _TYPE_CHECK.findall(text):
+            type_id = int(number)
+            if type_id == self.root_type or (
+                type_id in self.types and _FRAME_VARIABLE.fullmatch(source.strip())
+            ):
+                return True
+        return any(int(number) in self.modules for _, number in _IDENTITY_CHECK.findall(text))
+
+
+def _compiled_codes() -> list[types.CodeType]:
+    """Every code object Dynamo met in this process (most without cache entries)."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+
+        seen = list(input_codes.seen)
+    except Exception:
+        return []
+    codes = []
+    for reference in seen:
+        code = reference() if callable(reference) else None
+        if isinstance(code, types.CodeType):
+            codes.append(code)
+    return codes
+
+
+def _guard_text(guard_manager: object) -> str:
+    try:
+        return str(guard_manager)
+    except Exception:
+        return ""
 
 
 def _reset_all(dynamo: Any) -> int:
