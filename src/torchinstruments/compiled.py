@@ -322,9 +322,9 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
     except Exception:
         return _reset_all(dynamo)
     candidates = [(code, False) for code in codes]
-    if root is not None:
+    identities = _Identities(root, modules) if root is not None else None
+    if identities is not None:
         candidates += [(code, True) for code in _compiled_codes() if code not in codes]
-        identities = _Identities(root, modules)
     invalidated = 0
     reset_codes = 0
     for code, by_guards in candidates:
@@ -337,7 +337,7 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
             text = _guard_text(entry.guard_manager)
             if "]._forward_hooks" in text:  # guards on hook dictionaries: sees the change
                 continue
-            if by_guards and not identities.may_run_observed(text):
+            if by_guards and not (identities and identities.may_run_observed(text)):
                 continue
             stale.append(entry)
         if not stale:
