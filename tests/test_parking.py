@@ -504,14 +504,45 @@ class Holder(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("compiled", ["function", "holder", "builtin"])
+class ListedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.act = nn.Tanh()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.act(self.fc(x))
+
+
+class ListedNet(nn.Module):
+    """Runs its blocks through a compiled helper that takes them as a list."""
+
+    runner: Callable[[list[nn.Module], Tensor], Tensor]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ListedBlock(), ListedBlock()])
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.runner(list(self.blocks), x))
+
+
+def run_layers(layers: list[nn.Module], x: Tensor) -> Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("compiled", ["function", "holder", "builtin", "list"])
 def test_code_compiled_elsewhere_before_injection_runs_the_hooks_after(
     tmp_path: Path, fresh_dynamo, compiled: str
 ) -> None:
     """Code compiled before injection that runs the model from another frame (a compiled
     training-step function taking the model, a holder model compiled whole, Dynamo's
-    wrapper frame of a ``torch.nn`` root) has no guards on the model's hooks: injection
-    invalidates it, so every sample is observed."""
+    wrapper frame of a ``torch.nn`` root, a compiled helper taking the model's layers in
+    a list) has no guards on the model's hooks: injection invalidates it, so every
+    sample is observed."""
     torch.manual_seed(0)
     names = ("fc1", "act", "fc2")
     model: nn.Module
@@ -522,10 +553,15 @@ def test_code_compiled_elsewhere_before_injection_runs_the_hooks_after(
     elif compiled == "holder":
         model = HeldNet()
         run = cast(nn.Module, torch.compile(Holder(model), backend="eager"))
-    else:
+    elif compiled == "builtin":
         model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
         names = ("0", "1", "2")
         run = cast(nn.Module, torch.compile(model, backend="eager"))
+    else:
+        listed = ListedNet()
+        listed.runner = torch.compile(run_layers, backend="eager")
+        model = run = listed
+        names = ("blocks.0.fc", "blocks.0.act", "blocks.1.fc", "blocks.1.act", "head")
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randn(4, 6, generator=generator) for _ in range(6)]
     for x in batches[:2]:  # compiled before injection
@@ -535,6 +571,34 @@ def test_code_compiled_elsewhere_before_injection_runs_the_hooks_after(
         run(x).square().mean().backward()
     remove_observer(model)
     assert_observed_in_each_sample(tmp_path, names, 4)
+
+
+class UserHookNet(CompileNet):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_user_hook_does_not_keep_code_compiled_before_injection(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """A user's own forward hook on a module the observer does not select makes the code
+    compiled before injection guard on that (non-empty) hook dictionary, not on the
+    others being empty: injection still invalidates it, and every sample is observed."""
+    torch.manual_seed(0)
+    model = UserHookNet()
+    model.fc2.register_forward_hook(lambda module, args, output: None)
+    compiled_model = cast(nn.Module, torch.compile(model, backend="eager"))
+    train(compiled_model, 2)
+    inject_observer(
+        model,
+        output_dir=tmp_path,
+        report_config=WIDE,
+        sampling=EveryNSampling(1),
+        include=["fc1", "act"],
+    )
+    train(compiled_model, 4)
+    remove_observer(model)
+    assert_observed_in_each_sample(tmp_path, ("fc1", "act"), 4)
 
 
 @pytest.fixture

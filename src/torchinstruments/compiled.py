@@ -291,12 +291,15 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
 
     Turns hook guards on (:func:`guard_on_hooks`), then invalidates each cache entry on
     the ``forward`` code objects of ``modules`` (and their resume functions) whose guards
-    do not check hook dictionaries. With ``root`` (at injection), also each such entry on
+    never require a module's forward hooks to be empty (compiled as if hooks never
+    change; a guard on a user's non-empty hook dictionary does not count). With ``root``
+    (at injection), also each such entry on
     any other code Dynamo compiled (a training-step function, a wrapper model, Dynamo's
     own wrapper frame of a ``torch.nn`` module) whose guards say it may run the observed
     model: they check a type against ``root``'s class at any depth, against the class of
-    one of ``modules`` on a frame's local or global itself (the module a compiled
-    function takes), or an object's identity against one of ``modules``. Other entries,
+    one of ``modules`` on a frame's local or global itself or an item of it (the module
+    a compiled function takes, alone or in a list), or an object's identity against one
+    of ``modules``. Other entries,
     and entries that guard on hooks (their guards see the change), keep their compiled
     code. Does nothing, and does not import Dynamo, when Dynamo is not loaded.
 
@@ -335,7 +338,7 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
         stale = []
         for entry in entries:
             text = _guard_text(entry.guard_manager)
-            if "]._forward_hooks" in text:  # guards on hook dictionaries: sees the change
+            if _EMPTY_FORWARD_HOOKS.search(text):  # compiled guarding on our hooks' absence
                 continue
             if by_guards and not (identities and identities.may_run_observed(text)):
                 continue
@@ -372,8 +375,14 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
 #: Dynamo's type and identity guards as their text shows them: (source, id).
 _TYPE_CHECK = re.compile(r"___check_type_id\((.+?), (\d+)\)")
 _IDENTITY_CHECK = re.compile(r"___check_obj_id\((.+?), (\d+)\)")
-#: A frame's local or global itself, no attribute or item of it (``L['model']``).
-_FRAME_VARIABLE = re.compile(r"[LG]\[(?:'[^']*'|\"[^\"]*\")\]")
+#: A frame's local or global itself, or items of it, no attribute (``L['model']``,
+#: ``L['blocks'][0]``, ``L['args'][0]``): what a compiled function takes.
+_FRAME_VARIABLE = re.compile(r"[LG]\[(?:'[^']*'|\"[^\"]*\")\](?:\[[^\[\]]+\])*")
+#: A guard that a module's forward hooks be empty: Dynamo writes it only where hook
+#: guards are on for that module (the user's setting, or :func:`guard_on_hooks`); an
+#: entry without any was compiled as if hooks never change (a guard on the length of a
+#: user's non-empty hook dictionary is not one).
+_EMPTY_FORWARD_HOOKS = re.compile(r"\bnot \S+\._forward_hooks\b(?!_)")
 
 
 class _Identities:
