@@ -25,10 +25,12 @@ them, and other models' code should not pay for it.
   ``skip_nnmodule_hook_guards = False`` for the whole process (every compiled model then
   guards on its six hook dictionaries per module). A non-empty hook dictionary is always
   guarded by Dynamo (its length), whatever the setting.
-* :func:`forget_compiled_code` invalidates, on the code objects of the observed
-  model's modules, the cache entries compiled without hook guards (before the model was
-  observed): Dynamo's own per-entry invalidation, the one it applies when an object its
-  guards refer to is freed. Models of other classes keep all of their compiled code.
+* :func:`forget_compiled_code` invalidates the cache entries compiled without hook
+  guards (before the model was observed) that may run the observed model: on the code
+  objects of its modules, and, at injection, on any other code whose guards check its
+  class or identity (a compiled step function, a model holding it). It uses Dynamo's
+  own per-entry invalidation, the one it applies when an object its guards refer to is
+  freed. Models of other classes keep all of their compiled code.
 
 Where the per-entry invalidation is not available (a torch whose Dynamo lacks it), the
 code objects' caches are reset (``reset_code``), and failing that the whole of Dynamo
@@ -43,7 +45,7 @@ import sys
 import types
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -116,13 +118,12 @@ def guard_on_hooks() -> bool:
     wrappers, or a resume function Dynamo made from them). And the
     ``_forward_pre_hooks`` of a module of an observed root's class: the root pre-hook is
     never parked, so this tells an observed root from another instance of its class.
-    Every other guard is left to Dynamo. Where the
-    wrapper cannot be installed, or Dynamo does not inline built-in modules (where the
-    guards of a module traced whole are filtered before that method runs), sets
-    ``skip_nnmodule_hook_guards`` to False, a process-wide setting (Dynamo documents
-    True as unsafe when hooks are added or removed after compiling). Code compiled
-    before keeps its guards. Does nothing, and does not import Dynamo, when Dynamo is
-    not loaded.
+    Every other guard is left to Dynamo. Where the wrapper cannot be installed, or
+    Dynamo does not inline built-in modules (where the guards of a module traced whole
+    are filtered before that method runs), sets ``skip_nnmodule_hook_guards`` to False,
+    a process-wide setting (Dynamo documents True as unsafe when hooks are added or
+    removed after compiling). Code compiled before keeps its guards. Does nothing, and
+    does not import Dynamo, when Dynamo is not loaded.
 
     Returns:
         True if Dynamo is loaded and compiled code guards on observed models' hooks now.
@@ -218,7 +219,11 @@ def _keeps_hook_guard(builder: Any, guard: Any) -> bool:
         if top is None or type(top) in _observed_types:
             return True
         code = getattr(builder, "f_code", None)
-        return code is None or code in _with_resume_functions(set(_observed_codes))
+        return (
+            code is None
+            or code in _observed_codes
+            or code in _with_resume_functions(set(_observed_codes))
+        )
     except Exception:
         return True
 
@@ -293,13 +298,12 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
     the ``forward`` code objects of ``modules`` (and their resume functions) whose guards
     never require a module's forward hooks to be empty (compiled as if hooks never
     change; a guard on a user's non-empty hook dictionary does not count). With ``root``
-    (at injection), also each such entry on
-    any other code Dynamo compiled (a training-step function, a wrapper model, Dynamo's
-    own wrapper frame of a ``torch.nn`` module) whose guards say it may run the observed
-    model: they check a type against ``root``'s class at any depth, against the class of
-    one of ``modules`` on a frame's local or global itself or an item of it (the module
-    a compiled function takes, alone or in a list), or an object's identity against one
-    of ``modules``. Other entries,
+    (at injection), also each such entry on any other code Dynamo compiled (a
+    training-step function, a wrapper model, Dynamo's own wrapper frame of a ``torch.nn``
+    module) whose guards say it may run the observed model: they check a type against
+    ``root``'s class at any depth, against the class of one of ``modules`` on a frame's
+    local or global itself or an item of it (the module a compiled function takes, alone
+    or in a list), or an object's identity against one of ``modules``. Other entries,
     and entries that guard on hooks (their guards see the change), keep their compiled
     code. Does nothing, and does not import Dynamo, when Dynamo is not loaded.
 
@@ -324,13 +328,15 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     except Exception:
         return _reset_all(dynamo)
-    candidates = [(code, False) for code in codes]
-    identities = _Identities(root, modules) if root is not None else None
-    if identities is not None:
-        candidates += [(code, True) for code in _compiled_codes() if code not in codes]
+    # Each code with what else an entry of it must show to be invalidated (None: nothing).
+    candidates: list[tuple[types.CodeType, Callable[[str], bool] | None]]
+    candidates = [(code, None) for code in codes]
+    if root is not None:
+        may_run_observed = _Identities(root, modules).may_run_observed
+        candidates += [(code, may_run_observed) for code in _compiled_codes() if code not in codes]
     invalidated = 0
     reset_codes = 0
-    for code, by_guards in candidates:
+    for code, also_required in candidates:
         try:
             entries = _debug_get_cache_entry_list(code)
         except Exception:
@@ -340,9 +346,8 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
             text = _guard_text(entry.guard_manager)
             if _EMPTY_FORWARD_HOOKS.search(text):  # compiled guarding on our hooks' absence
                 continue
-            if by_guards and not (identities and identities.may_run_observed(text)):
-                continue
-            stale.append(entry)
+            if also_required is None or also_required(text):
+                stale.append(entry)
         if not stale:
             continue
         try:
