@@ -525,7 +525,7 @@ def test_gpt2_observed_with_no_graph_break(tmp_path: Path) -> None:
     assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
     assert explained.graph_count == 1
     assert observer is not None and observer.compiled_capture is not None
-    traced = {observer.names[index] for index in observer.compiled_capture.traced_modules}
+    traced = {observer.names[key[0]] for key in observer.compiled_capture.measured}
     assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.act", "lm_head"} <= traced
     coverage = read_report(tmp_path)["coverage"]["compiled_capture"]
     assert coverage["attention_calls_not_measured"] == 2
@@ -732,6 +732,108 @@ def test_gpt2_blocks_compiled_one_by_one_share_their_graphs(
         assert len(series[key]) == 6, index
         grad = (f"transformer.h.{index}.mlp.c_fc", 0, "grad_output", "output", "rms")
         assert len(series[grad]) == 6, index
+
+
+class SweepNet(nn.Module):
+    """Linear -> tanh -> Linear -> Identity -> Linear; input ``(batch, 6)``, output
+    ``(batch, 1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.keep = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.keep(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def test_a_sweep_in_one_process_compiles_the_observed_class_once(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Ten runs in one process, each a new model of one class, compiled whole, observed
+    and removed (a hyperparameter sweep): the graphs compiled for the first observer
+    serve every later one, so no run compiles anything and none reaches
+    ``recompile_limit`` (8: each observer compiled graphs of its own, and the eighth run
+    trained uncompiled). Each run's telemetry equals the eager path's for the same
+    batches (but for the output gradient of ``nn.Identity``, whose output is its input,
+    not tapped in graphs), each report counts that gradient not captured (the rows say
+    so, although only the first observer's graphs were traced), and training equals a
+    compiled model never observed."""
+    from torch._dynamo.utils import counters
+
+    graphs_after_first_run = 0
+    for run in range(10):
+        torch.manual_seed(run)
+        directory = tmp_path / str(run)
+        model = SweepNet()
+        eager, twin = copy.deepcopy(model), copy.deepcopy(model)
+        inject_observer(eager, output_dir=directory / "eager", sampling=2)
+        train_steps(eager, 6)
+        remove_observer(eager)
+        inject_observer(model, output_dir=directory / "compiled", sampling=2)
+        losses = train_steps(aot_eager(model), 6)
+        report = remove_observer_and_read(model, directory / "compiled")
+        assert losses == train_steps(aot_eager(twin), 6), run
+        if run == 0:
+            graphs_after_first_run = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs_after_first_run, run
+        coverage = report["coverage"]["compiled_capture"]
+        assert (coverage["mode"], coverage["recompile_limit_hits"]) == ("in_graph", 0), run
+        assert coverage["gradients_not_captured"] == 1, run
+        series = written_series(directory / "compiled")
+        assert len(series[("fc2", 0, "grad_output", "output", "rms")]) == 3, run
+        eager_series = written_series(directory / "eager")
+        untapped = ("keep", 0, "grad_output")
+        assert {k[:3] for k in eager_series} - {k[:3] for k in series} == {untapped}, run
+        assert_same_telemetry({k: v for k, v in eager_series.items() if k[:3] != untapped}, series)
+
+
+class ReinjectedNet(nn.Module):
+    """:class:`SweepNet`'s layers, with a ``forward`` code object of its own (Dynamo
+    keeps cache entries per code object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.fc2(torch.tanh(self.fc1(x))))
+
+
+def test_injecting_again_into_a_compiled_model_compiles_nothing_more(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Ten injections and removals on one compiled model: the second and later
+    observers run the graphs compiled for the first (with the hooks and, after removal,
+    without), so the cache entries of the model's ``forward`` stay at three and
+    ``recompile_limit`` is never reached; every observer measures each of its samples
+    in the graph, its output gradients included."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = ReinjectedNet()
+    compiled = aot_eager(model)
+    train_steps(compiled, 2)
+    entries = []
+    graphs = 0
+    for cycle in range(10):
+        inject_observer(model, output_dir=tmp_path / str(cycle), sampling=2)
+        train_steps(compiled, 4)
+        report = remove_observer_and_read(model, tmp_path / str(cycle))
+        train_steps(compiled, 2)
+        if cycle == 0:
+            graphs = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs, cycle
+        entries.append(len(_debug_get_cache_entry_list(ReinjectedNet.forward.__code__)))
+        coverage = report["coverage"]["compiled_capture"]
+        assert (coverage["mode"], coverage["recompile_limit_hits"]) == ("in_graph", 0), cycle
+        series = written_series(tmp_path / str(cycle))
+        assert len(series[("fc1", 0, "grad_output", "output", "rms")]) == 2, cycle
+    # The entry compiled before the first injection (invalidated then: a model never
+    # observed compiles without hook guards), the one with the observer's hooks, and the
+    # one without them, compiled after the first removal.
+    assert entries == [3] * 10
 
 
 def test_the_recompile_limit_is_counted_and_named_in_limits_hit(

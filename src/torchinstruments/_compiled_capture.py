@@ -24,12 +24,15 @@ a tensor takes is counted in the block itself, on the device: its last row holds
 module's hook calls and tensors reduced so far in the sample, so a tensor takes the
 next row, and the row holds the call index (the hook calls before it) and the index of
 its tensor path (a trace-time constant, :meth:`CompiledCapture.assign` under
-``torch.compiler.assume_constant_result``, the same for every module). So the blocks of
-one class, compiled one by one (``block.compile()`` for each), share one compiled graph,
-each call writing its own module's block; and a graph that runs several times in one
-forward (a block compiled on its own and called twice, a module called in two frames
-around a graph break) writes each call to rows of its own, under the call index the
-eager path gives it.
+``torch.compiler.assume_constant_result``, the same for every module and every
+observer in the process, and telling whether the tensor's gradient is tapped). So the
+blocks of one class, compiled one by one (``block.compile()`` for each), share one
+compiled graph, each call writing its own module's block; a graph that runs several
+times in one forward (a block compiled on its own and called twice, a module called in
+two frames around a graph break) writes each call to rows of its own, under the call
+index the eager path gives it; and traced code never reads which observer's capture a
+hook holds, so a later observer of a model of the same class (a sweep in one process,
+injecting again) runs the graphs compiled for an earlier one.
 
 The sampling decision is taken where it always is, in the root's forward pre-hook,
 which runs eagerly around the compiled model (see :func:`_run_root_hooks_eagerly`).
@@ -92,7 +95,7 @@ from torch import Tensor, nn
 
 from ._context_cadence import remember_sample
 from ._copies import InertHook
-from ._records import CompiledRows
+from ._records import CompiledRows, TracedPath
 from ._state import SKIP
 from .capture import (
     MAX_OUTPUT_DEPTH,
@@ -153,12 +156,17 @@ _assume_constant: Callable[[Callable[..., Any]], Callable[..., Any]] | None = ge
 _will_engine_execute: Callable[[Any], bool] | None = getattr(
     torch._C, "_will_engine_execute_node", None
 )
-#: Live captures by key: the traced graph names its capture by this string. Not an int:
-#: where a hook's frame is compiled again for another observer's capture, Dynamo's
-#: automatic dynamic shapes would make an int that changed a symbol, which
-#: ``assume_constant_result`` cannot take (strings are never made dynamic).
-_CAPTURES: weakref.WeakValueDictionary[str, CompiledCapture] = weakref.WeakValueDictionary()
-_keys = itertools.count(1)
+#: Live captures. Traced code never reads which capture a hook holds (Dynamo would guard
+#: on it, and a graph compiled for one observer would not serve the next one of the same
+#: class: a sweep in one process, or injecting again, would compile once more each
+#: time until ``recompile_limit``); the trace-time calls find it by a block it owns.
+_CAPTURES: weakref.WeakSet[CompiledCapture] = weakref.WeakSet()
+#: Tensor paths by the index their rows hold, for every capture in the process (append
+#: only): the index is a constant of compiled graphs, which any later capture may run.
+_PATHS: list[TracedPath] = []
+_PATH_INDEX: dict[TracedPath, int] = {}
+#: True once a traced graph in the process tapped an output gradient.
+_gradients_tapped = False
 #: ``"waiting for Dynamo"``, ``"ready"`` once :func:`enable` ran, or ``"off: <reason>"``.
 _status = "waiting for Dynamo"
 
@@ -189,9 +197,8 @@ class CompiledCapture:
         """``model``: the observed model, by weak reference (or None): before the first
         sampled forward once Dynamo is loaded, the rows of every registered module are
         allocated on each device of its parameters and buffers (see :meth:`_allocate`)."""
-        self.key = f"capture-{next(_keys)}"
         self._model = model
-        _CAPTURES[self.key] = self
+        _CAPTURES.add(self)
         #: Activation buffers by device string (``"cpu"``, ``"cuda:0"``): float64,
         #: ``(capacity, ROWS_PER_MODULE + 2, STAT_WIDTH + 2)``; ``[index]`` is module
         #: ``index``'s block.
@@ -208,26 +215,26 @@ class CompiledCapture:
         self._order_index: dict[str, Tensor] = {}
         self._allocated = 0  # registered modules with rows on every device
         #: Tensor paths that traced graphs reduced, by the index their rows hold (the
-        #: same for every module); appended to while tracing.
-        self.paths: list[str] = []
-        self._path_index: dict[str, int] = {}
-        #: True once a traced graph taps an output gradient.
-        self.gradients_tapped = False
+        #: same for every module and every capture in the process, see ``_PATHS``);
+        #: appended to while tracing.
+        self.paths = _PATHS
+        #: True once a compiled graph with reductions ran for this capture (traced code
+        #: sets it, Dynamo replays the store after each run of the graph): also a graph
+        #: compiled for an earlier observer of a model of the same class. Until then
+        #: no graph writes rows of ours, and samples take none.
+        self.graphs_ran = False
         #: True inside a sampled root forward. Traced code reads it, so Dynamo guards on
         #: it: a model has one compiled graph with the reductions (sampled forwards) and
         #: one without, each compiled once and chosen by its guard at every call.
         self.active = False
-        #: Modules whose hooks Dynamo traced (with reductions).
-        self.traced_modules: set[int] = set()
         #: (module, call index, signal, tensor path) whose rows held elements at a flush.
         self.measured: set[_Key] = set()
         #: Tensors that graphs reduced beyond a module's ``ROWS_PER_MODULE`` rows in a
         #: sample (counted at flushes), output tensors on a device without rows of their
-        #: module (met while tracing); and outputs whose gradient is not captured in
-        #: graphs (tensors outside tuples and namedtuples and a top-level list, and
-        #: outputs that are an input).
+        #: module (met while tracing).
         self.slots_dropped = 0
-        self.gradients_not_tapped = 0
+        #: Keys measured in graphs whose output gradient the graph left untapped.
+        self.untapped: set[_Key] = set()
         #: Hook calls traced under saved-tensor hooks (a compiled frame that
         #: ``torch.utils.checkpoint`` recomputes), left graph breaks: see
         #: :func:`_recomputable`.
@@ -278,7 +285,7 @@ class CompiledCapture:
         where hooks traced by Dynamo fall back to a graph break each."""
         if _status.startswith("off"):
             return _status
-        if self.paths:
+        if self.graphs_ran:
             return "in_graph"
         if self.calls_under_saved_tensor_hooks:
             return "graph_breaks: traced under saved-tensor hooks (activation checkpointing)"
@@ -299,25 +306,32 @@ class CompiledCapture:
         return self._first_sample < 0 or self._first_read
 
     # ---------------------------------------------------------------- trace time
-    def assign(self, owner: int, path: str, gradient: str) -> int:
+    def owns(self, block: Tensor) -> bool:
+        """Whether ``block`` is the block of one of this capture's modules."""
+        return id(block) in self._owners
+
+    def assign(self, path: str, gradient: str) -> int:
         """At trace time only: the index in :attr:`paths` of ``path``, for a tensor of an
-        output of the module whose block has ``id`` ``owner`` (-1 for a block of no
-        registered module: not reduced); ``gradient`` says what is done with its output
-        gradient (``GRAD_OUTPUT``: tapped; ``"untapped"``: counted under
-        ``gradients_not_tapped``; ``""``: it has none)."""
-        if gradient == _UNTAPPED:
-            self.gradients_not_tapped += 1
-        index = self._owners.get(owner)
-        if index is None:
-            return -1
+        output of one of this capture's modules; ``gradient`` says what is done with its
+        output gradient (``GRAD_OUTPUT``: tapped; ``"untapped"``: not tapped, told by the
+        index, see :attr:`gradients_not_tapped`; ``""``: it has none)."""
+        global _gradients_tapped
         if gradient == GRAD_OUTPUT:
-            self.gradients_tapped = True
-        self.traced_modules.add(index)
-        slot = self._path_index.get(path)
+            _gradients_tapped = True
+        traced = TracedPath(path, gradient == _UNTAPPED)
+        slot = _PATH_INDEX.get(traced)
         if slot is None:
-            slot = self._path_index[path] = len(self.paths)
-            self.paths.append(path)
+            slot = _PATH_INDEX[traced] = len(_PATHS)
+            _PATHS.append(traced)
         return slot
+
+    @property
+    def gradients_not_tapped(self) -> int:
+        """The (module, call index, signal, tensor path) measured in graphs whose output
+        gradient the graph left untapped (their rows say so: see
+        :class:`~torchinstruments._records.TracedPath`), so also where the graph was
+        compiled for an earlier observer."""
+        return len(self.untapped)
 
     # ---------------------------------------------------------------- allocation
     def _allocate(self) -> None:
@@ -387,7 +401,7 @@ class CompiledCapture:
                     self._allocate()
                 self.take_gradients(context)
                 self._sample_set = self._choose_gradient_set()
-                if self.paths:
+                if self.graphs_ran:
                     with torch.no_grad():
                         for buffer in self.buffers.values():
                             buffer.zero_()
@@ -447,7 +461,7 @@ class CompiledCapture:
             with passive():
                 if chosen >= 0:
                     self._set_holders[chosen].append(context.sample)
-                    if torch.is_grad_enabled() and self.gradients_tapped:
+                    if torch.is_grad_enabled() and _gradients_tapped:
                         self._note_reaching(context.sample, output, chosen)
                 self._take_activations(context)
         except Exception as error:  # never break training
@@ -492,7 +506,7 @@ class CompiledCapture:
 
     def _take_activations(self, context: ForwardContext) -> None:
         sample = context.sample
-        if not self.paths or not self.buffers:
+        if not self.graphs_ran or not self.buffers:
             return
         pending = context.buffer.pending
         modules = tuple(self._order)
@@ -611,11 +625,19 @@ class CompiledCapture:
         _note_streams(buffer, stacks)
         return records
 
-    def note_measured(self, keys: set[_Key], processed_through: int, rows_dropped: int) -> None:
-        """After a flush: ``keys`` held elements in rows from graphs; every sample up to
+    def note_measured(
+        self,
+        keys: set[_Key],
+        processed_through: int,
+        rows_dropped: int,
+        untapped: set[_Key],
+    ) -> None:
+        """After a flush: ``keys`` held elements in rows from graphs, ``untapped`` of
+        them with their output gradient left untapped; every sample up to
         ``processed_through`` has been read (see :attr:`modules_known`); ``rows_dropped``
         tensors were reduced beyond their module's rows in the samples read."""
         self.measured |= keys
+        self.untapped |= untapped
         self.slots_dropped += rows_dropped
         if 0 <= self._first_sample <= processed_through:
             self._first_read = True
@@ -653,12 +675,22 @@ def _note_streams(buffer: StatisticsBuffer, copies: dict[str, Tensor]) -> None:
             buffer.producer_streams.add(torch.cuda.current_stream(rows.device))
 
 
-def _assign(key: str, block: Tensor, path: str, gradient: str) -> int:
-    capture = _CAPTURES.get(key)
-    return -1 if capture is None else capture.assign(id(block), path, gradient)
+def _capture_owning(block: Tensor | None) -> CompiledCapture | None:
+    """The live capture whose module has ``block`` (None for none)."""
+    if block is None:
+        return None
+    return next((capture for capture in list(_CAPTURES) if capture.owns(block)), None)
 
 
-def _recomputable(key: str) -> bool:
+def _assign(block: Tensor, path: str, gradient: str) -> int:
+    """At trace time: the index of ``path`` among the tensor paths (see
+    :meth:`CompiledCapture.assign`), for a tensor of an output of the module whose block
+    is ``block``; -1 (not reduced) for a block of no live capture's module."""
+    capture = _capture_owning(block)
+    return -1 if capture is None else capture.assign(path, gradient)
+
+
+def _recomputable(block: Tensor | None) -> bool:
     """True (and counted) if the frame traced now runs under saved-tensor hooks.
 
     Non-reentrant activation checkpointing (``checkpoint(compiled_block, x,
@@ -677,7 +709,7 @@ def _recomputable(key: str) -> bool:
         return False
     if hooks is None:
         return False
-    capture = _CAPTURES.get(key)
+    capture = _capture_owning(block)
     if capture is not None:
         capture.calls_under_saved_tensor_hooks += 1
     return True
@@ -688,19 +720,20 @@ def _recomputable(key: str) -> bool:
 _assign_constant: Callable[..., int] | None = None
 
 
-def _count_dropped(key: str) -> bool:
-    """Count, while tracing, an output tensor on a device without rows of its module."""
-    capture = _CAPTURES.get(key)
+def _count_dropped(block: Tensor | None) -> bool:
+    """Count, while tracing, an output tensor on a device without rows of its module
+    (``block``: a block of the module on another device, or None)."""
+    capture = _capture_owning(block)
     if capture is not None:
         capture.slots_dropped += 1
     return True
 
 
 #: :func:`_count_dropped` as Dynamo sees it; set by :func:`enable`.
-_count_dropped_constant: Callable[[str], bool] = _count_dropped
+_count_dropped_constant: Callable[[Tensor | None], bool] = _count_dropped
 #: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
 #: :func:`enable`.
-_recomputable_constant: Callable[[str], bool] = _recomputable
+_recomputable_constant: Callable[[Tensor | None], bool] = _recomputable
 #: ``ForwardHook.__call__`` as :func:`enable` found it (``torch.compiler.disable``d).
 _opaque_call: Callable[..., Any] | None = None
 
@@ -742,11 +775,13 @@ def _forward_hook_call(
     """``ForwardHook.__call__`` once Dynamo is loaded: eagerly the same as before
     (returns at once in unsampled forwards); traced by Dynamo, the in-graph capture.
     Traced code reads no attribute that tells modules apart (their index among them),
-    so that blocks of one class share their compiled graphs."""
+    nor which capture a hook holds, so that blocks of one class share their compiled
+    graphs, and so do later observers of models of the same class."""
     if _is_compiling():
         compiled = self.compiled
-        if isinstance(compiled, CompiledCapture) and not _recomputable_constant(compiled.key):
-            return traced_activation(compiled, self.rows, output, args, kwargs)
+        rows = self.rows
+        if isinstance(compiled, CompiledCapture) and not _recomputable_constant(_any_block(rows)):
+            return traced_activation(compiled, rows, output, args, kwargs)
         assert _opaque_call is not None
         return _opaque_call(self, module, args, kwargs, output)
     observer = self._observer()
@@ -873,6 +908,7 @@ def traced_activation(
     assign = _assign_constant
     if assign is None or not capture.active or rows is None:
         return None  # an unsampled forward's graph: nothing of ours in it
+    capture.graphs_ran = True  # a side effect: Dynamo stores it after each run
     taken = 0
     grads = torch.is_grad_enabled()
     # Per tensor to tap: the tensor, its sink, and its rows, ids and paths in the output.
@@ -890,7 +926,7 @@ def traced_activation(
         device = str(leaf.device)
         entry = rows.get(device)
         if entry is None:
-            _count_dropped_constant(capture.key)
+            _count_dropped_constant(_any_block(rows))
             continue
         block, sink = entry
         gradient = _NO_GRADIENT
@@ -903,7 +939,7 @@ def traced_activation(
                 gradient = _UNTAPPED
             else:
                 gradient = GRAD_OUTPUT
-        slot = assign(capture.key, block, path, gradient)
+        slot = assign(block, path, gradient)
         if slot < 0:
             continue
         counters = block[_COUNTER_ROW]
@@ -939,6 +975,15 @@ def traced_activation(
     if not tapped:
         return None
     return _rebuilt(output, "output", tapped, 0)
+
+
+def _any_block(rows: HookRows | None) -> Tensor | None:
+    """One of a hook's blocks (None if it has none yet): traced code names its capture to
+    the trace-time calls by it, never by the capture object itself (see ``_CAPTURES``)."""
+    if rows:
+        for block, _ in rows.values():
+            return block
+    return None
 
 
 def _is_rebuildable(node: object, depth: int) -> bool:

@@ -65,12 +65,22 @@ class CompiledStatistics(Statistics):
     __slots__ = ()
 
 
+class TracedPath(NamedTuple):
+    """A tensor path that a compiled graph reduced (its index in ``CompiledRows.paths``
+    is a constant of the graph), and whether the graph left that tensor's output
+    gradient untapped (an output that is one of the module's inputs, or a tensor in a
+    dict, a list inside the output, a dataclass: see ``traced_activation``)."""
+
+    path: str
+    gradient_untapped: bool
+
+
 class CompiledRows(NamedTuple):
     """What compiled graphs wrote for signal ``signal`` in ``sample``: ``row`` is a float64
     ``(len(modules), rows + 2, STAT_WIDTH + 2)`` tensor, block ``m`` module
     ``modules[m]``'s (modules in forward order). Row ``r < rows`` of a block, where its
     element count (column 0) is not 0, is the statistics row of one tensor, then its
-    call index and the index of its tensor path in ``paths``; row ``rows`` takes the
+    call index and the index of its :class:`TracedPath` in ``paths``; row ``rows`` takes the
     tensors beyond ``rows``, and row ``rows + 1`` holds the module's hook calls and
     tensors reduced in the sample (activation rows only). Forward positions are
     ``position + m * rows + r`` (-1 for output gradients)."""
@@ -79,7 +89,7 @@ class CompiledRows(NamedTuple):
     signal: str
     position: int
     modules: tuple[int, ...]
-    paths: list[str]
+    paths: list[TracedPath]
     row: Tensor
 
 

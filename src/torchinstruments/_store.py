@@ -87,6 +87,9 @@ class SeriesStore:
         #: took them, and the last sample such rows came from (-1: none yet); see
         #: ``CompiledCapture.note_measured``.
         self.compiled_measured: set[SeriesKey] = set()
+        #: Of those, the keys whose output gradient the graphs left untapped
+        #: (:class:`~._records.TracedPath`).
+        self.compiled_untapped: set[SeriesKey] = set()
         self.compiled_through = -1
         #: Tensors that compiled graphs reduced beyond a module's rows (``rows`` of
         #: :class:`~._records.CompiledRows`) in the samples read since the observer
@@ -236,7 +239,9 @@ class SeriesStore:
         """``records`` and ``rows`` with each :class:`~._records.CompiledRows` replaced
         by a :class:`~._records.CompiledStatistics` per row written in it (in forward
         order), its key made of the block's module, the row's call index and tensor
-        path; tensors beyond a block's rows are counted (:attr:`compiled_rows_dropped`)."""
+        path; tensors beyond a block's rows are counted (:attr:`compiled_rows_dropped`),
+        and activation keys whose gradient the graph left untapped are collected
+        (:attr:`compiled_untapped`)."""
         out_records: list[Record] = []
         out_rows: list[list[float]] = []
         for record, row in zip(records, rows, strict=True):
@@ -258,7 +263,10 @@ class SeriesStore:
             places = written.nonzero().tolist()
             values = row[:, :per_module][written].tolist()
             for (block, r), value in zip(places, values, strict=True):
-                key = (modules[block], int(value[width]), signal, paths[int(value[width + 1])])
+                traced = paths[int(value[width + 1])]
+                key = (modules[block], int(value[width]), signal, traced.path)
+                if traced.gradient_untapped and signal != GRAD_OUTPUT:
+                    self.compiled_untapped.add(key)
                 at = -1 if position < 0 else position + block * per_module + r
                 finished = value[:width]
                 out_records.append(CompiledStatistics(key, sample, at, finished))

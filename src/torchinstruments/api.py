@@ -17,7 +17,12 @@ from torch import nn
 
 from ._copies import remove_inert
 from ._validate import shown
-from .capture import COMPILED_WRAPPER_ATTRIBUTE, is_compile_wrapper, without_compile_wrappers
+from .capture import (
+    COMPILED_WRAPPER_ATTRIBUTE,
+    ForwardHook,
+    is_compile_wrapper,
+    without_compile_wrappers,
+)
 from .compiled import note_observed
 from .config import ReportConfig, TrackConfig
 from .distributed import RANK_POLICIES, detect_rank
@@ -504,7 +509,7 @@ def inject_observer(
         # A first report at once: a run stopped before its first rewrite (at the end
         # of warm-up, then every rewrite_interval_s) still leaves one.
         observer.write_report(files_only=True)
-        note_observed(root)  # before anything compiles it with our hooks
+        note_observed(root, ForwardHook)  # before anything compiles it with our hooks
         _forget_compiled_code(model, root=root)
         _REGISTRY[model] = handle
         if root is not model:

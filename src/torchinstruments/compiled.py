@@ -75,6 +75,8 @@ _observed_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _observed_codes: set[types.CodeType] = set()
 _observed_types: weakref.WeakSet[type] = weakref.WeakSet()
 _observed_root_types: weakref.WeakSet[type] = weakref.WeakSet()
+#: ``id`` of the class of the observers' forward hooks (:func:`note_observed`).
+_observer_hook_types: set[int] = set()
 #: Whether the last :func:`guard_on_hooks` scoped the hook guards to observed models.
 _scoped = False
 
@@ -91,10 +93,13 @@ def _dynamo() -> Any:
     return sys.modules.get("torch._dynamo")
 
 
-def note_observed(root: nn.Module) -> None:
+def note_observed(root: nn.Module, hook_type: type) -> None:
     """Record ``root`` and its modules as observed, so that code Dynamo compiles from
     now on (this process, while they live) guards on their hook dictionaries (see
-    :func:`guard_on_hooks`). Cheap; does not import Dynamo."""
+    :func:`guard_on_hooks`); ``hook_type`` is the class of the observer's forward hooks
+    (a cache entry whose guards check it was compiled with them in place, see
+    :func:`forget_compiled_code`). Cheap; does not import Dynamo."""
+    _observer_hook_types.add(id(hook_type))
     modules = list(root.modules())
     _observed_modules.update(modules)
     _observed_codes.update(_module_codes(modules))
@@ -296,8 +301,9 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
 
     Turns hook guards on (:func:`guard_on_hooks`), then invalidates each cache entry on
     the ``forward`` code objects of ``modules`` (and their resume functions) whose guards
-    never require a module's forward hooks to be empty (compiled as if hooks never
-    change; a guard on a user's non-empty hook dictionary does not count). With ``root``
+    neither require a module's forward hooks to be empty nor check an observer's forward
+    hook in one (compiled as if hooks never change; a guard on a user's non-empty hook
+    dictionary does not count). With ``root``
     (at injection), also each such entry on any other code Dynamo compiled (a
     training-step function, a wrapper model, Dynamo's own wrapper frame of a ``torch.nn``
     module) whose guards say it may run the observed model: they check a type against
@@ -344,7 +350,7 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
         stale = []
         for entry in entries:
             text = _guard_text(entry.guard_manager)
-            if _EMPTY_FORWARD_HOOKS.search(text):  # compiled guarding on our hooks' absence
+            if _guards_on_hooks(text):
                 continue
             if also_required is None or also_required(text):
                 stale.append(entry)
@@ -388,6 +394,22 @@ _FRAME_VARIABLE = re.compile(r"[LG]\[(?:'[^']*'|\"[^\"]*\")\](?:\[[^\[\]]+\])*")
 #: entry without any was compiled as if hooks never change (a guard on the length of a
 #: user's non-empty hook dictionary is not one).
 _EMPTY_FORWARD_HOOKS = re.compile(r"\bnot \S+\._forward_hooks\b(?!_)")
+
+
+def _guards_on_hooks(text: str) -> bool:
+    """Whether a cache entry with guard text ``text`` sees hooks added or removed: it
+    requires some module's forward hooks to be empty (compiled with hook guards on,
+    before injection or in an unsampled forward, whose hooks are parked), or it checks
+    the type of an observer's forward hook in a module's forward hooks (compiled with
+    them in place: Dynamo guards every hook dictionary it inlined). A guard on a user's
+    own hook is neither: an entry compiled with hook guards off checks the dictionaries
+    that held hooks then, and no others."""
+    if _EMPTY_FORWARD_HOOKS.search(text):
+        return True
+    return any(
+        int(number) in _observer_hook_types and "._forward_hooks[" in source
+        for source, number in _TYPE_CHECK.findall(text)
+    )
 
 
 class _Identities:

@@ -332,9 +332,13 @@ class Observer:
                 measured = store.compiled_measured
                 self.capture.modules_called.update(key[0] for key in measured)
                 self.compiled_capture.note_measured(
-                    measured, store.compiled_through, store.compiled_rows_dropped
+                    measured,
+                    store.compiled_through,
+                    store.compiled_rows_dropped,
+                    store.compiled_untapped,
                 )
                 store.compiled_measured = set()
+                store.compiled_untapped = set()
                 store.compiled_rows_dropped = 0
 
     # ------------------------------------------------------------------ report
