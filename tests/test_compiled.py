@@ -788,6 +788,131 @@ def test_a_sweep_in_one_process_compiles_the_observed_class_once(
         assert_same_telemetry({k: v for k, v in eager_series.items() if k[:3] != untapped}, series)
 
 
+def test_a_sweep_of_gpt2_models_compiles_nothing_after_its_first_run(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Three runs of a ``transformers`` GPT-2 sweep in one process (a new model each,
+    compiled whole, observed, removed): after the first run no frame is compiled again.
+    ``transformers`` decorates ``forward``: the decorator's frame breaks before calling
+    the model's own ``forward`` and checks nothing inside the model, so injection and
+    removal keep its entry (they invalidated it, and each run compiled three frames
+    again, 8 s each on 2 CPUs, until the limit)."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, use_cache=False
+    )
+    generator = torch.Generator().manual_seed(0)
+    compiled_after_first_run = (0, 0)
+    for run in range(3):
+        torch.manual_seed(run)
+        model = transformers.GPT2LMHeadModel(config)
+        inject_observer(model, output_dir=tmp_path / str(run), sampling=1)
+        compiled = aot_eager(model)
+        for _ in range(2):
+            ids = torch.randint(0, 64, (2, 16), generator=generator)
+            compiled(input_ids=ids, labels=ids).loss.backward()
+        report = remove_observer_and_read(model, tmp_path / str(run))
+        compiled_so_far = (counters["frames"]["ok"], counters["stats"]["unique_graphs"])
+        if run == 0:
+            compiled_after_first_run = compiled_so_far
+        assert compiled_so_far == compiled_after_first_run, run
+        coverage = report["coverage"]["compiled_capture"]
+        assert (coverage["mode"], coverage["recompile_limit_hits"]) == ("in_graph", 0), run
+
+
+class StepSweepNet(nn.Module):
+    """:class:`SweepNet`'s layers without the ``nn.Identity``, a code object of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.fc2(torch.tanh(self.fc1(x))))
+
+
+def test_a_compiled_step_function_serves_every_run_of_a_sweep(tmp_path: Path, fresh_dynamo) -> None:
+    """One compiled function computing the loss, called with each run's new model: its
+    entry meets the observed root's pre-hook, a graph break, before it calls the model,
+    and checks nothing inside the model, so injection keeps it (it was invalidated at
+    each injection and stayed in the cache: the eighth run reached ``recompile_limit``).
+    Eight runs keep one entry; each run's telemetry equals the eager path's."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def loss_of(model: nn.Module, x: Tensor) -> Tensor:
+        return model(x).square().mean()
+
+    compiled_loss = torch.compile(loss_of, backend="aot_eager")
+
+    def train_compiled(model: nn.Module, steps: int) -> list[float]:
+        generator = torch.Generator().manual_seed(2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = compiled_loss(model, torch.randn(8, 6, generator=generator))
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    entries = []
+    for run in range(8):
+        torch.manual_seed(run)
+        directory = tmp_path / str(run)
+        model = StepSweepNet()
+        eager, twin = copy.deepcopy(model), copy.deepcopy(model)
+        inject_observer(eager, output_dir=directory / "eager", sampling=2)
+        train_steps(eager, 4)
+        remove_observer(eager)
+        inject_observer(model, output_dir=directory / "compiled", sampling=2)
+        losses = train_compiled(model, 4)
+        report = remove_observer_and_read(model, directory / "compiled")
+        assert losses == train_compiled(twin, 4), run
+        coverage = report["coverage"]["compiled_capture"]
+        assert (coverage["mode"], coverage["recompile_limit_hits"]) == ("in_graph", 0), run
+        assert_same_telemetry(
+            written_series(directory / "eager"), written_series(directory / "compiled")
+        )
+        entries.append(len(_debug_get_cache_entry_list(loss_of.__code__)))
+    assert entries == [1] * 8
+
+
+def test_a_model_without_parameters_is_observed_inside_the_graph(tmp_path: Path) -> None:
+    """A model with neither parameters nor buffers gives no device for the rows: they
+    are made on the CPU, and its modules are measured inside the graph as eagerly (their
+    series were missing, and the report said the capture was not used)."""
+
+    class Scale(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x * 2.0
+
+    class ParameterFreeNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Scale(), Scale()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    model = ParameterFreeNet()
+    inject_observer(model, output_dir=tmp_path / "eager", sampling=1)
+    for seed in range(3):
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)))
+    remove_observer(model)
+    inject_observer(model, output_dir=tmp_path / "compiled", sampling=1)
+    compiled = aot_eager(model)
+    for seed in range(3):
+        compiled(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed)))
+    report = remove_observer_and_read(model, tmp_path / "compiled")
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    series = written_series(tmp_path / "compiled")
+    assert {key[0] for key in series} >= {"a", "b"}
+    assert_same_telemetry(written_series(tmp_path / "eager"), series)
+
+
 class ReinjectedNet(nn.Module):
     """:class:`SweepNet`'s layers, with a ``forward`` code object of its own (Dynamo
     keeps cache entries per code object)."""

@@ -81,6 +81,10 @@ _original: Callable[..., Any] | None = None
 #: The contexts in a sampled training forward, with per context the sample and the
 #: number of calls seen per (module index, call index) in it.
 _active: dict[int, tuple[weakref.ref[ForwardContext], list[Any]]] = {}
+#: ``bool(_active)``, what the wrapper reads: traced by Dynamo, a read of ``_active``
+#: itself would guard on its keys (ids of contexts), and a later observer's sampled
+#: forward would compile the model's frame again.
+_any_active = False
 #: Per context: (number of observed modules, {id(module): index}).
 _module_indices: weakref.WeakKeyDictionary[ForwardContext, tuple[int, dict[int, int]]] = (
     weakref.WeakKeyDictionary()
@@ -96,8 +100,9 @@ unobserved_callers: weakref.WeakKeyDictionary[ForwardContext, dict[int, weakref.
 
 def begin_sample(ctx: ForwardContext) -> None:
     """A sampled training forward of ``ctx`` opens: put the wrapper in place."""
-    global _original
+    global _original, _any_active
     _active[id(ctx)] = (weakref.ref(ctx), [ctx.sample, {}])
+    _any_active = True
     if _original is None:
         current = F.scaled_dot_product_attention
         if getattr(current, "__wrapped_by_torchinstruments__", False):
@@ -115,7 +120,8 @@ def end_sample(ctx: ForwardContext) -> None:
 
 
 def _put_back() -> None:
-    global _original
+    global _original, _any_active
+    _any_active = bool(_active)
     if _original is not None:
         if F.scaled_dot_product_attention is _observed_attention:
             F.scaled_dot_product_attention = _original  # type: ignore[assignment]
@@ -127,7 +133,7 @@ def _observed_attention(*args: Any, **kwargs: Any) -> Any:
     if original is None:  # put back while a caller held the wrapper
         original = torch._C._nn.scaled_dot_product_attention
     result = original(*args, **kwargs)
-    if _active:
+    if _any_active:
         if not _is_compiling():
             _measure(args, kwargs, sys._getframe(1))
         elif _count_traced is not None:

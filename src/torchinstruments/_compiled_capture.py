@@ -336,7 +336,8 @@ class CompiledCapture:
     # ---------------------------------------------------------------- allocation
     def _allocate(self) -> None:
         """Rows and sinks of every registered module on each device of the model's
-        parameters and buffers (not ``meta``), where any is missing.
+        parameters and buffers (not ``meta``; the CPU for a model with neither), where
+        any is missing.
 
         Traced code reads each hook's dict, and Dynamo keeps its own view of a dict from
         its first read in a trace, so the entries are made before sampled forwards, not
@@ -348,7 +349,7 @@ class CompiledCapture:
             return
         devices = sorted(
             {str(t.device) for t in itertools.chain(model.parameters(), model.buffers())} - {"meta"}
-        )
+        ) or ["cpu"]  # a model without parameters or buffers: its outputs' device is unknown
         count = max(self._hook_rows, default=-1) + 1
         for device in devices:
             buffer = self.buffers.get(device)
@@ -908,7 +909,6 @@ def traced_activation(
     assign = _assign_constant
     if assign is None or not capture.active or rows is None:
         return None  # an unsampled forward's graph: nothing of ours in it
-    capture.graphs_ran = True  # a side effect: Dynamo stores it after each run
     taken = 0
     grads = torch.is_grad_enabled()
     # Per tensor to tap: the tensor, its sink, and its rows, ids and paths in the output.
@@ -942,6 +942,7 @@ def traced_activation(
         slot = assign(block, path, gradient)
         if slot < 0:
             continue
+        capture.graphs_ran = True  # a side effect: Dynamo stores it after each run
         counters = block[_COUNTER_ROW]
         call = calls.get(device)
         if call is None:

@@ -93,13 +93,13 @@ def _dynamo() -> Any:
     return sys.modules.get("torch._dynamo")
 
 
-def note_observed(root: nn.Module, hook_type: type) -> None:
+def note_observed(root: nn.Module, hook_types: Iterable[type]) -> None:
     """Record ``root`` and its modules as observed, so that code Dynamo compiles from
     now on (this process, while they live) guards on their hook dictionaries (see
-    :func:`guard_on_hooks`); ``hook_type`` is the class of the observer's forward hooks
-    (a cache entry whose guards check it was compiled with them in place, see
-    :func:`forget_compiled_code`). Cheap; does not import Dynamo."""
-    _observer_hook_types.add(id(hook_type))
+    :func:`guard_on_hooks`); ``hook_types`` are the classes of the observer's hooks (a
+    cache entry whose guards check one in a module's hook dictionary was compiled with
+    them in place, see :func:`forget_compiled_code`). Cheap; does not import Dynamo."""
+    _observer_hook_types.update(id(hook_type) for hook_type in hook_types)
     modules = list(root.modules())
     _observed_modules.update(modules)
     _observed_codes.update(_module_codes(modules))
@@ -300,16 +300,17 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
     """Invalidate compiled code that could run ``modules`` without seeing hook changes.
 
     Turns hook guards on (:func:`guard_on_hooks`), then invalidates each cache entry on
-    the ``forward`` code objects of ``modules`` (and their resume functions) whose guards
-    neither require a module's forward hooks to be empty nor check an observer's forward
-    hook in one (compiled as if hooks never change; a guard on a user's non-empty hook
-    dictionary does not count). With ``root``
+    the ``forward`` code objects of ``modules`` (and their resume functions) that calls
+    submodules and whose guards neither require a module's forward hooks to be empty nor
+    check an observer's forward hook in one (compiled as if hooks never change; a guard
+    on a user's non-empty hook dictionary does not count). With ``root``
     (at injection), also each such entry on any other code Dynamo compiled (a
     training-step function, a wrapper model, Dynamo's own wrapper frame of a ``torch.nn``
     module) whose guards say it may run the observed model: they check a type against
     ``root``'s class at any depth, against the class of one of ``modules`` on a frame's
     local or global itself or an item of it (the module a compiled function takes, alone
-    or in a list), or an object's identity against one of ``modules``. Other entries,
+    or in a list), or an object's identity against one of ``modules``, and check a
+    submodule of that object (it ran the model inline). Other entries,
     and entries that guard on hooks (their guards see the change), keep their compiled
     code. Does nothing, and does not import Dynamo, when Dynamo is not loaded.
 
@@ -334,9 +335,9 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     except Exception:
         return _reset_all(dynamo)
-    # Each code with what else an entry of it must show to be invalidated (None: nothing).
-    candidates: list[tuple[types.CodeType, Callable[[str], bool] | None]]
-    candidates = [(code, None) for code in codes]
+    # Each code with what else an entry of it must show to be invalidated.
+    candidates: list[tuple[types.CodeType, Callable[[str], bool]]]
+    candidates = [(code, _runs_submodules) for code in codes]
     if root is not None:
         may_run_observed = _Identities(root, modules).may_run_observed
         candidates += [(code, may_run_observed) for code in _compiled_codes() if code not in codes]
@@ -352,7 +353,7 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
             text = _guard_text(entry.guard_manager)
             if _guards_on_hooks(text):
                 continue
-            if also_required is None or also_required(text):
+            if also_required(text):
                 stale.append(entry)
         if not stale:
             continue
@@ -394,20 +395,22 @@ _FRAME_VARIABLE = re.compile(r"[LG]\[(?:'[^']*'|\"[^\"]*\")\](?:\[[^\[\]]+\])*")
 #: entry without any was compiled as if hooks never change (a guard on the length of a
 #: user's non-empty hook dictionary is not one).
 _EMPTY_FORWARD_HOOKS = re.compile(r"\bnot \S+\._forward_hooks\b(?!_)")
+#: An item of a module's forward hooks.
+_HOOK_ITEM = re.compile(r"\._forward_hooks\[")
 
 
 def _guards_on_hooks(text: str) -> bool:
     """Whether a cache entry with guard text ``text`` sees hooks added or removed: it
     requires some module's forward hooks to be empty (compiled with hook guards on,
     before injection or in an unsampled forward, whose hooks are parked), or it checks
-    the type of an observer's forward hook in a module's forward hooks (compiled with
-    them in place: Dynamo guards every hook dictionary it inlined). A guard on a user's
-    own hook is neither: an entry compiled with hook guards off checks the dictionaries
-    that held hooks then, and no others."""
+    the type of an observer's hook in a module's forward hooks (compiled with them in
+    place: Dynamo guards every hook dictionary it inlined). A guard on a user's own hook
+    is neither: an entry compiled with hook guards off checks the dictionaries that held
+    hooks then, and no others."""
     if _EMPTY_FORWARD_HOOKS.search(text):
         return True
     return any(
-        int(number) in _observer_hook_types and "._forward_hooks[" in source
+        int(number) in _observer_hook_types and _HOOK_ITEM.search(source)
         for source, number in _TYPE_CHECK.findall(text)
     )
 
@@ -424,11 +427,34 @@ class _Identities:
     def may_run_observed(self, text: str) -> bool:
         for source, number in _TYPE_CHECK.findall(text):
             type_id = int(number)
-            if type_id == self.root_type or (
-                type_id in self.types and _FRAME_VARIABLE.fullmatch(source.strip())
-            ):
+            source = source.strip()
+            if (
+                type_id == self.root_type
+                or (type_id in self.types and _FRAME_VARIABLE.fullmatch(source))
+            ) and _reaches_into(text, source):
                 return True
-        return any(int(number) in self.modules for _, number in _IDENTITY_CHECK.findall(text))
+        return any(
+            int(number) in self.modules and _reaches_into(text, source.strip())
+            for source, number in _IDENTITY_CHECK.findall(text)
+        )
+
+
+def _reaches_into(text: str, source: str) -> bool:
+    """Whether guards of ``text`` check a submodule of the module at ``source``: code
+    that ran the module's forward inline does (each submodule it calls is looked up in
+    ``_modules``); an entry that does not stopped before calling it (a compiled function
+    that meets the observed root's pre-hook, a graph break, and calls the model in a
+    resume function; a decorator's frame around ``forward`` that breaks before calling
+    it), and runs no hook of ours."""
+    return f"{source}._modules[" in text
+
+
+def _runs_submodules(text: str) -> bool:
+    """Whether an entry on a module's ``forward`` (or a resume function of it) with
+    guard text ``text`` calls submodules, whose hooks it would then run or skip: it
+    checks some module's ``_modules`` item (see :func:`_reaches_into`). A module's own
+    hooks run outside its ``forward`` frame, in its ``_call_impl``."""
+    return "._modules[" in text
 
 
 def _compiled_codes() -> list[types.CodeType]:
