@@ -796,7 +796,7 @@ def test_a_sweep_of_gpt2_models_compiles_nothing_after_its_first_run(
     ``transformers`` decorates ``forward``: the decorator's frame breaks before calling
     the model's own ``forward`` and checks nothing inside the model, so injection and
     removal keep its entry (they invalidated it, and each run compiled three frames
-    again, 8 s each on 2 CPUs, until the limit)."""
+    again, about 8 s a run on 2 CPUs, until the limit)."""
     transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 

@@ -188,7 +188,7 @@ class CompiledCapture:
     computes for it holds the output-gradient rows). Each tensor a graph reduces takes
     the block's next row (counted in the block, on the device), which holds its
     statistics row, its call index (the module's hook calls before it in the sample,
-    also counted in the block) and the index of its tensor path in :attr:`paths`; its
+    also counted in the block) and the index of its tensor path in ``_PATHS``; its
     output gradient's row has the same place in the sink's gradient. The layout of a
     block is :class:`~torchinstruments._records.CompiledRows`'s.
     """
@@ -214,10 +214,6 @@ class CompiledCapture:
         self._order: list[int] = []
         self._order_index: dict[str, Tensor] = {}
         self._allocated = 0  # registered modules with rows on every device
-        #: Tensor paths that traced graphs reduced, by the index their rows hold (the
-        #: same for every module and every capture in the process, see ``_PATHS``);
-        #: appended to while tracing.
-        self.paths = _PATHS
         #: True once a compiled graph with reductions ran for this capture (traced code
         #: sets it, Dynamo replays the store after each run of the graph): also a graph
         #: compiled for an earlier observer of a model of the same class. Until then
@@ -311,7 +307,7 @@ class CompiledCapture:
         return id(block) in self._owners
 
     def assign(self, path: str, gradient: str) -> int:
-        """At trace time only: the index in :attr:`paths` of ``path``, for a tensor of an
+        """At trace time only: the index in ``_PATHS`` of ``path``, for a tensor of an
         output of one of this capture's modules; ``gradient`` says what is done with its
         output gradient (``GRAD_OUTPUT``: tapped; ``"untapped"``: not tapped, told by the
         index, see :attr:`gradients_not_tapped`; ``""``: it has none)."""
@@ -518,7 +514,7 @@ class CompiledCapture:
             }
         for copy in copies.values():
             position = context.position
-            pending.append(CompiledRows(sample, ACTIVATION, position, modules, self.paths, copy))
+            pending.append(CompiledRows(sample, ACTIVATION, position, modules, _PATHS, copy))
             context.position = position + len(modules) * ROWS_PER_MODULE
         if self._first_sample < 0:
             self._first_sample = sample
@@ -619,7 +615,7 @@ class CompiledCapture:
             with torch.no_grad():
                 stacked = stacks[device] = torch.stack([grad for _, grad in by_module])
             modules = tuple(index for index, _ in by_module)
-            records.append(CompiledRows(sample, GRAD_OUTPUT, -1, modules, self.paths, stacked))
+            records.append(CompiledRows(sample, GRAD_OUTPUT, -1, modules, _PATHS, stacked))
         buffer.pending.extend(records)
         if self._first_sample < 0:
             self._first_sample = sample

@@ -509,7 +509,7 @@ def inject_observer(
         # A first report at once: a run stopped before its first rewrite (at the end
         # of warm-up, then every rewrite_interval_s) still leaves one.
         observer.write_report(files_only=True)
-        note_observed(root, (ForwardHook,))  # before anything compiles it with our hooks
+        note_observed(root, ForwardHook)  # before anything compiles it with our hooks
         _forget_compiled_code(model, root=root)
         _REGISTRY[model] = handle
         if root is not model:

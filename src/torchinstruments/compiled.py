@@ -93,13 +93,13 @@ def _dynamo() -> Any:
     return sys.modules.get("torch._dynamo")
 
 
-def note_observed(root: nn.Module, hook_types: Iterable[type]) -> None:
+def note_observed(root: nn.Module, hook_type: type) -> None:
     """Record ``root`` and its modules as observed, so that code Dynamo compiles from
     now on (this process, while they live) guards on their hook dictionaries (see
-    :func:`guard_on_hooks`); ``hook_types`` are the classes of the observer's hooks (a
-    cache entry whose guards check one in a module's hook dictionary was compiled with
+    :func:`guard_on_hooks`); ``hook_type`` is the class of the observer's forward hooks
+    (a cache entry whose guards check it in a module's forward hooks was compiled with
     them in place, see :func:`forget_compiled_code`). Cheap; does not import Dynamo."""
-    _observer_hook_types.update(id(hook_type) for hook_type in hook_types)
+    _observer_hook_types.add(id(hook_type))
     modules = list(root.modules())
     _observed_modules.update(modules)
     _observed_codes.update(_module_codes(modules))
