@@ -783,6 +783,14 @@ COMPILE_CASES = ("inject before compile", "inject after compile")
 #: Compiled-step ratio cases: the two injection orders at default sampling, then every
 #: forward sampled (the graph with the in-graph reductions runs at every step).
 RATIO_CASES = (*COMPILE_CASES, "sampling=1")
+#: ``--compile-cases`` names: the coverage check (both injection orders), then each
+#: ratio case.
+COMPILE_CASE_NAMES = {
+    "coverage": "coverage",
+    "before": "inject before compile",
+    "after": "inject after compile",
+    "every": "sampling=1",
+}
 
 
 def _compile_coverage(workload: Workload, backend: str, tmp: Path) -> dict[str, Any]:
@@ -928,8 +936,9 @@ def bench_compile(
         "backend": backend,
         "note": backend_note,
     }
-    _progress("compile: coverage and graph breaks (default dynamo configuration)")
-    results["coverage"] = _compile_coverage(workload, backend, tmp)
+    if "coverage" in args.compile_case_list:
+        _progress("compile: coverage and graph breaks (default dynamo configuration)")
+        results["coverage"] = _compile_coverage(workload, backend, tmp)
     # The plain and the observed copy are two instances of one class: they share
     # Dynamo's cache, and the observer keeps the guards on both copies' empty forward
     # hook dictionaries (torchinstruments.compiled), so that neither runs the other's
@@ -940,11 +949,21 @@ def bench_compile(
     )
     try:
         for case in RATIO_CASES:
+            if case not in args.compile_case_list:
+                results[case] = {"error": "not run (--compile-cases)"}
+                continue
             if args.quick and case != "inject before compile":
                 results[case] = {"error": "not run with --quick"}
                 continue
             _progress(f"compile: ratio, {case}")
-            results[case] = _compile_ratio(case, workload, backend, args, tmp)
+            results[case] = entry = _compile_ratio(case, workload, backend, args, tmp)
+            if "steady_ratio" in entry:
+                # Printed at once: a run cut off later keeps this case's result.
+                _progress(
+                    f"compile: {case}: steady ratio {_fmt_ratio(entry['steady_ratio'])}, "
+                    f"{entry['plain_ms_per_step']:.2f} / {entry['observed_ms_per_step']:.2f} "
+                    f"ms a step, losses identical {entry['losses_identical']}"
+                )
     finally:
         torch._dynamo.reset()
     return results
@@ -1126,9 +1145,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"report.json: {result['report_json_bytes']} bytes")
 
 
-def print_compile(result: dict[str, Any]) -> None:
-    print("\n== torch.compile ==")
-    print(f"{result['workload']}; backend {result['backend']} ({result['note']})")
+def _print_compile_coverage(coverage: dict[str, Any]) -> None:
     print(
         "coverage: one observed model, sampling=1, default dynamo configuration, 3 steps "
         "after injection"
@@ -1136,7 +1153,7 @@ def print_compile(result: dict[str, Any]) -> None:
     coverage_rows = []
     notes = []
     for case in COMPILE_CASES:
-        entry = result.get("coverage", {}).get(case, {})
+        entry = coverage.get(case, {})
         if "error" in entry:
             coverage_rows.append([case, entry["error"][:70], "-", "-", "-", "-", "-"])
             continue
@@ -1177,6 +1194,15 @@ def print_compile(result: dict[str, Any]) -> None:
     )
     if notes:
         print("\n".join(notes))
+
+
+def print_compile(result: dict[str, Any]) -> None:
+    print("\n== torch.compile ==")
+    print(f"{result['workload']}; backend {result['backend']} ({result['note']})")
+    if "coverage" in result:
+        _print_compile_coverage(result["coverage"])
+    else:
+        print("coverage: not run (--compile-cases)")
     print(
         f"\ncompiled-step ratio: compiled plain vs compiled observed copy, interleaved, at "
         "default sampling (both injection orders) and with sampling=1 (every forward runs "
@@ -1357,6 +1383,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="workload for torch.compile",
     )
     parser.add_argument(
+        "--compile-cases",
+        default=",".join(COMPILE_CASE_NAMES),
+        help="comma-separated subset of the compile section's parts: coverage (graph "
+        "breaks and observed modules, both injection orders), before and after (the "
+        "compiled-step ratio at default sampling, injected before or after compiling), "
+        "every (the ratio with sampling=1); default all",
+    )
+    parser.add_argument(
         "--json", type=Path, default=None, help="also save the numbers to this JSON file"
     )
     args = parser.parse_args(argv)
@@ -1379,6 +1413,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in args.section_list:
         if name not in SECTIONS:
             parser.error(f"--sections: unknown section {name!r}; choose from {SECTIONS}")
+    args.compile_case_list = []
+    for name in (c.strip() for c in args.compile_cases.split(",") if c.strip()):
+        if name not in COMPILE_CASE_NAMES:
+            parser.error(
+                f"--compile-cases: unknown part {name!r}; choose from {tuple(COMPILE_CASE_NAMES)}"
+            )
+        args.compile_case_list.append(COMPILE_CASE_NAMES[name])
     if args.repeats is None:
         args.repeats = 3 if args.quick else 7
     if args.run_steps is None:

@@ -35,9 +35,14 @@ from tests.harness import (
 )
 from tests.harness.scenarios import (
     CompileNet,
+    assert_identical_training,
+    assert_same_telemetry,
     check_cast_statistics,
     check_poisoned_report,
+    example_batches,
+    example_model,
     train_poisoned,
+    written_series,
 )
 from torchinstruments import inject_observer, remove_observer
 from torchinstruments.reduce import finish_statistics, tensor_statistics
@@ -265,6 +270,73 @@ def test_torch_compile_with_inductor(tmp_path: Path, order: str) -> None:
     for name in ("fc1", "act", "fc2"):
         assert seen.get(act(name)) == 4 and seen.get(grad(name)) == 4, (name, sorted(seen))
     assert report["coverage"]["errors_total"] == 0
+
+
+def _fit_example(
+    model: nn.Module, data: list[tuple[Tensor, Tensor]], guard_from: int | None = None
+) -> tuple[list[Tensor], int]:
+    """SGD with momentum on the cross-entropy, as ``fit_classifier``; steps from
+    ``guard_from`` on (forward, backward and optimizer step) run under
+    :func:`no_host_sync`. Returns the losses and Dynamo's count of graphs compiled
+    before step ``guard_from``."""
+    from torch._dynamo.utils import counters
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, graphs = [], -1
+    for step, (x, y) in enumerate(data):
+        guarded = guard_from is not None and step >= guard_from
+        if step == guard_from:
+            graphs = counters["stats"]["unique_graphs"]
+        with no_host_sync() if guarded else _nothing():
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.detach().clone())
+    return losses, graphs
+
+
+def test_capture_inside_inductor_graphs_on_the_device(tmp_path: Path) -> None:
+    """The example's model on the device, compiled whole by inductor with
+    ``fullgraph=True`` and observed with ``sampling=2`` (sampled and unsampled forwards
+    alternate, so both graph variants and the root sentinel run). Once the first two
+    steps compiled both variants: no host synchronisation in any step, no graph
+    compiled and no graph break. Training is bit-identical to the same model compiled
+    without the observer (every loss and parameter ``torch.equal``); every series equals
+    the eager path's on the same batches and device (relative 1e-4 on CUDA, where
+    inductor's fused kernels may round activations differently from eager kernels;
+    1e-5 on the CPU)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    base = example_model().to(DEVICE)
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    data = on_device(example_batches(10))
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=2)
+    _fit_example(eager, data)
+    remove_observer(eager)
+
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=2)
+    breaks = sum(counters["graph_break"].values())
+    compiled = cast(nn.Module, torch.compile(observed, backend="inductor", fullgraph=True))
+    losses, graphs = _fit_example(compiled, data, guard_from=2)
+    assert counters["stats"]["unique_graphs"] == graphs > 0
+    assert sum(counters["graph_break"].values()) == breaks
+    remove_observer(observed)
+    report = read_report(tmp_path / "compiled")
+    plain = cast(nn.Module, torch.compile(twin, backend="inductor", fullgraph=True))
+    twin_losses, _ = _fit_example(plain, data)
+    torch._dynamo.reset()
+    assert_identical_training(observed, twin, losses, twin_losses)
+    assert report["errors"] == []
+    capture = report["coverage"]["compiled_capture"]
+    assert capture["mode"] == "in_graph" and capture["slots_dropped"] == 0, capture
+    assert report["coverage"]["samples_observed"] == 5
+    eager_series = written_series(tmp_path / "eager")
+    assert len({key[:4] for key in eager_series}) == 2 * 14  # 13 leaves and the root
+    assert_same_telemetry(
+        eager_series, written_series(tmp_path / "compiled"), rel=1e-4 if ON_CUDA else 1e-5
+    )
 
 
 def test_distributed_data_parallel_world_size_one(tmp_path: Path) -> None:
