@@ -1773,24 +1773,55 @@ def test_a_list_of_the_inputs_inside_an_output_stays_that_list(tmp_path: Path) -
     )
 
 
-@pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="known failure (README, torch.compile): under backend='eager' the checkpoint "
-    "saves the capture's row buffers as inputs of its region, which the capture then "
-    "writes in place",
-)
-def test_checkpoint_inside_a_frame_compiled_with_the_eager_backend(
-    tmp_path: Path, fresh_dynamo
-) -> None:
+@pytest.mark.parametrize("backend", ["eager", "as_is", "aot_eager"])
+def test_checkpoint_called_inside_compiled_code(tmp_path: Path, fresh_dynamo, backend: str) -> None:
+    """``torch.utils.checkpoint`` called inside compiled code (``CheckpointNet``: a
+    block of ``lin``, ``act``, ``out`` checkpointed between ``inp`` and ``head``).
+
+    Under ``backend="eager"`` or a user's backend that returns the graph's own
+    ``forward`` (``as_is``), the region runs as ``torch.utils.checkpoint`` itself,
+    which saves its inputs: the capture wrote its rows in place there, and the backward
+    raised. The block's hooks now stay graph breaks, so the eager path observes the
+    block (counted under ``calls_under_saved_tensor_hooks``) and every module has its 3
+    samples of both signals. Under ``aot_eager`` the block's activations are captured in
+    the graph, and their output gradients are not tapped (AOTAutograd recomputes the
+    region in the backward from the rows as the forward left them: they were recorded
+    under call index 1): the three block modules count under
+    ``gradients_not_captured``, and no series has a call index other than 0. Training
+    equals the same compiled model's without the observer."""
+
+    def as_is(graph: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., Any]:
+        return graph.forward
+
+    def train(model: nn.Module) -> list[float]:
+        compiled = torch.compile(model, backend=as_is if backend == "as_is" else backend)
+        return train_steps(cast(nn.Module, compiled), 3)
+
     torch.manual_seed(0)
-    model = CheckpointNet("non_reentrant")
+    model, twin = CheckpointNet("non_reentrant"), CheckpointNet("non_reentrant")
+    twin.load_state_dict(model.state_dict())
     inject_observer(model, output_dir=tmp_path, sampling=1)
-    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
-    try:
-        compiled(torch.randn(4, 6)).square().mean().backward()
-    finally:
-        remove_observer(model)
+    losses = train(model)
+    report = remove_observer_and_read(model, tmp_path)
+    assert losses == train(twin)
+    assert report["errors"] == []
+    counts = {key[:3]: len(points) for key, points in written_series(tmp_path).items()}
+    block = ("block.lin", "block.act", "block.out")
+    expected = {
+        (name, 0, signal): 3
+        for name in ("<root>", "inp", *block, "head")
+        for signal in ("activation", "grad_output")
+        if backend != "aot_eager" or signal == "activation" or name not in block
+    }
+    assert counts == expected
+    capture = report["coverage"]["compiled_capture"]
+    assert capture["mode"] == "in_graph"
+    if backend == "aot_eager":
+        assert capture["calls_under_saved_tensor_hooks"] == 0
+        assert capture["gradients_not_captured"] == 3
+    else:
+        assert capture["calls_under_saved_tensor_hooks"] > 0
+        assert capture["gradients_not_captured"] == 0
 
 
 def test_a_float8_output_inside_a_compiled_graph_is_skipped(tmp_path: Path) -> None:

@@ -699,17 +699,83 @@ def _recomputable(block: Tensor | None) -> bool:
     same graph serves sampled and unsampled forwards, and the eager path observes the
     call (it tells recomputations from forwards). Checkpointing traced by Dynamo
     (``torch.compile`` of a function that calls ``checkpoint``) runs no hooks while
-    tracing, and keeps the in-graph capture."""
+    tracing, and keeps the in-graph capture, except under a backend that runs Dynamo's
+    graph without AOTAutograd, which runs the region as ``torch.utils.checkpoint``
+    itself (see :func:`_checkpoint_region`): the hook stays a graph break there, so
+    Dynamo runs the checkpoint call eagerly and the eager path observes it under the
+    checkpoint's saved-tensor hooks."""
     try:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     except Exception:
         return False
-    if hooks is None:
+    if hooks is None and _checkpoint_region() != _REGION_RUN_AS_IS:
         return False
     capture = _capture_owning(block)
     if capture is not None:
         capture.calls_under_saved_tensor_hooks += 1
     return True
+
+
+#: Dynamo's backends that compile its graph through AOTAutograd, by name: they
+#: functionalize an activation-checkpoint region, so writes into the rows inside it are
+#: outputs of the region, not changes to its saved inputs.
+_AOT_BACKENDS = frozenset(
+    {
+        "inductor",
+        "aot_eager",
+        "aot_eager_decomp_partition",
+        "aot_eager_decomp_partition_crossref",
+        "aot_eager_decomp_partition_with_mode",
+        "aot_eager_default_partitioner",
+        "aot_ts",
+        "cudagraphs",
+    }
+)
+#: Description that Dynamo gives the tracer of a ``torch.utils.checkpoint`` region.
+_CHECKPOINT_REGION = "torch.utils.checkpoint.checkpoint"
+
+
+#: :func:`_checkpoint_region`'s answers.
+_OUTSIDE_REGION, _REGION_THROUGH_AOT, _REGION_RUN_AS_IS = 0, 1, 2
+
+
+def _checkpoint_region() -> int:
+    """At trace time: whether Dynamo is tracing the body of an activation-checkpoint
+    region (``torch.utils.checkpoint`` called inside compiled code), and how its backend
+    runs it.
+
+    :data:`_OUTSIDE_REGION` outside one (and where Dynamo's tracer cannot be read: a
+    torch that changed these internals). :data:`_REGION_THROUGH_AOT` for a backend that
+    compiles the graph through AOTAutograd (its name in :data:`_AOT_BACKENDS`, or made by
+    ``torch._dynamo.backends.common.aot_autograd``): the region is functionalized, and
+    its backward recomputes the region's values from the graph's inputs as they are
+    then, the rows already written by the forward among them, so a gradient tap's row
+    and call index, which the forward reads from the rows, are wrong when recomputed
+    (AOTAutograd's partitioner recomputes reads of inputs that the forward changes;
+    pytorch pull request 197039, open, would save them instead); see
+    :func:`traced_activation`. :data:`_REGION_RUN_AS_IS` for any other backend
+    (``backend="eager"``, a user's backend that returns ``gm.forward``): the region runs
+    as ``torch.utils.checkpoint`` itself, which saves the region's inputs, the rows
+    among them, and raised in the backward once the capture had written them; see
+    :func:`_recomputable`."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+        tracer = output.current_tracer
+        while tracer is not None and tracer.description != _CHECKPOINT_REGION:
+            tracer = tracer.parent
+        if tracer is None:
+            return _OUTSIDE_REGION
+        backend = output.compiler_fn
+        if getattr(backend, "_compiler_name", None) in _AOT_BACKENDS:
+            return _REGION_THROUGH_AOT
+        from torch._dynamo.backends.common import AotAutograd
+
+        original = getattr(backend, "_torchdynamo_orig_backend", backend)
+        return _REGION_THROUGH_AOT if isinstance(original, AotAutograd) else _REGION_RUN_AS_IS
+    except Exception:
+        return _OUTSIDE_REGION
 
 
 #: :func:`_assign` as Dynamo sees it (called while tracing, its result a constant); set
@@ -731,6 +797,8 @@ _count_dropped_constant: Callable[[Tensor | None], bool] = _count_dropped
 #: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
 #: :func:`enable`.
 _recomputable_constant: Callable[[Tensor | None], bool] = _recomputable
+#: :func:`_checkpoint_region` as Dynamo sees it; set by :func:`enable`.
+_checkpoint_region_constant: Callable[[], int] = _checkpoint_region
 #: ``ForwardHook.__call__`` as :func:`enable` found it (``torch.compiler.disable``d).
 _opaque_call: Callable[..., Any] | None = None
 
@@ -794,7 +862,7 @@ def enable() -> None:
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
     global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
-    global _status
+    global _checkpoint_region_constant, _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return
@@ -803,6 +871,7 @@ def enable() -> None:
         _assign_constant = _assume_constant(_assign)
         _recomputable_constant = _assume_constant(_recomputable)
         _count_dropped_constant = _assume_constant(_count_dropped)
+        _checkpoint_region_constant = _assume_constant(_checkpoint_region)
     except Exception as error:
         _assign_constant = None
         _status = f"off: {type(error).__name__}: {error}"[:200]
@@ -889,6 +958,11 @@ def traced_activation(
     code that changes one of them in place expects the other to change too. A tensor at
     several places of the output (``return h, h``) is tapped once, and its one tapped
     copy takes each place: each place's row holds its whole gradient, as eagerly.
+    Inside an activation-checkpoint region that AOTAutograd recomputes in the backward
+    (``torch.utils.checkpoint`` called inside compiled code, see
+    :func:`_checkpoint_region`), no tensor is tapped (counted under
+    ``gradients_not_tapped``): the recomputed tap would take its row and call index
+    from the rows as the whole forward left them.
 
     Args:
         capture: the observer's capture.
@@ -912,6 +986,7 @@ def traced_activation(
     calls: dict[str, Tensor] = {}  # this hook call's call index, by device
     inputs: list[object] | None = None  # the module's input tensors, once needed
     tappable: set[str] | None = None  # paths of the tensors the output can be rebuilt with
+    in_region: bool | None = None  # inside a checkpoint region that AOTAutograd recomputes
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
             continue
@@ -931,7 +1006,9 @@ def traced_activation(
                 inputs = [tensor for _, tensor in iter_output_tensors((args, kwargs))]
             if tappable is None:
                 tappable = set(_rebuildable_paths(output, "output", 0))
-            if any(leaf is tensor for tensor in inputs) or path not in tappable:
+            if in_region is None:
+                in_region = _checkpoint_region_constant() == _REGION_THROUGH_AOT
+            if in_region or any(leaf is tensor for tensor in inputs) or path not in tappable:
                 gradient = _UNTAPPED
             else:
                 gradient = GRAD_OUTPUT
