@@ -433,6 +433,53 @@ def test_a_compiled_block_under_non_reentrant_checkpointing(tmp_path: Path) -> N
     assert report["coverage"]["errors_total"] == 0
 
 
+class SweepCheckpointNet(NonReentrantNet):
+    """:class:`NonReentrantNet` with its block compiled at construction (``aot_eager``),
+    a class of its own for a sweep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_block = cast(
+            Callable[[Tensor], Tensor], torch.compile(self.block, backend="aot_eager")
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(self.run_block, self.inp(x), use_reentrant=False)
+        assert isinstance(h, Tensor)
+        return self.head(h)
+
+
+def test_a_sweep_of_compiled_blocks_under_checkpointing_reports_each_run(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Four runs in one process, each a new :class:`SweepCheckpointNet` observed: only
+    the first compiles, and every run's report says its block's hooks ran as graph
+    breaks under saved-tensor hooks (counted as they run: the report said ``unused``
+    from the second run on, when the count was taken while tracing) and has the
+    block's output gradients."""
+    from torch._dynamo.utils import counters
+
+    for run in range(4):
+        torch.manual_seed(run)
+        model = SweepCheckpointNet()
+        inject_observer(model, output_dir=tmp_path / str(run), sampling=2)
+        frames = counters["frames"]["total"]
+        train_steps(model, 4)
+        report = remove_observer_and_read(model, tmp_path / str(run))
+        if run:
+            assert counters["frames"]["total"] == frames, run
+        capture = report["coverage"]["compiled_capture"]
+        assert capture["mode"] == (
+            "graph_breaks: traced under saved-tensor hooks (activation checkpointing)"
+        ), run
+        # Two sampled forwards: the 3 block modules' hooks in the forward and 2 in the
+        # recomputation (torch.utils.checkpoint stops recomputing once the tensors the
+        # backward needs are back, before the last module's hook).
+        assert capture["calls_under_saved_tensor_hooks"] == 2 * (3 + 2), run
+        series = written_series(tmp_path / str(run))
+        assert len(series[("block.1", 0, "grad_output", "output", "rms")]) == 2, run
+
+
 def test_a_compiled_block_under_reentrant_checkpointing(tmp_path: Path) -> None:
     """``checkpoint(compiled_block, h, use_reentrant=True)``: the first pass (no grad) is
     reduced inside the graph, and training equals the compiled twin's. The block's

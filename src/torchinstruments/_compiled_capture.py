@@ -231,9 +231,11 @@ class CompiledCapture:
         self.slots_dropped = 0
         #: Keys measured in graphs whose output gradient the graph left untapped.
         self.untapped: set[_Key] = set()
-        #: Hook calls traced under saved-tensor hooks (a compiled frame that
-        #: ``torch.utils.checkpoint`` recomputes), left graph breaks: see
-        #: :func:`_recomputable`.
+        #: Hook calls that compiled code made as graph breaks, traced under
+        #: saved-tensor hooks (a compiled frame that ``torch.utils.checkpoint``
+        #: recomputes), counted as they run (forwards and recomputations); and hooks
+        #: that Dynamo met in a checkpoint region of a backend without AOTAutograd,
+        #: counted while tracing: see :func:`_recomputable`.
         self.calls_under_saved_tensor_hooks = 0
         #: Sampled forwards whose output gradients are not recorded: more than
         #: ``MAX_GRADIENT_SETS`` sampled forwards before their backward passes, so
@@ -688,7 +690,10 @@ def _assign(block: Tensor, path: str, gradient: str) -> int:
 
 
 def _recomputable(block: Tensor | None) -> bool:
-    """True (and counted) if the frame traced now runs under saved-tensor hooks.
+    """True if the frame traced now runs under saved-tensor hooks (its hook calls are
+    counted as they run, see :func:`_call_as_graph_break`), or inside a checkpoint
+    region of a backend without AOTAutograd (counted now: Dynamo runs that region
+    eagerly, hooks included).
 
     Non-reentrant activation checkpointing (``checkpoint(compiled_block, x,
     use_reentrant=False)``) saves nothing in the forward and recomputes the frame in the
@@ -708,8 +713,11 @@ def _recomputable(block: Tensor | None) -> bool:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     except Exception:
         return False
-    if hooks is None and _checkpoint_region() != _REGION_RUN_AS_IS:
+    if hooks is not None:
+        return True
+    if _checkpoint_region() != _REGION_RUN_AS_IS:
         return False
+    # Dynamo then runs the whole checkpoint call eagerly, hooks included: counted here.
     capture = _capture_owning(block)
     if capture is not None:
         capture.calls_under_saved_tensor_hooks += 1
@@ -803,6 +811,29 @@ _checkpoint_region_constant: Callable[[], int] = _checkpoint_region
 _opaque_call: Callable[..., Any] | None = None
 
 
+def _call_as_graph_break(
+    self: ForwardHook,
+    module: nn.Module,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    output: object,
+) -> object:
+    """The hook call that compiled code makes as a graph break where Dynamo traced the
+    hook under saved-tensor hooks (see :func:`_recomputable`): counted under
+    ``calls_under_saved_tensor_hooks`` as it runs (so also in graphs compiled for an
+    earlier observer), then the eager hook. ``torch.compiler.disable``d by
+    :func:`enable`."""
+    capture = self.compiled
+    if isinstance(capture, CompiledCapture):
+        capture.calls_under_saved_tensor_hooks += 1
+    assert _opaque_call is not None
+    return _opaque_call(self, module, args, kwargs, output)
+
+
+#: :func:`_call_as_graph_break` as Dynamo sees it (a graph break); set by :func:`enable`.
+_graph_break_call: Callable[..., Any] = _call_as_graph_break
+
+
 def _run_root_hooks_eagerly() -> None:
     """Tell Dynamo never to compile the root's hooks as frames of their own.
 
@@ -845,8 +876,10 @@ def _forward_hook_call(
     if _is_compiling():
         compiled = self.compiled
         rows = self.rows
-        if isinstance(compiled, CompiledCapture) and not _recomputable_constant(_any_block(rows)):
-            return traced_activation(compiled, rows, output, args, kwargs)
+        if isinstance(compiled, CompiledCapture):
+            if not _recomputable_constant(_any_block(rows)):
+                return traced_activation(compiled, rows, output, args, kwargs)
+            return _graph_break_call(self, module, args, kwargs, output)
         assert _opaque_call is not None
         return _opaque_call(self, module, args, kwargs, output)
     observer = self._observer()
@@ -862,7 +895,7 @@ def enable() -> None:
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
     global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
-    global _checkpoint_region_constant, _status
+    global _checkpoint_region_constant, _graph_break_call, _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return
@@ -872,6 +905,7 @@ def enable() -> None:
         _recomputable_constant = _assume_constant(_recomputable)
         _count_dropped_constant = _assume_constant(_count_dropped)
         _checkpoint_region_constant = _assume_constant(_checkpoint_region)
+        _graph_break_call = torch.compiler.disable(_call_as_graph_break, recursive=True)
     except Exception as error:
         _assign_constant = None
         _status = f"off: {type(error).__name__}: {error}"[:200]
