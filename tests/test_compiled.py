@@ -342,7 +342,8 @@ def test_an_output_that_is_its_input_stays_that_tensor(tmp_path: Path, passing: 
     index = (tmp_path / "compiled" / "index.md").read_text(encoding="utf-8")
     assert (
         f"output gradients of {untapped} traced outputs (in dicts, dataclasses or lists "
-        "inside the output, or one of the module's inputs)"
+        "inside the output, one of the module's inputs, or inside an activation-checkpoint "
+        "region that compiled code calls)"
     ) in index
 
 
@@ -1869,6 +1870,92 @@ def test_checkpoint_called_inside_compiled_code(tmp_path: Path, fresh_dynamo, ba
     else:
         assert capture["calls_under_saved_tensor_hooks"] > 0
         assert capture["gradients_not_captured"] == 0
+
+
+class DirectNet(nn.Module):
+    """Linear(6, 12) -> GELU -> Linear(12, 2): what :class:`DirectHolder` holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DirectHolder(nn.Module):
+    """A root whose forward training never calls: the steps call ``self.model`` (and
+    ``self.head``) directly, as a Lightning ``training_step`` that calls
+    ``self.model(x)`` does. With ``backend``, both are ``torch.compile`` wrappers."""
+
+    def __init__(self, backend: str | None, model: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.model = torch.compile(model, backend=backend) if backend else model
+        self.head = torch.compile(head, backend=backend) if backend else head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.model(x))
+
+
+def direct_steps(holder: nn.Module, steps: int, *, with_head: bool) -> list[float]:
+    """SGD steps that call ``holder.model`` (then ``holder.head``) directly."""
+    assert isinstance(holder, DirectHolder)
+    generator = torch.Generator().manual_seed(3)
+    optimizer = torch.optim.SGD(holder.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        output = holder.model(torch.randn(8, 6, generator=generator))
+        if with_head:
+            output = holder.head(output)
+        loss = output.square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("with_head", [False, True], ids=["model", "model-then-head"])
+@pytest.mark.parametrize("sampling", [1, 2])
+def test_a_compiled_submodule_called_directly_is_observed_inside_its_graph(
+    tmp_path: Path, fresh_dynamo, sampling: int, with_head: bool
+) -> None:
+    """Training calls a compiled submodule directly, never the root (``self.model =
+    torch.compile(net)``, ``self.model(x)`` in a Lightning ``training_step``). Its
+    modules ran only inside the compiled frame, whose hooks never opened the
+    direct-call sample: nothing was recorded (0 forwards, mode ``unused``) and the
+    headline told the user to train in train mode. Now the wrapper's own hooks open the
+    sample before the frame runs: every series equals the same model's observed
+    eagerly, the modules of a second wrapper called in the same step (``head``) join
+    the sample, training equals the compiled model's without the observer, and the
+    headline is a normal one (it was the same wrong one eagerly too)."""
+    steps = 6
+    train = functools.partial(direct_steps, with_head=with_head)
+    torch.manual_seed(0)
+    model, head = DirectNet(), nn.Linear(2, 1)
+    eager, observed, twin = (
+        DirectHolder(backend, copy.deepcopy(model), copy.deepcopy(head))
+        for backend in (None, "aot_eager", "aot_eager")
+    )
+    reports = {}
+    for name, holder in (("eager", eager), ("compiled", observed)):
+        inject_observer(holder, output_dir=tmp_path / name, sampling=sampling)
+        losses = train(holder, steps)
+        reports[name] = remove_observer_and_read(holder, tmp_path / name)
+    assert losses == train(twin, steps)
+    assert_same_model(observed, twin)
+    eager_series = written_series(tmp_path / "eager")
+    modules = {"model.fc1", "model.act", "model.fc2"} | ({"head"} if with_head else set())
+    assert {key[0] for key in eager_series} == modules
+    assert_same_telemetry(eager_series, written_series(tmp_path / "compiled"))
+    samples = -(-steps // sampling)
+    for name, report in reports.items():
+        coverage = report["coverage"]
+        assert report["errors"] == [], name
+        assert coverage["direct_call_samples"] == steps, name
+        assert coverage["samples_observed"] == coverage["backward_samples_observed"] == samples
+        assert not report["summary"]["headline"].startswith("No training forward"), name
+    assert reports["compiled"]["coverage"]["compiled_capture"]["mode"] == "in_graph"
 
 
 def test_a_float8_output_inside_a_compiled_graph_is_skipped(tmp_path: Path) -> None:

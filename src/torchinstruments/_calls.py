@@ -25,6 +25,7 @@ from ._records import ROOT_INDEX, HistogramCounts, LossScale, SeriesKey
 from ._state import IDLE, SAMPLED, SENTINEL
 from .capture import (
     MAX_TENSORS_PER_OUTPUT,
+    BackwardStartHook,
     GradHook,
     NodeGradHook,
     in_backward,
@@ -297,6 +298,39 @@ class CallCapture:
         finally:
             self.note_cost(time.perf_counter() - started)
 
+    def _backward_began(self, ctx: ForwardContext, sample: int) -> set[tuple[int, int, str]]:
+        """The first output gradient of ``sample`` arrived: count its backward once and
+        tell the context; the set of its gradient keys seen."""
+        seen: set[tuple[int, int, str]] = set()
+        remember_sample(self._grad_keys_seen, sample, seen)
+        if sample not in self._backward_counted:
+            self._backward_counted[sample] = None
+            if len(self._backward_counted) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
+                del self._backward_counted[next(iter(self._backward_counted))]
+            self.backward_samples_observed += 1
+        ctx.backward_started(sample)
+        return seen
+
+    def on_backward_start(self, ctx: ForwardContext, sample: int) -> None:
+        """A gradient reached the output that :meth:`watch_backward` watches."""
+        if ctx.attached and sample not in self._grad_keys_seen:
+            try:
+                self._backward_began(ctx, sample)
+            except Exception as error:  # never break training
+                self._errors.record("backward", "", error)
+
+    def watch_backward(self, ctx: ForwardContext, sample: int, output: object) -> None:
+        """Tell when the backward of ``sample`` starts from ``output`` (the output of a
+        compile wrapper called directly, whose modules ran inside its graph, so that no
+        eager gradient hook tells it): a pre-hook on the autograd node of its first
+        tensor that requires grad."""
+        if not torch.is_grad_enabled():
+            return
+        for _, leaf in iter_output_tensors(output):
+            if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
+                leaf.grad_fn.register_prehook(BackwardStartHook(ctx, sample))
+                return
+
     def _on_grad(
         self, ctx: ForwardContext, key: tuple[int, int, str], sample: int, grad: Tensor
     ) -> None:
@@ -305,14 +339,7 @@ class CallCapture:
         try:
             seen = self._grad_keys_seen.get(sample)
             if seen is None:
-                seen = set()
-                remember_sample(self._grad_keys_seen, sample, seen)
-                if sample not in self._backward_counted:
-                    self._backward_counted[sample] = None
-                    if len(self._backward_counted) > 4 * MAX_SAMPLES_AWAITING_BACKWARD:
-                        del self._backward_counted[next(iter(self._backward_counted))]
-                    self.backward_samples_observed += 1
-                ctx.backward_started(sample)
+                seen = self._backward_began(ctx, sample)
             elif key in seen:
                 self.repeated_backward_gradients += 1  # retain_graph: another backward pass
                 remember_sample(self.samples_with_repeated_backward, sample)

@@ -100,6 +100,8 @@ from ._state import SKIP
 from .capture import (
     MAX_OUTPUT_DEPTH,
     MAX_TENSORS_PER_OUTPUT,
+    DirectCallPostHook,
+    DirectCallPreHook,
     ForwardHook,
     RootPostHook,
     RootPreHook,
@@ -270,6 +272,8 @@ class CompiledCapture:
         #: The gradient set the hooks hold now, and the one the open sample uses.
         self._current_set = 0
         self._sample_set = -1
+        #: The sample that :meth:`end_sample` ended last and its gradient set.
+        self._ended = (-1, -1)
         #: The first sample with rows from graphs (-1: none yet), and whether a flush
         #: has read it: until then it is not known which modules the graphs ran.
         self._first_sample = -1
@@ -408,6 +412,23 @@ class CompiledCapture:
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
 
+    def resume_sample(self, context: ForwardContext) -> None:
+        """Another compile entry joins the open direct-call sample, whose rows an earlier
+        entry's return made pending (:meth:`end_sample`): clear the rows and run the
+        sampled variant again, with the sample's gradient set. Nothing where the open
+        sample is not the one that ended last."""
+        sample, chosen = self._ended
+        if self.active or sample != context.sample:
+            return
+        try:
+            with passive(), torch.no_grad():
+                for buffer in self.buffers.values():
+                    buffer.zero_()
+            self._sample_set = chosen
+            self.active = True
+        except Exception as error:  # never break training
+            context.errors.record("compiled_capture", "", error)
+
     def _choose_gradient_set(self) -> int:
         """The gradient set for the sample that opens, handed to the hooks: a set never
         used, else a new one (up to ``MAX_GRADIENT_SETS``), else the free set whose
@@ -456,10 +477,12 @@ class CompiledCapture:
             return
         self.active = False
         chosen, self._sample_set = self._sample_set, -1
+        self._ended = (context.sample, chosen)
         try:
             with passive():
-                if chosen >= 0:
-                    self._set_holders[chosen].append(context.sample)
+                held = self._set_holders[chosen] if chosen >= 0 else None
+                if held is not None and (not held or held[-1] != context.sample):
+                    held.append(context.sample)
                     if torch.is_grad_enabled() and _gradients_tapped:
                         self._note_reaching(context.sample, output, chosen)
                 self._take_activations(context)
@@ -855,7 +878,7 @@ def _run_root_hooks_eagerly() -> None:
         set_code_exec_strategy,
     )
 
-    for hook in (RootPreHook, RootPostHook, InertHook):
+    for hook in (RootPreHook, RootPostHook, DirectCallPreHook, DirectCallPostHook, InertHook):
         code = getattr(hook.__dict__.get("__call__"), "__code__", None)
         if isinstance(code, types.CodeType):
             set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))

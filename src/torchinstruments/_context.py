@@ -147,6 +147,57 @@ class ForwardContext(_ContextCadence):
         """An output gradient arrived for a sampled tensor."""
         self.capture.on_grad(self, key, sample, grad)
 
+    def open_direct_entry(self, entry: int, module: nn.Module) -> None:
+        """A ``torch.compile`` wrapper inside the model (``module``; ``entry`` a negative
+        number of its own) is called with no root forward open: where direct calls are
+        observed (see
+        ``CallCapture._open_implicit``), open the direct-call sample now, before its
+        compiled frame runs, or join the one open, so that a sampled call runs the
+        graph variant that reduces its modules' outputs. Eagerly such a sample opens
+        when the first module returns; inside a compiled frame no hook runs eagerly."""
+        if self.state is not IDLE or self.direct_entry is not None or not self.attached:
+            return  # inside a root forward (or between quiet ones), or another entry's call
+        try:
+            if not _training_context(module):
+                return
+            if self.root_forward_seen and not self.capture_direct_forwards:
+                self.calls_outside_root_skipped += 1
+                return
+            compiled = self.compiled
+            if (
+                self.implicit_opener is not None
+                and not self.implicit_backward_seen
+                and entry != self.implicit_opener
+            ):
+                # Another module opened the sample and its backward has not started:
+                # this call belongs to it.
+                if self.sample_open and compiled is not None:
+                    compiled.resume_sample(self)
+            else:
+                self.implicit_opener = entry
+                self.implicit_backward_seen = False
+                self.direct_call_samples += 1
+                self.open_sample()
+                self.maybe_flush()
+            if self.sample_open:
+                self.direct_entry = entry
+        except Exception as error:  # never break training
+            self.errors.record("direct_call", "", error)
+
+    def close_direct_entry(self, entry: int, output: object) -> None:
+        """The compile wrapper ``entry`` whose call :meth:`open_direct_entry` took into
+        the open sample returned ``output``: its graphs' rows become pending, and the
+        start of the sample's backward is watched for on ``output`` (no eager gradient
+        hook tells it: the modules inside ran in the graph)."""
+        self.direct_entry = None
+        try:
+            compiled = self.compiled
+            if compiled is not None:
+                compiled.end_sample(self, output)
+            self.capture.watch_backward(self, self.sample, output)
+        except Exception as error:  # never break training
+            self.errors.record("direct_call", "", error)
+
     def enter_root(self, module: nn.Module) -> None:
         """Open a root forward: decide once whether it is sampled."""
         index = self.forwards_seen

@@ -434,8 +434,8 @@ def _compiled_lines(compiled: dict) -> list[str]:
     if compiled.get("gradients_not_captured"):
         gaps.append(
             f"output gradients of {compiled['gradients_not_captured']} traced outputs "
-            "(in dicts, dataclasses or lists inside the output, or one of the module's "
-            "inputs)"
+            "(in dicts, dataclasses or lists inside the output, one of the module's "
+            "inputs, or inside an activation-checkpoint region that compiled code calls)"
         )
     if compiled.get("gradient_samples_lost"):
         gaps.append(f"output gradients of {compiled['gradient_samples_lost']} samples")

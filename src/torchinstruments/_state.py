@@ -74,6 +74,9 @@ class ForwardState:
     #: backward has started (a call of it again then opens the next sample).
     implicit_opener: int | None = None
     implicit_backward_seen: bool = False
+    #: The compile entry (see ``ForwardContext.open_direct_entry``) whose call opened
+    #: or joined the open direct-call sample and has not returned yet.
+    direct_entry: int | None = None
     #: Calls under no_grad in the open sample, per module index: (call, sample,
     #: first-argument identity, position), matched by their recomputation in backward.
     no_grad_calls: dict[int, list[tuple[int, int, object, int]]] = field(default_factory=dict)

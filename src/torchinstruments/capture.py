@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ._copies import CopiedAsInert, InertForward, InertHook, PrepareScriptable, WrapperCopies
-from ._state import SKIP
+from ._state import IDLE, SKIP
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -409,6 +409,53 @@ class RootPostHook(_HookBase):
             observer.leave_root(self._index, args, output)
 
 
+class DirectCallPreHook(_HookBase):
+    """Forward pre-hook on a ``torch.compile`` wrapper inside the observed model
+    (``self.model = torch.compile(net)`` makes one), which runs eagerly around its
+    compiled frame. Where training calls it directly, with no root forward open (a
+    Lightning ``training_step`` that calls ``self.model(x)``), it opens the direct-call
+    sample before the compiled frame runs (``ForwardContext.open_direct_entry``).
+    Dynamo never compiles its frame (see ``_compiled_capture``); traced inline (a
+    compiled function that calls the wrapper) it does nothing.
+
+    Args:
+        observer: the observer's forward context.
+        entry: a negative number of the wrapper's own (the direct-call opener's
+            identity, which no module index takes).
+    """
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, observer: ForwardContext, entry: int) -> None:
+        super().__init__(observer)
+        self._entry = entry
+
+    def __call__(self, module: nn.Module, args: object) -> None:
+        if _is_compiling():
+            return
+        observer = self._observer()
+        if observer is not None and observer.state is IDLE:
+            observer.open_direct_entry(self._entry, module)
+
+
+class DirectCallPostHook(_HookBase):
+    """Forward hook on a ``torch.compile`` wrapper: closes what
+    :class:`DirectCallPreHook` opened (``ForwardContext.close_direct_entry``)."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, observer: ForwardContext, entry: int) -> None:
+        super().__init__(observer)
+        self._entry = entry
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        if _is_compiling():
+            return
+        observer = self._observer()
+        if observer is not None and observer.direct_entry == self._entry:
+            observer.close_direct_entry(self._entry, output)
+
+
 @_opaque_to_compiler
 def _enter_root_opaque(hook: RootPreHook, module: nn.Module) -> None:
     observer = hook._observer()
@@ -522,6 +569,24 @@ class NodeGradHook:
         grad = grad_outputs[self._output_nr]
         if grad is not None:
             observer.on_grad(self._key, self._sample, grad)
+
+
+class BackwardStartHook:
+    """Pre-hook on the autograd node of a direct-call sample's output that no gradient
+    hook of ours watches: tells the observer that the sample's backward started (see
+    ``CallCapture.watch_backward``)."""
+
+    __slots__ = ("_observer", "_sample")
+
+    def __init__(self, observer: ForwardContext, sample: int) -> None:
+        self._observer = weakref.ref(observer)
+        self._sample = sample
+
+    @_opaque_to_compiler
+    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        observer = self._observer()
+        if observer is not None:
+            observer.capture.on_backward_start(observer, self._sample)
 
 
 # Entry points for ForwardWrapper, which itself must stay traceable (it runs the

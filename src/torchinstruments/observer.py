@@ -41,10 +41,14 @@ from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
 from ._store import SeriesStore
 from .capture import (
+    COMPILED_WRAPPER_ATTRIBUTE,
+    DirectCallPostHook,
+    DirectCallPreHook,
     ForwardHook,
     ForwardWrapper,
     RootPostHook,
     RootPreHook,
+    is_compile_wrapper,
     passive,
     without_compile_wrappers,
 )
@@ -242,11 +246,39 @@ class Observer:
                 handle = hook.register(module)
                 self._handles.append(handle)
                 parking.add(module, handle.id, hook)
+        if not self.capture_direct_forwards:
+            self._attach_compile_entries()
         self._prepare_for_scripting()
         context.attached = self.buffer.attached = True
         _amp.install(self)
         atexit.register(self._atexit)
         on_termination.add(self)
+
+    def _attach_compile_entries(self) -> None:
+        """Give each ``torch.compile`` wrapper below the root (``self.model =
+        torch.compile(net)`` makes one) a :class:`~.capture.DirectCallPreHook` and a
+        :class:`~.capture.DirectCallPostHook`: the wrapper's own hooks run eagerly
+        around its compiled frame, so that calls of it made with no root forward open
+        are observed inside that frame (see ``ForwardContext.open_direct_entry``).
+        Wrappers made after injection are not seen: their modules are then observed
+        in direct calls only where their hooks run eagerly."""
+        root = self.root
+        if root is None:
+            return
+        context = self.context
+        entries = 0
+        for module in root.modules():
+            if (
+                not is_compile_wrapper(module)
+                or getattr(module, COMPILED_WRAPPER_ATTRIBUTE) is root
+            ):
+                continue
+            entries += 1
+            entry = -entries  # the opener's identity: no module index is negative
+            self._handles.append(
+                module.register_forward_pre_hook(DirectCallPreHook(context, entry))
+            )
+            self._handles.append(module.register_forward_hook(DirectCallPostHook(context, entry)))
 
     def _prepare_for_scripting(self) -> None:
         """Give every module of the model a :class:`~._copies.PrepareScriptable`, so

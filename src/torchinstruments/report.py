@@ -529,7 +529,7 @@ def _headline(
     observer: RunSnapshot,
     stopped: Sequence[dict[str, Any]] = (),
 ) -> str:
-    if not observer.root_forward_seen:
+    if not observer.root_forward_seen and not observer.counters.forwards_seen:
         return (
             f"No training forward was observed ({observer.counters.eval_forwards_skipped} forwards "
             "skipped as evaluation: eval mode, no_grad, inference_mode or inside a "
