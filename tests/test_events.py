@@ -143,6 +143,50 @@ def test_advice_fits_a_step_at_a_linear(stepped: tuple[dict[str, Any], Path]) ->
     assert "learning rate" not in experiment
 
 
+class ScaledBeforeIdentity(nn.Module):
+    """Linear, then ``scale`` applied in this module's own forward, then an Identity
+    (as timm's ``ls2`` after a block's MLP): the scale is seen first at the Identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.ident = nn.Linear(16, 16), nn.Identity()
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ident(self.fc(x) * self.scale)
+
+
+def test_advice_for_a_step_first_seen_at_an_identity(tmp_path: Path) -> None:
+    """A step that begins between a Linear and the Identity after it, in code no
+    observed module covers: the advice says the Identity passes its input on and asks
+    to observe its parent (it gave dropout advice: "check its probability"), and the
+    heading reads "an Identity"."""
+    torch.manual_seed(0)
+    middle = ScaledBeforeIdentity()
+    model = nn.Sequential(nn.Linear(8, 16), middle, nn.Tanh(), nn.Linear(16, 1))
+    inject_observer(model, output_dir=tmp_path, sampling=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(180):
+        middle.scale = 8.0 if step >= 60 else 1.0
+        optimizer.zero_grad()
+        model(torch.randn(32, 8, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    event = report["events"][0]
+    described = (event["module"], event["module_kind"], event["shape"])
+    assert described == ("1.ident", "Identity", "step")
+    experiment = event["next_experiment"]
+    assert experiment.startswith(
+        "1.ident is an Identity, which returns its input unchanged: the change happened "
+        "between the module before it (1.fc) and here"
+    )
+    assert "Observe 1.ident's parent too" in experiment and "probability" not in experiment
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "### E1: step at `1.ident` (call 0), an Identity, activation.rms" in index
+
+
 def test_module_kinds() -> None:
     assert [module_kind(k) for k in ("Linear", "Conv2d", "LayerNorm", "BatchNorm1d")] == [
         "weighted",

@@ -45,6 +45,13 @@ def module_kind(kind: str | None) -> str:
 _SIGNAL_WORDS = {"activation": "activations", "grad_output": "output gradients"}
 
 
+def with_article(kind: str | None) -> str:
+    """``kind`` (a module class name) after "a" or "an" by its first letter
+    (``"an Identity"``, ``"a Linear"``)."""
+    name = kind or "module"
+    return f"{'an' if name[:1].upper() in 'AEIOU' else 'a'} {name}"
+
+
 def _keep_fixed(text: str) -> str:
     return f"{text} Keep seed, data order and precision fixed so the runs compare."
 
@@ -244,6 +251,7 @@ def _step_texts(
         )
     when = _when(change.start_sample, forward)
     family = module_kind(kinds.get(s.module))
+    a_kind = with_article(kinds.get(s.module))
     gone = _stopped_near(stopped, module, change.start_sample)
     if gone is not None:
         text += (
@@ -299,28 +307,37 @@ def _step_texts(
         )
     elif family == "weighted":
         experiment = (
-            f"{module} is a {kinds.get(s.module)}: compare its weight norm just before and "
+            f"{module} is {a_kind}: compare its weight norm just before and "
             f"just after {when} (two checkpoints, or a rerun to just past it); a step in "
             "its output with its input steady means its weights (or a scale applied to "
             "them) changed there. Restore them at this module only."
         )
     elif family == "nonlinearity" and previous_row is not None:
         experiment = (
-            f"{module} is a {kinds.get(s.module)}, which has no weights, and its input did "
+            f"{module} is {a_kind}, which has no weights, and its input did "
             f"not move ({previous_row['module']} within {format_value(MOVED_SPREADS)} "
             f"residual spreads): check whether the nonlinearity itself changed at {when} "
             "(replaced, swapped for another function, or its arguments changed)."
         )
     elif family == "nonlinearity":
         experiment = (
-            f"{module} is a {kinds.get(s.module)}, which has no weights: its output moves "
+            f"{module} is {a_kind}, which has no weights: its output moves "
             f"with its input. Check the module before it and any change to the "
             f"nonlinearity itself at {when}."
         )
+    elif family == "pass_through" and "Identity" in (kinds.get(s.module) or ""):
+        before = f" ({previous_row['module']})" if previous_row is not None else ""
+        experiment = (
+            f"{module} is {a_kind}, which returns its input "
+            f"unchanged: the change happened between the module before it{before} and "
+            "here, in code that no observed module covers (its parent's forward, a hook, a "
+            f"patched function). Observe {module}'s parent too (include it) or hook the "
+            f"code that produces {module}'s input, and rerun to just past {when}."
+        )
     elif family == "pass_through":
         experiment = (
-            f"{module} is a {kinds.get(s.module)}: check its probability and train or "
-            f"eval mode at {when}, and the module before it."
+            f"{module} is {a_kind}: check its probability and "
+            f"train or eval mode at {when}, and the module before it."
         )
     else:
         experiment = (

@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ._event_texts import with_article
 from .find import format_value
 from .series import LOG_SCALE_METRICS
 
@@ -221,7 +222,7 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         when += f", training forward {onset['forward']}"
         if onset.get("after_forward") is not None:
             when += f" (after forward {onset['after_forward']}, the sample before)"
-    kind = f", a {md_text(e['module_kind'])}" if e.get("module_kind") else ""
+    kind = f", {md_text(with_article(e['module_kind']))}" if e.get("module_kind") else ""
     path = e.get("tensor_path")
     where = f", {md_code(path)}" if isinstance(path, str) and path != "output" else ""
     lines = [
