@@ -114,6 +114,24 @@ def test_same_run_gives_the_same_report(tmp_path: Path) -> None:
     assert reports[0] == reports[1]
 
 
+def test_the_report_says_whether_it_is_the_final_one(tmp_path: Path) -> None:
+    """``run.final`` and ``index.md`` tell a report written while training ran (here the
+    first, written at injection) from the one written at removal: a reader of a report
+    numbered 6 could not tell whether the run was still going."""
+    model = ResidualNet()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train(model, make_batches(4))
+    during = read_report(tmp_path)
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert (during["run"]["report_number"], during["run"]["final"]) == (1, False)
+    assert "Written while training ran: a later report replaces it." in index
+    remove_observer(model)
+    after = read_report(tmp_path)
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert after["run"]["final"] is True and after["run"]["report_number"] > 1
+    assert "It is the final report: training through the observer has ended." in index
+
+
 def test_non_finite_values_never_reach_the_json(tmp_path: Path) -> None:
     model = ResidualNet()
     inject_observer(model, output_dir=tmp_path, sampling=1)

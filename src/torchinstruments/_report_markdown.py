@@ -318,9 +318,17 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     number = run.get("report_number")
     if isinstance(number, int) and number > 0:  # absent from reports of older versions
+        final = run.get("final")
+        status = (
+            " It is the final report: training through the observer has ended."
+            if final
+            else " Written while training ran: a later report replaces it."
+            if final is False
+            else ""  # absent from reports of older versions
+        )
         lines += [
             f"Report {number} of the run started {md_text(str(run.get('started_at')))} "
-            "(`run.report_number` and `run.started_at` of report.json).",
+            "(`run.report_number` and `run.started_at` of report.json)." + status,
             "",
         ]
     first = summary.get("first_non_finite")

@@ -43,6 +43,7 @@ def _run_section(observer: RunSnapshot) -> dict[str, Any]:
             timespec="seconds"
         ),
         "report_number": observer.report_number,
+        "final": observer.final,
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
         "hook_parking": observer.hook_parking,

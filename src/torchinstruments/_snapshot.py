@@ -183,6 +183,8 @@ class RunSnapshot:
     #: 1 for the first report of the run, one more at each write; a report built
     #: without a write (``ObserverHandle.report``) carries the last written one's.
     report_number: int = 0
+    #: The report is the run's final one (``run.final``): see ``Observer.final_report``.
+    final: bool = False
     #: The capture inside ``torch.compile``'d graphs (``coverage.compiled_capture``).
     compiled_capture: CompiledCaptureCounts = CompiledCaptureCounts()
     #: How the directory writer puts its files in place (``coverage.file_write_mode``):
@@ -256,6 +258,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         forked_from_pid=observer.forked_from_pid,
         forwards_at_fork=observer.forwards_at_fork,
         report_number=observer.report_number,
+        final=observer.final_report,
         compiled_capture=_compiled_counts(observer),
         file_write_mode=next(
             (

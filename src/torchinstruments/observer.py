@@ -107,6 +107,9 @@ class Observer:
         #: The number of the report being (or last) written: 1 for the first, one more
         #: at each write; ``report.json`` and ``index.md`` both state it (``run.report_number``).
         self.report_number = 0
+        #: True from the final report on (``run.final``): written at removal or at
+        #: interpreter exit, when training through this observer has ended.
+        self.final_report = False
         self.series_summary_omitted = 0
         #: True once a failed write was warned of (one warning a run).
         self.warned_write = False
@@ -413,6 +416,7 @@ class Observer:
         """The last report of the run (at removal or interpreter exit); then, if no
         report ever reached a directory of this observer, a warning that says so, with
         the last write error. Never raises."""
+        self.final_report = True
         self.write_report()
         try:
             warn_if_never_written(self)
