@@ -1958,6 +1958,96 @@ def test_a_compiled_submodule_called_directly_is_observed_inside_its_graph(
     assert reports["compiled"]["coverage"]["compiled_capture"]["mode"] == "in_graph"
 
 
+class GanHolder(nn.Module):
+    """A generator and a discriminator (:class:`DirectNet` shapes), each a
+    ``torch.compile`` wrapper with ``backend``; training calls them directly."""
+
+    def __init__(self, backend: str | None, generator: nn.Module, critic: nn.Module) -> None:
+        super().__init__()
+        self.generator = cast(
+            nn.Module, torch.compile(generator, backend=backend) if backend else generator
+        )
+        self.critic = cast(nn.Module, torch.compile(critic, backend=backend) if backend else critic)
+
+
+def gan_steps(holder: nn.Module, steps: int, *, loop: str) -> list[float]:
+    """``loop="gan"``: per step a discriminator pass (the critic on real data and on the
+    generator's detached output, one backward) and a generator pass (the critic on the
+    generator's output, another backward), each with its own SGD. ``loop="twice"``: the
+    critic called twice on the generator's output, one backward over all three calls."""
+    assert isinstance(holder, GanHolder)
+    generator = torch.Generator().manual_seed(4)
+    generator_sgd = torch.optim.SGD(holder.generator.parameters(), lr=0.02)
+    critic_sgd = torch.optim.SGD(holder.critic.parameters(), lr=0.02)
+    losses = []
+    for _ in range(steps):
+        real = torch.randn(8, 2, generator=generator)
+        fake = holder.generator(torch.randn(8, 6, generator=generator))
+        if loop == "twice":
+            loss = holder.critic(fake).square().mean() + holder.critic(fake * 2).abs().mean()
+            passes = [(loss, (generator_sgd, critic_sgd))]
+        else:
+            softplus = nn.functional.softplus
+            critic_loss = (
+                softplus(-holder.critic(real)).mean()
+                + softplus(holder.critic(fake.detach())).mean()
+            )
+            critic_sgd.zero_grad()
+            critic_loss.backward()
+            critic_sgd.step()
+            losses.append(float(critic_loss.detach()))
+            passes = [(softplus(-holder.critic(fake)).mean(), (generator_sgd,))]
+        for loss, optimizers in passes:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            loss.backward()
+            for optimizer in optimizers:
+                optimizer.step()
+            losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("loop", ["gan", "twice"])
+def test_a_gan_trained_through_directly_called_compiled_modules(
+    tmp_path: Path, fresh_dynamo, loop: str
+) -> None:
+    """A generator and a discriminator compiled apart and called directly. ``twice``:
+    the critic's second call in a sample was recorded as call 0 (each wrapper's return
+    cleared the rows, and the call counts with them) and its gradients merged with the
+    first call's. ``gan``: the discriminator's pass reaches the generator's output
+    detached, and the generator's pass reaches it later; every gradient of such a
+    sample was counted lost (the search for the sample's sinks stopped at the
+    generator's, which the first pass does not run), and the generator's output
+    gradients, which arrive after the sample's first pass was taken, were dropped as
+    a repeated pass. Now every series equals the eager path's, nothing is counted
+    lost, and training equals the compiled twin's."""
+    steps = 3
+    train = functools.partial(gan_steps, loop=loop)
+    torch.manual_seed(0)
+    generator, critic = DirectNet(), DirectNet()
+    generator.fc2 = nn.Linear(12, 2)  # a sample of 2 features, as the real data
+    critic.fc1 = nn.Linear(2, 12)
+    eager, observed, twin = (
+        GanHolder(backend, copy.deepcopy(generator), copy.deepcopy(critic))
+        for backend in (None, "aot_eager", "aot_eager")
+    )
+    reports = {}
+    for name, holder in (("eager", eager), ("compiled", observed)):
+        inject_observer(holder, output_dir=tmp_path / name, sampling=1)
+        losses = train(holder, steps)
+        reports[name] = remove_observer_and_read(holder, tmp_path / name)
+    assert losses == train(twin, steps)
+    assert_same_model(observed, twin)
+    eager_series = written_series(tmp_path / "eager")
+    calls = {key[:3] for key in eager_series}
+    assert ("generator.fc1", 0, "grad_output") in calls
+    assert ("critic.fc1", 1, "grad_output") in calls  # two critic calls in a sample
+    assert_same_telemetry(eager_series, written_series(tmp_path / "compiled"))
+    compiled = reports["compiled"]["coverage"]["compiled_capture"]
+    assert compiled["mode"] == "in_graph" and compiled["gradient_samples_lost"] == 0
+    assert reports["compiled"]["errors"] == []
+
+
 def test_a_float8_output_inside_a_compiled_graph_is_skipped(tmp_path: Path) -> None:
     """No reduction takes float8 on the CPU: the traced capture skips such an output as
     the eager path does (it raised inside the graph, and training stopped); the other

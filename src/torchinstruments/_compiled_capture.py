@@ -257,8 +257,9 @@ class CompiledCapture:
         #: that each sink keeps one accumulator, the node every graph links to).
         self._accumulators: list[dict[int, Any]] = [{}]
         #: Samples whose root output's graph reaches a sink of their gradient set: the
-        #: accumulator found (see :meth:`end_sample`), until their backward starts.
-        self._reaching: dict[int, Any] = {}
+        #: accumulators found (one per output searched, see :meth:`end_sample` and
+        #: :meth:`suspend_sample`), until their backward starts.
+        self._reaching: dict[int, list[Any]] = {}
         #: Samples whose backward pass left their gradient sinks out (counted lost).
         self._not_reached: dict[int, None] = {}
         #: Per gradient set, when its gradients were last taken (a count of takes; -1:
@@ -272,8 +273,9 @@ class CompiledCapture:
         #: The gradient set the hooks hold now, and the one the open sample uses.
         self._current_set = 0
         self._sample_set = -1
-        #: The sample that :meth:`end_sample` ended last and its gradient set.
-        self._ended = (-1, -1)
+        #: The direct-call sample whose rows wait in the buffers (-1: none), see
+        #: :meth:`suspend_sample`.
+        self._suspended = -1
         #: The first sample with rows from graphs (-1: none yet), and whether a flush
         #: has read it: until then it is not known which modules the graphs ran.
         self._first_sample = -1
@@ -412,22 +414,43 @@ class CompiledCapture:
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
 
-    def resume_sample(self, context: ForwardContext) -> None:
-        """Another compile entry joins the open direct-call sample, whose rows an earlier
-        entry's return made pending (:meth:`end_sample`): clear the rows and run the
-        sampled variant again, with the sample's gradient set. Nothing where the open
-        sample is not the one that ended last."""
-        sample, chosen = self._ended
-        if self.active or sample != context.sample:
+    def suspend_sample(self, context: ForwardContext, output: object) -> None:
+        """A ``torch.compile`` wrapper called directly, which opened or joined the open
+        direct-call sample, returned ``output``: graphs stop reducing (the unsampled
+        variant runs) until another wrapper joins the sample (:meth:`resume_sample`);
+        the rows stay in the buffers, so that a module's calls in the sample keep
+        counting, and are taken when the sample ends (:meth:`finish_direct_sample`).
+        The sink accumulator that ``output``'s autograd graph reaches is noted as
+        :meth:`end_sample` notes it, one per wrapper's output: the sample's gradients
+        are lost only where the backward runs none of them (a discriminator's loss on
+        a generator's detached output reaches the discriminator's sinks only)."""
+        if not self.active:
             return
+        self.active = False
+        self._suspended = context.sample
+        chosen = self._sample_set
         try:
-            with passive(), torch.no_grad():
-                for buffer in self.buffers.values():
-                    buffer.zero_()
-            self._sample_set = chosen
-            self.active = True
+            if chosen >= 0 and torch.is_grad_enabled() and _gradients_tapped:
+                with passive():
+                    self._note_reaching(context.sample, output, chosen)
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
+
+    def resume_sample(self, context: ForwardContext) -> None:
+        """Another wrapper joins the open direct-call sample that :meth:`suspend_sample`
+        suspended: graphs reduce again, into the same rows and gradient set."""
+        if not self.active and self._suspended == context.sample:
+            self.active = True
+
+    def finish_direct_sample(self, context: ForwardContext) -> None:
+        """End the direct-call sample that :meth:`suspend_sample` left in the buffers
+        (before the next sample opens, and at the final report): its rows become pending
+        as a root's do at :meth:`end_sample`. Nothing where none is suspended."""
+        if self._suspended < 0 or self._suspended != context.sample or self.active:
+            return
+        self._suspended = -1
+        self.active = True
+        self.end_sample(context, None)
 
     def _choose_gradient_set(self) -> int:
         """The gradient set for the sample that opens, handed to the hooks: a set never
@@ -477,13 +500,11 @@ class CompiledCapture:
             return
         self.active = False
         chosen, self._sample_set = self._sample_set, -1
-        self._ended = (context.sample, chosen)
         try:
             with passive():
-                held = self._set_holders[chosen] if chosen >= 0 else None
-                if held is not None and (not held or held[-1] != context.sample):
-                    held.append(context.sample)
-                    if torch.is_grad_enabled() and _gradients_tapped:
+                if chosen >= 0:
+                    self._set_holders[chosen].append(context.sample)
+                    if output is not None and torch.is_grad_enabled() and _gradients_tapped:
                         self._note_reaching(context.sample, output, chosen)
                 self._take_activations(context)
         except Exception as error:  # never break training
@@ -509,7 +530,11 @@ class CompiledCapture:
                     continue
                 found = targets.get(id(child))
                 if found is not None:  # a graph input: checked as it is met, not queued
-                    remember_sample(self._reaching, sample, found)
+                    reaching = self._reaching.get(sample)
+                    if reaching is None:
+                        remember_sample(self._reaching, sample, [found])
+                    elif all(node is not found for node in reaching):
+                        reaching.append(found)
                     return
                 queue.append(child)
 
@@ -519,10 +544,10 @@ class CompiledCapture:
         accumulators (``torch.autograd.grad(loss, params)``,
         ``loss.backward(inputs=params)``), its compiled modules' output gradients will
         not come: counted in :attr:`gradient_samples_lost`."""
-        accumulator = self._reaching.pop(sample, None)
-        if accumulator is None or _will_engine_execute is None:
+        accumulators = self._reaching.pop(sample, None)
+        if accumulators is None or _will_engine_execute is None:
             return
-        if not _will_engine_execute(accumulator):
+        if not any(_will_engine_execute(node) for node in accumulators):
             remember_sample(self._not_reached, sample)
             self.gradient_samples_lost += 1
 
@@ -570,8 +595,8 @@ class CompiledCapture:
         not_reached = self._not_reached
         holders = self._set_holders
         for chosen in range(len(holders)):
-            if not holders[chosen] and self._take_set(chosen):
-                self._late_gradients(buffer, chosen)
+            if not holders[chosen] and (late := self._take_set(chosen)):
+                self._late_gradients(buffer, chosen, late)
         newest = -1
         for chosen in sorted(
             (k for k, held in enumerate(holders) if held), key=holders.__getitem__
@@ -603,16 +628,29 @@ class CompiledCapture:
         for held in holders:  # a sample older than one taken, its backward started
             held[:] = [sample for sample in held if sample >= newest or sample in awaiting]
 
-    def _late_gradients(self, buffer: StatisticsBuffer, chosen: int) -> None:
-        """Gradients reached free set ``chosen`` after its sample's were taken: another
-        backward pass over that sample (``retain_graph=True``, after a later forward).
-        They are dropped, the sample's rows are taken back where not yet flushed, and
-        the sample is counted in :attr:`gradient_samples_lost` (once flushed, its rows
-        hold its first pass's gradients only)."""
-        recorded = self._last_recorded.pop(chosen, None)
+    def _late_gradients(
+        self, buffer: StatisticsBuffer, chosen: int, late: dict[str, list[tuple[int, Tensor]]]
+    ) -> None:
+        """Gradients ``late`` reached free set ``chosen`` after its sample's were taken.
+
+        Where none of their modules had a gradient among those taken, they are those
+        modules' first output gradients in the sample, which a later backward pass
+        brought (a GAN's generator, whose output the discriminator's pass reached
+        detached and the generator's pass reached in full): recorded for the sample.
+        Otherwise another backward pass went over the sample (``retain_graph=True``,
+        after a later forward): they are dropped, the sample's rows are taken back where
+        not yet flushed, and the sample is counted in :attr:`gradient_samples_lost`
+        (once flushed, its rows hold its first pass's gradients only)."""
+        recorded = self._last_recorded.get(chosen)
         if recorded is None:
             return  # a sample already left out
-        ids = {id(record) for record in recorded[1]}
+        sample, records = recorded
+        taken = {index for record in records for index in record[3]}
+        if all(index not in taken for by_module in late.values() for index, _ in by_module):
+            records.extend(self._append_gradients(buffer, sample, late))
+            return
+        del self._last_recorded[chosen]
+        ids = {id(record) for record in records}
         buffer.pending[:] = [record for record in buffer.pending if id(record) not in ids]
         self.gradient_samples_lost += 1
 

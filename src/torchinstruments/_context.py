@@ -186,14 +186,16 @@ class ForwardContext(_ContextCadence):
 
     def close_direct_entry(self, entry: int, output: object) -> None:
         """The compile wrapper ``entry`` whose call :meth:`open_direct_entry` took into
-        the open sample returned ``output``: its graphs' rows become pending, and the
-        start of the sample's backward is watched for on ``output`` (no eager gradient
-        hook tells it: the modules inside ran in the graph)."""
+        the open sample returned ``output``: its graphs stop reducing until another
+        wrapper joins the sample (their rows are taken when the sample ends, see
+        ``CompiledCapture.suspend_sample``), and the start of the sample's backward is
+        watched for on ``output`` (no eager gradient hook tells it: the modules inside
+        ran in the graph)."""
         self.direct_entry = None
         try:
             compiled = self.compiled
             if compiled is not None:
-                compiled.end_sample(self, output)
+                compiled.suspend_sample(self, output)
             self.capture.watch_backward(self, self.sample, output)
         except Exception as error:  # never break training
             self.errors.record("direct_call", "", error)

@@ -113,6 +113,9 @@ class _ContextCadence(ForwardState):
     def open_sample(self, decision: bool | None = None) -> None:
         """Count a training forward (or a direct call that opens a sample) and open a
         sample if the policy (or a sentinel hit before) asks for one."""
+        if self.compiled is not None:
+            # A direct-call sample's rows wait in the buffers until the next one opens.
+            self.compiled.finish_direct_sample(cast("ForwardContext", self))
         index = self.forwards_seen
         self.forwards_seen += 1
         if decision is None:  # user policies may return ints

@@ -417,6 +417,9 @@ class Observer:
         report ever reached a directory of this observer, a warning that says so, with
         the last write error. Never raises."""
         self.final_report = True
+        if self.compiled_capture is not None:
+            # The last direct-call sample's rows, still in the buffers.
+            self.compiled_capture.finish_direct_sample(self.context)
         self.write_report()
         try:
             warn_if_never_written(self)
