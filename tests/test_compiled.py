@@ -1958,6 +1958,49 @@ def test_a_compiled_submodule_called_directly_is_observed_inside_its_graph(
     assert reports["compiled"]["coverage"]["compiled_capture"]["mode"] == "in_graph"
 
 
+def test_a_compiled_submodule_whose_output_the_loss_detaches_loses_nothing(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """``head(model(x).detach())`` with ``model`` compiled and called directly, ``head``
+    eager: the backward never reaches ``model``'s graph, so its modules have no output
+    gradient (as eagerly), and nothing is lost: the sample's sinks were counted lost
+    (``gradient_samples_lost`` 1 a sample, ``limits_hit`` named it) because the search
+    for them started at ``model``'s output, which no backward pass reaches."""
+
+    def detached_steps(holder: nn.Module, steps: int) -> list[float]:
+        assert isinstance(holder, DirectHolder)
+        generator = torch.Generator().manual_seed(5)
+        optimizer = torch.optim.SGD(holder.parameters(), lr=0.05)
+        losses = []
+        for _ in range(steps):
+            hidden = holder.model(torch.randn(8, 6, generator=generator))
+            loss = holder.head(hidden.detach()).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    torch.manual_seed(0)
+    model, head = DirectNet(), nn.Linear(2, 1)
+    eager = DirectHolder(None, copy.deepcopy(model), copy.deepcopy(head))
+    observed, twin = (DirectHolder(None, copy.deepcopy(model), copy.deepcopy(head)) for _ in "ab")
+    for holder in (observed, twin):
+        holder.model = cast(nn.Module, torch.compile(holder.model, backend="aot_eager"))
+    reports = {}
+    for name, holder in (("eager", eager), ("compiled", observed)):
+        inject_observer(holder, output_dir=tmp_path / name, sampling=1)
+        losses = detached_steps(holder, 3)
+        reports[name] = remove_observer_and_read(holder, tmp_path / name)
+    assert losses == detached_steps(twin, 3)
+    eager_series = written_series(tmp_path / "eager")
+    assert ("model.fc2", 0, "grad_output") not in {key[:3] for key in eager_series}
+    assert_same_telemetry(eager_series, written_series(tmp_path / "compiled"))
+    coverage = reports["compiled"]["coverage"]
+    assert coverage["compiled_capture"]["gradient_samples_lost"] == 0
+    assert "compiled_gradient_samples" not in coverage["limits_hit"]
+
+
 class GanHolder(nn.Module):
     """A generator and a discriminator (:class:`DirectNet` shapes), each a
     ``torch.compile`` wrapper with ``backend``; training calls them directly."""

@@ -311,24 +311,32 @@ class CallCapture:
         ctx.backward_started(sample)
         return seen
 
-    def on_backward_start(self, ctx: ForwardContext, sample: int) -> None:
-        """A gradient reached the output that :meth:`watch_backward` watches."""
-        if ctx.attached and sample not in self._grad_keys_seen:
-            try:
+    def on_backward_start(self, ctx: ForwardContext, sample: int, sink: object) -> None:
+        """A gradient reached the output that :meth:`watch_backward` watches, whose
+        graph reaches ``sink`` (a sink's gradient accumulator, or None)."""
+        if not ctx.attached:
+            return
+        try:
+            if sample not in self._grad_keys_seen:
                 self._backward_began(ctx, sample)
-            except Exception as error:  # never break training
-                self._errors.record("backward", "", error)
+            if ctx.compiled is not None:
+                ctx.compiled.check_reached(sample, sink)
+        except Exception as error:  # never break training
+            self._errors.record("backward", "", error)
 
-    def watch_backward(self, ctx: ForwardContext, sample: int, output: object) -> None:
+    def watch_backward(
+        self, ctx: ForwardContext, sample: int, output: object, sink: object = None
+    ) -> None:
         """Tell when the backward of ``sample`` starts from ``output`` (the output of a
         compile wrapper called directly, whose modules ran inside its graph, so that no
         eager gradient hook tells it): a pre-hook on the autograd node of its first
-        tensor that requires grad."""
+        tensor that requires grad. ``sink`` (see ``CompiledCapture.suspend_sample``) is
+        checked when it fires."""
         if not torch.is_grad_enabled():
             return
         for _, leaf in iter_output_tensors(output):
             if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
-                leaf.grad_fn.register_prehook(BackwardStartHook(ctx, sample))
+                leaf.grad_fn.register_prehook(BackwardStartHook(ctx, sample, sink))
                 return
 
     def _on_grad(

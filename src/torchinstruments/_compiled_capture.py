@@ -257,9 +257,8 @@ class CompiledCapture:
         #: that each sink keeps one accumulator, the node every graph links to).
         self._accumulators: list[dict[int, Any]] = [{}]
         #: Samples whose root output's graph reaches a sink of their gradient set: the
-        #: accumulators found (one per output searched, see :meth:`end_sample` and
-        #: :meth:`suspend_sample`), until their backward starts.
-        self._reaching: dict[int, list[Any]] = {}
+        #: accumulator found (see :meth:`end_sample`), until their backward starts.
+        self._reaching: dict[int, Any] = {}
         #: Samples whose backward pass left their gradient sinks out (counted lost).
         self._not_reached: dict[int, None] = {}
         #: Per gradient set, when its gradients were last taken (a count of takes; -1:
@@ -414,27 +413,28 @@ class CompiledCapture:
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
 
-    def suspend_sample(self, context: ForwardContext, output: object) -> None:
+    def suspend_sample(self, context: ForwardContext, output: object) -> Any:
         """A ``torch.compile`` wrapper called directly, which opened or joined the open
         direct-call sample, returned ``output``: graphs stop reducing (the unsampled
         variant runs) until another wrapper joins the sample (:meth:`resume_sample`);
         the rows stay in the buffers, so that a module's calls in the sample keep
         counting, and are taken when the sample ends (:meth:`finish_direct_sample`).
-        The sink accumulator that ``output``'s autograd graph reaches is noted as
-        :meth:`end_sample` notes it, one per wrapper's output: the sample's gradients
-        are lost only where the backward runs none of them (a discriminator's loss on
-        a generator's detached output reaches the discriminator's sinks only)."""
+        Returns the sink accumulator that ``output``'s autograd graph reaches (or
+        None), for :meth:`check_reached` when a backward pass reaches ``output``: a
+        backward that never reaches it (a discriminator's loss on a generator's
+        detached output) loses nothing there."""
         if not self.active:
-            return
+            return None
         self.active = False
         self._suspended = context.sample
         chosen = self._sample_set
         try:
             if chosen >= 0 and torch.is_grad_enabled() and _gradients_tapped:
                 with passive():
-                    self._note_reaching(context.sample, output, chosen)
+                    return self._sink_reached(output, chosen)
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
+        return None
 
     def resume_sample(self, context: ForwardContext) -> None:
         """Another wrapper joins the open direct-call sample that :meth:`suspend_sample`
@@ -505,15 +505,20 @@ class CompiledCapture:
                 if chosen >= 0:
                     self._set_holders[chosen].append(context.sample)
                     if output is not None and torch.is_grad_enabled() and _gradients_tapped:
-                        self._note_reaching(context.sample, output, chosen)
+                        found = self._sink_reached(output, chosen)
+                        if found is not None:
+                            remember_sample(self._reaching, context.sample, found)
                 self._take_activations(context)
         except Exception as error:  # never break training
             context.errors.record("compiled_capture", "", error)
 
-    def _note_reaching(self, sample: int, output: object, chosen: int) -> None:
+    def _sink_reached(self, output: object, chosen: int) -> Any:
+        """The gradient accumulator of a sink of gradient set ``chosen`` that
+        ``output``'s autograd graph reaches first (breadth first, at most
+        ``MAX_NODES_SEARCHED`` nodes, no tensor read), or None."""
         targets = self._accumulators[chosen]
         if not targets or _will_engine_execute is None:
-            return
+            return None
         queue = collections.deque(
             leaf.grad_fn
             for _, leaf in iter_output_tensors(output)
@@ -530,13 +535,9 @@ class CompiledCapture:
                     continue
                 found = targets.get(id(child))
                 if found is not None:  # a graph input: checked as it is met, not queued
-                    reaching = self._reaching.get(sample)
-                    if reaching is None:
-                        remember_sample(self._reaching, sample, [found])
-                    elif all(node is not found for node in reaching):
-                        reaching.append(found)
-                    return
+                    return found
                 queue.append(child)
+        return None
 
     def backward_started(self, sample: int) -> None:
         """The first output gradient of ``sample`` arrived (inside its backward pass):
@@ -544,10 +545,16 @@ class CompiledCapture:
         accumulators (``torch.autograd.grad(loss, params)``,
         ``loss.backward(inputs=params)``), its compiled modules' output gradients will
         not come: counted in :attr:`gradient_samples_lost`."""
-        accumulators = self._reaching.pop(sample, None)
-        if accumulators is None or _will_engine_execute is None:
+        self.check_reached(sample, self._reaching.pop(sample, None))
+
+    def check_reached(self, sample: int, accumulator: Any) -> None:
+        """Inside a backward pass of ``sample`` that reached an output whose graph
+        reaches ``accumulator`` (a sink's, or None): where the engine will not run it,
+        the sample's compiled output gradients will not come (counted once in
+        :attr:`gradient_samples_lost`)."""
+        if accumulator is None or _will_engine_execute is None or sample in self._not_reached:
             return
-        if not any(_will_engine_execute(node) for node in accumulators):
+        if not _will_engine_execute(accumulator):
             remember_sample(self._not_reached, sample)
             self.gradient_samples_lost += 1
 

@@ -194,9 +194,8 @@ class ForwardContext(_ContextCadence):
         self.direct_entry = None
         try:
             compiled = self.compiled
-            if compiled is not None:
-                compiled.suspend_sample(self, output)
-            self.capture.watch_backward(self, self.sample, output)
+            sink = compiled.suspend_sample(self, output) if compiled is not None else None
+            self.capture.watch_backward(self, self.sample, output, sink)
         except Exception as error:  # never break training
             self.errors.record("direct_call", "", error)
 

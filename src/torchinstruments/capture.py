@@ -576,17 +576,18 @@ class BackwardStartHook:
     hook of ours watches: tells the observer that the sample's backward started (see
     ``CallCapture.watch_backward``)."""
 
-    __slots__ = ("_observer", "_sample")
+    __slots__ = ("_observer", "_sample", "_sink")
 
-    def __init__(self, observer: ForwardContext, sample: int) -> None:
+    def __init__(self, observer: ForwardContext, sample: int, sink: object = None) -> None:
         self._observer = weakref.ref(observer)
         self._sample = sample
+        self._sink = sink
 
     @_opaque_to_compiler
     def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
         observer = self._observer()
         if observer is not None:
-            observer.capture.on_backward_start(observer, self._sample)
+            observer.capture.on_backward_start(observer, self._sample, self._sink)
 
 
 # Entry points for ForwardWrapper, which itself must stay traceable (it runs the
