@@ -1897,8 +1897,11 @@ class DirectHolder(nn.Module):
         return self.head(self.model(x))
 
 
-def direct_steps(holder: nn.Module, steps: int, *, with_head: bool) -> list[float]:
-    """SGD steps that call ``holder.model`` (then ``holder.head``) directly."""
+def direct_steps(
+    holder: nn.Module, steps: int, *, with_head: bool, detach: bool = False
+) -> list[float]:
+    """SGD steps that call ``holder.model`` (then ``holder.head``, on ``model``'s output
+    detached with ``detach``) directly."""
     assert isinstance(holder, DirectHolder)
     generator = torch.Generator().manual_seed(3)
     optimizer = torch.optim.SGD(holder.parameters(), lr=0.05)
@@ -1906,7 +1909,7 @@ def direct_steps(holder: nn.Module, steps: int, *, with_head: bool) -> list[floa
     for _ in range(steps):
         output = holder.model(torch.randn(8, 6, generator=generator))
         if with_head:
-            output = holder.head(output)
+            output = holder.head(output.detach() if detach else output)
         loss = output.square().mean()
         optimizer.zero_grad()
         loss.backward()
@@ -1967,20 +1970,7 @@ def test_a_compiled_submodule_whose_output_the_loss_detaches_loses_nothing(
     (``gradient_samples_lost`` 1 a sample, ``limits_hit`` named it) because the search
     for them started at ``model``'s output, which no backward pass reaches."""
 
-    def detached_steps(holder: nn.Module, steps: int) -> list[float]:
-        assert isinstance(holder, DirectHolder)
-        generator = torch.Generator().manual_seed(5)
-        optimizer = torch.optim.SGD(holder.parameters(), lr=0.05)
-        losses = []
-        for _ in range(steps):
-            hidden = holder.model(torch.randn(8, 6, generator=generator))
-            loss = holder.head(hidden.detach()).square().mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-        return losses
-
+    detached_steps = functools.partial(direct_steps, with_head=True, detach=True)
     torch.manual_seed(0)
     model, head = DirectNet(), nn.Linear(2, 1)
     eager = DirectHolder(None, copy.deepcopy(model), copy.deepcopy(head))
