@@ -1898,10 +1898,15 @@ class DirectHolder(nn.Module):
 
 
 def direct_steps(
-    holder: nn.Module, steps: int, *, with_head: bool, detach: bool = False
+    holder: nn.Module,
+    steps: int,
+    *,
+    with_head: bool,
+    detach: bool = False,
+    after_step: Callable[[], object] = lambda: None,
 ) -> list[float]:
     """SGD steps that call ``holder.model`` (then ``holder.head``, on ``model``'s output
-    detached with ``detach``) directly."""
+    detached with ``detach``) directly; ``after_step`` is called after each."""
     assert isinstance(holder, DirectHolder)
     generator = torch.Generator().manual_seed(3)
     optimizer = torch.optim.SGD(holder.parameters(), lr=0.05)
@@ -1915,6 +1920,7 @@ def direct_steps(
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
+        after_step()
     return losses
 
 
@@ -1942,8 +1948,9 @@ def test_a_compiled_submodule_called_directly_is_observed_inside_its_graph(
     )
     reports = {}
     for name, holder in (("eager", eager), ("compiled", observed)):
-        inject_observer(holder, output_dir=tmp_path / name, sampling=sampling)
-        losses = train(holder, steps)
+        handle = inject_observer(holder, output_dir=tmp_path / name, sampling=sampling)
+        # A report built after each step flushes while a direct-call sample is open.
+        losses = train(holder, steps, after_step=handle.report)
         reports[name] = remove_observer_and_read(holder, tmp_path / name)
     assert losses == train(twin, steps)
     assert_same_model(observed, twin)

@@ -601,7 +601,12 @@ class CompiledCapture:
         repeated = context.capture.samples_with_repeated_backward
         not_reached = self._not_reached
         holders = self._set_holders
+        # The set of a direct-call sample still suspended (see suspend_sample) has no
+        # holder yet: its gradients wait for the sample to end.
+        waiting = self._sample_set if self._suspended >= 0 else -1
         for chosen in range(len(holders)):
+            if chosen == waiting:
+                continue
             if not holders[chosen] and (late := self._take_set(chosen)):
                 self._late_gradients(buffer, chosen, late)
         newest = -1
