@@ -165,24 +165,10 @@ class CallCapture:
             or transform_level() is not None
         ):
             return False
-        if ctx.root_forward_seen and not ctx.capture_direct_forwards:
-            # Training goes through the root: a submodule called on its own (an auxiliary
-            # loss, a probe) is a side computation, kept out of the training series
-            # (capture_direct_forwards=True asks for such calls to be observed).
-            ctx.calls_outside_root_skipped += 1
-            return False
-        if (
-            ctx.implicit_opener is not None
-            and not ctx.implicit_backward_seen
-            and index != ctx.implicit_opener
-        ):
-            return ctx.sample_open
-        ctx.implicit_opener = index
-        ctx.implicit_backward_seen = False
-        ctx.direct_call_samples += 1
-        ctx.open_sample()
-        ctx.maybe_flush()
-        return ctx.sample_open
+        # Where training goes through the root, a submodule called on its own (an
+        # auxiliary loss, a probe) is a side computation, kept out of the training
+        # series (capture_direct_forwards=True asks for such calls to be observed).
+        return ctx.direct_call(index) is not None and ctx.sample_open
 
     def _observe_call(
         self, ctx: ForwardContext, index: int, args: tuple[object, ...], output: object

@@ -160,29 +160,37 @@ class ForwardContext(_ContextCadence):
         try:
             if not _training_context(module):
                 return
-            if self.root_forward_seen and not self.capture_direct_forwards:
-                self.calls_outside_root_skipped += 1
-                return
-            compiled = self.compiled
-            if (
-                self.implicit_opener is not None
-                and not self.implicit_backward_seen
-                and entry != self.implicit_opener
-            ):
-                # Another module opened the sample and its backward has not started:
-                # this call belongs to it.
-                if self.sample_open and compiled is not None:
-                    compiled.resume_sample(self)
-            else:
-                self.implicit_opener = entry
-                self.implicit_backward_seen = False
-                self.direct_call_samples += 1
-                self.open_sample()
-                self.maybe_flush()
-            if self.sample_open:
+            joined = self.direct_call(entry)
+            if joined and self.sample_open and self.compiled is not None:
+                self.compiled.resume_sample(self)
+            if joined is not None and self.sample_open:
                 self.direct_entry = entry
         except Exception as error:  # never break training
             self.errors.record("direct_call", "", error)
+
+    def direct_call(self, opener: int) -> bool | None:
+        """A training call of a module (``opener``: its index, or a ``torch.compile``
+        wrapper's negative number) made with no root forward open. None where training
+        goes through the root (counted under ``calls_outside_root_skipped``): such a
+        call is a side computation unless ``capture_direct_forwards``. True where it
+        joins the open direct-call sample (another opener's, whose backward has not
+        started); False where it opens the next one (counted under
+        ``direct_call_samples``; sampled as the policy says)."""
+        if self.root_forward_seen and not self.capture_direct_forwards:
+            self.calls_outside_root_skipped += 1
+            return None
+        if (
+            self.implicit_opener is not None
+            and not self.implicit_backward_seen
+            and opener != self.implicit_opener
+        ):
+            return True
+        self.implicit_opener = opener
+        self.implicit_backward_seen = False
+        self.direct_call_samples += 1
+        self.open_sample()
+        self.maybe_flush()
+        return False
 
     def close_direct_entry(self, entry: int, output: object) -> None:
         """The compile wrapper ``entry`` whose call :meth:`open_direct_entry` took into
