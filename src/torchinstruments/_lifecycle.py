@@ -85,9 +85,13 @@ class _TerminationWriter:
         if any(getattr(observer, "writing", False) for observer in live):
             self._deferred = signum  # handled by deliver_deferred once the write is over
             return
+        previous = self._previous
+        ends = not callable(previous) and previous != signal.SIG_IGN  # the default action
         for observer in live:
             if observer.attached:
                 with contextlib.suppress(Exception):
+                    if ends:
+                        observer.final_report = True  # the process ends after this write
                     observer.write_on_signal()
         self._chain(signum, frame)
 

@@ -136,6 +136,9 @@ def test_sigterm_writes_the_report_then_takes_its_course(tmp_path: Path, mode: s
     # Written at the signal, not only at warm-up (sample 24): 40 forwards had run.
     assert report["coverage"]["samples_observed"] >= 40
     assert (tmp_path / "stats" / "index.md").exists()
+    # The last report says so: written at the signal whose default action ends the
+    # process, or at exit after the user's handler ended it.
+    assert report["run"]["final"] is True
     if mode == "default":
         assert code == -signal.SIGTERM  # the signal's own ending
     else:
