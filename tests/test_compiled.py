@@ -1482,6 +1482,68 @@ def test_rows_from_graphs_take_forward_positions_children_first() -> None:
     assert _post_order(model, names) == [2, 3, 1, 4, 7, 6, 8, 5, 0, 9]
 
 
+class BackboneThenEager(nn.Module):
+    """A compiled sub-network (:class:`DirectNet`, a ``torch.compile`` wrapper, or
+    compiled with ``module.compile()``), then eager modules that take its output."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.backbone = DirectNet()
+        if how == "wrapper":
+            self.backbone = cast(nn.Module, torch.compile(self.backbone, backend="aot_eager"))
+        else:
+            self.backbone.compile(backend="aot_eager")
+        self.extra = nn.Sequential(nn.ReLU(), nn.Linear(2, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.extra(self.backbone(x))
+
+
+class PartsCalledDirectly(nn.Module):
+    """Trains a :class:`BackboneThenEager` by calling its two parts, never its root."""
+
+    def __init__(self, model: BackboneThenEager) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model.extra(self.model.backbone(x))
+
+
+def forward_order(directory: Path) -> list[str]:
+    """The activation series' modules in ``forward_position`` order (series.json)."""
+    data = json.loads((directory / "series.json").read_text(encoding="utf-8"))
+    entries = [e for e in data["series"] if e["signal"] == "activation" and e["metric"] == "rms"]
+    return [e["module"] for e in sorted(entries, key=lambda e: e["forward_position"])]
+
+
+@pytest.mark.parametrize(
+    ("how", "direct"),
+    [("wrapper", False), ("module.compile", False), ("wrapper", True)],
+    ids=["wrapper", "module.compile", "wrapper-direct-calls"],
+)
+def test_eager_modules_after_a_compiled_sub_network_keep_their_forward_order(
+    tmp_path: Path, fresh_dynamo, how: str, direct: bool
+) -> None:
+    """Rows from graphs took forward positions after every eager call of the sample,
+    so ``extra.0`` and ``extra.1``, which run after the compiled backbone, came first
+    in forward order (a fault in the backbone was then placed at ``extra.0``, with the
+    backbone's module among its echoes). Rows written before an eager call are taken
+    before it: the order is the forward's, as eagerly; also where training calls the
+    two parts directly, never the root (``direct``)."""
+    torch.manual_seed(0)
+    model = BackboneThenEager(how)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    train_steps(PartsCalledDirectly(model) if direct else model, 3)
+    report = remove_observer_and_read(model, tmp_path)
+    order = forward_order(tmp_path)
+    root = [] if direct else ["<root>"]  # a root never called has no series
+    assert order == ["backbone.fc1", "backbone.act", "backbone.fc2", "extra.0", "extra.1", *root]
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert report["coverage"]["compiled_capture"]["slots_dropped"] == 0
+    assert report["errors"] == []
+
+
 class SiameseNet(nn.Module):
     """One encoder (Linear, Tanh, Linear) applied to both halves of the input, then a
     head on the two codes: ``run_encoder`` is the encoder, compiled on its own once

@@ -173,6 +173,9 @@ class CallCapture:
     def _observe_call(
         self, ctx: ForwardContext, index: int, args: tuple[object, ...], output: object
     ) -> None:
+        compiled = ctx.compiled
+        if compiled is not None and compiled.rows_pending:
+            compiled.take_rows_so_far(ctx)  # rows of graphs that ran before this call
         self.modules_called.add(index)
         calls = ctx.call_counts
         call = calls.get(index, 0)

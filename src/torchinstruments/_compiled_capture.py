@@ -221,6 +221,9 @@ class CompiledCapture:
         #: compiled for an earlier observer of a model of the same class. Until then
         #: no graph writes rows of ours, and samples take none.
         self.graphs_ran = False
+        #: Set by traced code after each graph run that wrote rows (a side effect
+        #: Dynamo replays), cleared when rows are taken: see :meth:`take_rows_so_far`.
+        self.rows_pending = False
         #: True inside a sampled root forward. Traced code reads it, so Dynamo guards on
         #: it: a model has one compiled graph with the reductions (sampled forwards) and
         #: one without, each compiled once and chosen by its guard at every call.
@@ -558,7 +561,31 @@ class CompiledCapture:
             remember_sample(self._not_reached, sample)
             self.gradient_samples_lost += 1
 
-    def _take_activations(self, context: ForwardContext) -> None:
+    def take_rows_so_far(self, context: ForwardContext) -> None:
+        """A module is observed eagerly in the open sample after graphs wrote rows in it
+        (a compiled block, or a compiled part of the model, ran before it): those rows
+        become pending now, at forward positions before the eager call's, and are
+        cleared in the buffers (the counters stay, so calls and rows count on), so that
+        a later take has only the rows written after. Without it every row from graphs
+        took positions after all of the sample's eager calls, and a module observed
+        eagerly after a compiled sub-network came first in forward order. Never raises
+        (an error is counted). Runs in :func:`passive`."""
+        self.rows_pending = False
+        if not self.active and self._suspended != context.sample:
+            return
+        try:
+            with passive():
+                self._take_activations(context, partial=True)
+        except Exception as error:  # never break training
+            context.errors.record("compiled_capture", "", error)
+
+    def _take_activations(self, context: ForwardContext, *, partial: bool = False) -> None:
+        """One device copy of each activation buffer becomes pending rows, at the next
+        forward positions. ``partial``: the sample goes on (see
+        :meth:`take_rows_so_far`): the rows copied are cleared in the buffers, and the
+        copies' counters too, so that tensors beyond a module's rows are counted at the
+        sample's last take only."""
+        self.rows_pending = False
         sample = context.sample
         if not self.graphs_ran or not self.buffers:
             return
@@ -569,6 +596,10 @@ class CompiledCapture:
                 device: buffer.index_select(0, self._order_index[device])
                 for device, buffer in self.buffers.items()
             }
+            if partial:
+                for device, buffer in self.buffers.items():
+                    buffer[:, :_OVERFLOW_ROW].zero_()
+                    copies[device][:, _COUNTER_ROW].zero_()
         for copy in copies.values():
             position = context.position
             pending.append(CompiledRows(sample, ACTIVATION, position, modules, _PATHS, copy))
@@ -1123,6 +1154,7 @@ def traced_activation(
         if slot < 0:
             continue
         capture.graphs_ran = True  # a side effect: Dynamo stores it after each run
+        capture.rows_pending = True  # likewise: rows to take before the next eager call
         counters = block[_COUNTER_ROW]
         call = calls.get(device)
         if call is None:
