@@ -129,6 +129,32 @@ class _RecordingLightningLogger:
         return RecordingLogger()
 
 
+def test_callback_arguments_are_checked_when_the_callback_is_made() -> None:
+    """A callback made with an output_dir that is no path, or Lightning's metrics given
+    as one str, fails at once with an error naming the callback and the argument (it
+    raised a bare TypeError, or at fit start a ConfigError that named an internal sink
+    and the str's characters)."""
+    pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("transformers")
+    from torchinstruments.errors import ConfigError
+    from torchinstruments.integrations.lightning import TorchInstrumentsCallback as Lightning
+    from torchinstruments.integrations.transformers import TorchInstrumentsCallback as Hf
+
+    for callback in (Lightning, Hf):
+        with pytest.raises(ConfigError) as error:
+            callback(None)  # type: ignore[arg-type]
+        assert str(error.value).startswith(
+            "TorchInstrumentsCallback: output_dir must be a non-empty path"
+        ), error.value
+        assert str(error.value).endswith("got None")
+    with pytest.raises(ConfigError) as error:
+        Lightning("stats", metrics="rms")
+    assert str(error.value) == (
+        "TorchInstrumentsCallback: metrics must be a sequence of metric names, as ('rms',), "
+        "got the str 'rms'"
+    )
+
+
 def test_lightning_example_uses_the_shipped_callback() -> None:
     source = (REPO / "examples" / "lightning_mnist.py").read_text()
     assert "from torchinstruments.integrations.lightning import TorchInstrumentsCallback" in source

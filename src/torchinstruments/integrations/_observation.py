@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..api import ObserverHandle, inject_observer
+from ..api import ObserverHandle, _check_output_dir, inject_observer
 from ..config import ReportConfig
 from ..sampling import SamplingPolicy
 from ..sinks import Sink
@@ -19,8 +19,12 @@ class Observation:
     the observer's handle while training runs (``handle``, else None), and the start
     and end of the observation.
 
-    Args: as for :func:`~torchinstruments.inject_observer` (validated there, at
-    :meth:`start`); ``sinks`` are the caller's own, always added.
+    Args: as for :func:`~torchinstruments.inject_observer` (``output_dir`` checked
+    here, the others there, at :meth:`start`); ``sinks`` are the caller's own, always
+    added; ``caller`` names the callback in errors.
+
+    Raises:
+        ConfigError: ``output_dir`` is not a path (see ``inject_observer``).
     """
 
     def __init__(
@@ -31,7 +35,9 @@ class Observation:
         include: str | Sequence[str] | None,
         exclude: str | Sequence[str] | None,
         sinks: Iterable[Sink],
+        caller: str,
     ) -> None:
+        _check_output_dir(output_dir, caller)
         self.output_dir = Path(output_dir)
         self.sampling = sampling
         self.report_config = report_config

@@ -69,8 +69,9 @@ class TorchInstrumentsCallback(Callback):
         handle: the :class:`~torchinstruments.ObserverHandle` while ``fit`` runs, else None.
 
     Raises:
-        ConfigError: ``log_to_loggers`` is not a bool; the other arguments are validated
-            by :func:`~torchinstruments.inject_observer` in ``on_fit_start``.
+        ConfigError: ``log_to_loggers`` is not a bool, ``metrics`` is a str (not a
+            sequence of names), or ``output_dir`` is not a path; the other arguments are
+            validated by :func:`~torchinstruments.inject_observer` in ``on_fit_start``.
     """
 
     def __init__(
@@ -89,8 +90,13 @@ class TorchInstrumentsCallback(Callback):
             raise ConfigError(
                 f"TorchInstrumentsCallback: log_to_loggers must be a bool, got {log_to_loggers!r}"
             )
+        if isinstance(metrics, str):
+            raise ConfigError(
+                "TorchInstrumentsCallback: metrics must be a sequence of metric names, as "
+                f"('rms',), got the str {metrics!r}"
+            )
         self._observation = Observation(
-            output_dir, sampling, report_config, include, exclude, sinks
+            output_dir, sampling, report_config, include, exclude, sinks, type(self).__name__
         )
         self.metrics = tuple(metrics)
         self.log_to_loggers = log_to_loggers

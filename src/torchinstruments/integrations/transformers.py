@@ -69,8 +69,9 @@ class TorchInstrumentsCallback(TrainerCallback):
             None.
 
     Raises:
-        ConfigError: from ``on_train_begin``, when ``Trainer`` passes no model; the other
-            arguments are validated by :func:`~torchinstruments.inject_observer` there.
+        ConfigError: ``output_dir`` is not a path; from ``on_train_begin``, when
+            ``Trainer`` passes no model; the other arguments are validated by
+            :func:`~torchinstruments.inject_observer` there.
     """
 
     def __init__(
@@ -84,7 +85,7 @@ class TorchInstrumentsCallback(TrainerCallback):
         sinks: Iterable[Sink] = (),
     ) -> None:
         self._observation = Observation(
-            output_dir, sampling, report_config, include, exclude, sinks
+            output_dir, sampling, report_config, include, exclude, sinks, type(self).__name__
         )
 
     @property
