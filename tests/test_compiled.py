@@ -254,14 +254,23 @@ class InPlaceReLUNet(nn.Module):
         return self.out(self.act(self.lin(x)))
 
 
-def train_steps(model: nn.Module, steps: int) -> list[float]:
-    """One forward and one backward per SGD step, on seeded noise."""
+def square_loss(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x).square().mean()
+
+
+def train_steps(
+    model: nn.Module,
+    steps: int,
+    loss_of: Callable[[nn.Module, Tensor], Tensor] = square_loss,
+) -> list[float]:
+    """One forward and one backward per SGD step, on seeded noise; the loss
+    ``loss_of(model, x)``."""
     generator = torch.Generator().manual_seed(2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = model(torch.randn(8, 6, generator=generator)).square().mean()
+        loss = loss_of(model, torch.randn(8, 6, generator=generator))
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
@@ -889,22 +898,11 @@ def test_a_compiled_step_function_serves_every_run_of_a_sweep(tmp_path: Path, fr
     Eight runs keep one entry; each run's telemetry equals the eager path's."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    def loss_of(model: nn.Module, x: Tensor) -> Tensor:
-        return model(x).square().mean()
+    def loss_of(model: nn.Module, x: Tensor) -> Tensor:  # a code object of this test's
+        return square_loss(model, x)
 
     compiled_loss = torch.compile(loss_of, backend="aot_eager")
-
-    def train_compiled(model: nn.Module, steps: int) -> list[float]:
-        generator = torch.Generator().manual_seed(2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        losses = []
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = compiled_loss(model, torch.randn(8, 6, generator=generator))
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-        return losses
+    train_compiled = functools.partial(train_steps, loss_of=compiled_loss)
 
     entries = []
     for run in range(8):

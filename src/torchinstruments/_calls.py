@@ -314,7 +314,7 @@ class CallCapture:
             self._errors.record("backward", "", error)
 
     def watch_backward(
-        self, ctx: ForwardContext, sample: int, output: object, sink: object = None
+        self, ctx: ForwardContext, sample: int, output: object, sink: object
     ) -> None:
         """Tell when the backward of ``sample`` starts from ``output`` (the output of a
         compile wrapper called directly, whose modules ran inside its graph, so that no

@@ -948,7 +948,10 @@ def _run_root_hooks_eagerly() -> None:
     marked to run eagerly with everything they call (Dynamo's frame execution strategy
     SKIP, recursively); nothing of this costs anything in eager training. Where they are
     traced inline instead (a compiled function that calls the model), they remain a
-    graph break each. The inert hooks of copies of an observed model
+    graph break each. The hooks of ``torch.compile`` wrappers inside the model
+    (:class:`~torchinstruments.capture.DirectCallPreHook` and its post-hook, which open
+    and close direct-call samples around the wrapper's compiled frame) are marked for
+    the same reason. The inert hooks of copies of an observed model
     (:class:`~torchinstruments._copies.InertHook`) are marked too: run eagerly, a copy's
     root placeholders remove every placeholder of the copy before its compiled forward
     is traced.

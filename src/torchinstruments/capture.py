@@ -578,7 +578,7 @@ class BackwardStartHook:
 
     __slots__ = ("_observer", "_sample", "_sink")
 
-    def __init__(self, observer: ForwardContext, sample: int, sink: object = None) -> None:
+    def __init__(self, observer: ForwardContext, sample: int, sink: object) -> None:
         self._observer = weakref.ref(observer)
         self._sample = sample
         self._sink = sink
