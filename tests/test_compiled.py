@@ -391,15 +391,16 @@ def observe_eager_and_compiled(
     sampling: int,
     steps: int,
     train: Callable[[nn.Module, int], list[float]] = train_steps,
+    train_eager: Callable[[nn.Module, int], list[float]] | None = None,
 ) -> tuple[Series, Series, dict[str, Any]]:
     """Train three copies of ``base`` ``steps`` steps of ``train`` (which returns the
-    losses): observed eagerly, observed and compiled by ``compile_model`` (which returns
-    what to train), and compiled the same way without the observer; training must be
-    bit-identical to the last's. The eager and compiled series and the compiled run's
-    report."""
+    losses): observed eagerly (with ``train_eager`` where given), observed and compiled
+    by ``compile_model`` (which returns what to train), and compiled the same way
+    without the observer; training must be bit-identical to the last's. The eager and
+    compiled series and the compiled run's report."""
     eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     inject_observer(eager, output_dir=directory / "eager", sampling=sampling)
-    train(eager, steps)
+    (train_eager or train)(eager, steps)
     remove_observer(eager)
     inject_observer(observed, output_dir=directory / "compiled", sampling=sampling)
     losses = train(compile_model(observed), steps)
@@ -821,25 +822,16 @@ def test_a_sweep_in_one_process_compiles_the_observed_class_once(
     graphs_after_first_run = 0
     for run in range(10):
         torch.manual_seed(run)
-        directory = tmp_path / str(run)
-        model = SweepNet()
-        eager, twin = copy.deepcopy(model), copy.deepcopy(model)
-        inject_observer(eager, output_dir=directory / "eager", sampling=2)
-        train_steps(eager, 6)
-        remove_observer(eager)
-        inject_observer(model, output_dir=directory / "compiled", sampling=2)
-        losses = train_steps(aot_eager(model), 6)
-        report = remove_observer_and_read(model, directory / "compiled")
-        assert losses == train_steps(aot_eager(twin), 6), run
+        eager_series, series, report = observe_eager_and_compiled(
+            SweepNet(), tmp_path / str(run), aot_eager, sampling=2, steps=6
+        )
         if run == 0:
             graphs_after_first_run = counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs_after_first_run, run
         coverage = report["coverage"]["compiled_capture"]
         assert (coverage["mode"], coverage["recompile_limit_hits"]) == ("in_graph", 0), run
         assert coverage["gradients_not_captured"] == 1, run
-        series = written_series(directory / "compiled")
         assert len(series[("fc2", 0, "grad_output", "output", "rms")]) == 3, run
-        eager_series = written_series(directory / "eager")
         untapped = ("keep", 0, "grad_output")
         assert {k[:3] for k in eager_series} - {k[:3] for k in series} == {untapped}, run
         assert_same_telemetry({k: v for k, v in eager_series.items() if k[:3] != untapped}, series)
@@ -907,21 +899,18 @@ def test_a_compiled_step_function_serves_every_run_of_a_sweep(tmp_path: Path, fr
     entries = []
     for run in range(8):
         torch.manual_seed(run)
-        directory = tmp_path / str(run)
-        model = StepSweepNet()
-        eager, twin = copy.deepcopy(model), copy.deepcopy(model)
-        inject_observer(eager, output_dir=directory / "eager", sampling=2)
-        train_steps(eager, 4)
-        remove_observer(eager)
-        inject_observer(model, output_dir=directory / "compiled", sampling=2)
-        losses = train_compiled(model, 4)
-        report = remove_observer_and_read(model, directory / "compiled")
-        assert losses == train_compiled(twin, 4), run
+        eager_series, series, report = observe_eager_and_compiled(
+            StepSweepNet(),
+            tmp_path / str(run),
+            lambda model: model,
+            sampling=2,
+            steps=4,
+            train=train_compiled,
+            train_eager=train_steps,
+        )
         coverage = report["coverage"]["compiled_capture"]
         assert (coverage["mode"], coverage["recompile_limit_hits"]) == ("in_graph", 0), run
-        assert_same_telemetry(
-            written_series(directory / "eager"), written_series(directory / "compiled")
-        )
+        assert_same_telemetry(eager_series, series)
         entries.append(len(_debug_get_cache_entry_list(loss_of.__code__)))
     assert entries == [1] * 8
 
