@@ -469,9 +469,31 @@ def test_an_event_is_led_by_its_most_upstream_facet() -> None:
 
     from torchinstruments._event_groups import Event, _lead_from_upstream
 
-    def facet(category: str, module: str, position: int, onset: int, signal: str) -> Any:
+    def facet(
+        category: str,
+        module: str,
+        position: int,
+        onset: int,
+        signal: str,
+        kind: str = "step",
+        departed: dict[int, float] | None = None,
+    ) -> Any:
+        """``departed``: the series' departure from its trend (in spreads) by sample."""
         series = SimpleNamespace(module=module, call_index=0, signal=signal)
-        candidate = SimpleNamespace(series=series, position=position, onset=onset, model_wide=None)
+        departures = departed or {}
+
+        def departure_at(sample: int) -> Any:
+            z = departures.get(sample)
+            return None if z is None else SimpleNamespace(z=z)
+
+        candidate = SimpleNamespace(
+            series=series,
+            position=position,
+            onset=onset,
+            model_wide=None,
+            change=SimpleNamespace(kind=kind),
+            judged=SimpleNamespace(departure_at=departure_at),
+        )
         return SimpleNamespace(category=category, candidate=candidate)
 
     kurtosis = facet("heavy_tail_growth", "c_fc", 5, 34, "activation")
@@ -488,3 +510,33 @@ def test_an_event_is_led_by_its_most_upstream_facet() -> None:
     )
     _lead_from_upstream(event)
     assert [f.candidate.series.module for f in event.facets] == ["fc2", "fc1"]
+
+    def lead(*facets: Any) -> list[str]:
+        event = Event(number=1, facets=list(facets))
+        _lead_from_upstream(event)
+        return [f.candidate.series.module for f in event.facets]
+
+    # A head weight scaled at sample 32: the head steps there; AdamW then bends the
+    # course of an upstream activation from sample 33 on. The step leads.
+    step = facet("regime_change", "head", 9, 32, "activation")
+    bend = facet("activation_scale_drift", "act", 7, 33, "activation", kind="trend")
+    assert lead(step, bend) == ["head", "act"]
+    assert lead(bend, step) == ["head", "act"]
+    # A bend whose corner comes before the step leads it when upstream.
+    early_bend = facet("activation_scale_drift", "act", 7, 31, "activation", kind="trend")
+    assert lead(step, early_bend) == ["act", "head"]
+    # Steps: one sample of slack (a small step may alarm one sample after its echo)
+    # where the later step's series had already departed at the earlier sample.
+    upstream = facet("heavy_tail_growth", "fc1", 5, 33, "activation", departed={32: -3.5})
+    assert lead(step, upstream) == ["fc1", "head"]
+    unknown = facet("heavy_tail_growth", "fc1", 5, 33, "activation")  # that value not kept
+    assert lead(step, unknown) == ["fc1", "head"]
+    # A Linear before a weight scaled between samples steps one sample later, through
+    # the larger gradients its update received; at the sample of the fault it held.
+    held = facet("regime_change", "fc1", 5, 33, "activation", departed={32: 0.13})
+    assert lead(step, held) == ["head", "fc1"]
+    two_later = facet("heavy_tail_growth", "fc1", 5, 34, "activation")
+    assert lead(step, two_later) == ["head", "fc1"]
+    # Only breaks of trend: the most upstream, as before.
+    late_bend = facet("heavy_tail_growth", "fc1", 5, 35, "activation", kind="trend")
+    assert lead(bend, late_bend) == ["fc1", "act"]

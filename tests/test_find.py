@@ -18,7 +18,7 @@ import torch
 
 from torchinstruments.config import TrackConfig
 from torchinstruments.find import CATEGORIES, RULES, Candidate, model_wide_texts, run_rules
-from torchinstruments.find.base import ORIGIN_SHARE, is_early
+from torchinstruments.find.base import ORIGIN_SHARE, UPSTREAM_DEPARTURE_SPREADS, is_early
 from torchinstruments.reduce import cpu_statistics, finish_statistics
 from torchinstruments.series import ACTIVATION, GRAD_OUTPUT, RMS_TO_ROOT, TensorSeries
 
@@ -541,6 +541,36 @@ def test_a_change_that_began_later_is_not_the_origin_however_early_its_module():
     assert first.notable and first.series.module == "later_in_forward"
     assert first.onset == 40
     assert [e.series.module for e in first.echoes] == ["earlier_in_forward"]
+
+
+@pytest.mark.parametrize(
+    ("moved_before", "origin"), [(False, "later_in_forward"), (True, "earlier_in_forward")]
+)
+def test_a_step_one_sample_later_is_the_origin_only_if_it_had_moved_already(
+    moved_before: bool, origin: str
+) -> None:
+    """The downstream module steps 8x at sample 40, the upstream one 3x at sample 41
+    (within the one sample of slack). Where the upstream series held at sample 40 (a
+    Linear before a weight scaled between samples, stepping at the next sample through
+    the larger gradients of its update), the downstream step is the origin; where it had
+    already moved 1.05x at sample 40 (about 5 spreads of its 1% noise, under a quarter
+    of the step that follows, so its change is dated at sample 41), the upstream module
+    is."""
+    downstream = stepped_activation("later_in_forward", 5, 8.0, seed=1, step_at=40)
+    rng = random.Random(2)
+    upstream = new_series("earlier_in_forward", 0)
+    for sample in range(SAMPLES):
+        level = 3.0 if sample >= 41 else (1.05 if sample == 40 and moved_before else 1.0)
+        upstream.update(CONFIG, sample, {"rms": noisy(rng, level)})
+    first = run_rules([upstream, downstream])["activation_scale_drift"][0]
+    assert first.notable and first.series.module == origin
+    assert {first.onset, *(e.onset for e in first.echoes)} == {40, 41}
+    others = {"later_in_forward", "earlier_in_forward"} - {origin}
+    assert [e.series.module for e in first.echoes] == sorted(others)
+    held = first if origin == "earlier_in_forward" else first.echoes[0]
+    departure = held.judged.departure_at(40)
+    assert departure is not None
+    assert (abs(departure.z) >= UPSTREAM_DEPARTURE_SPREADS) == moved_before
 
 
 def _drifting_activation(module: str, position: int, seed: int, rate_of) -> TensorSeries:

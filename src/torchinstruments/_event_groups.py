@@ -9,7 +9,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .find import Candidate, display_module
-from .find.base import ONSET_TOLERANCE_SAMPLES, group_window
+from .find.base import (
+    ONSET_TOLERANCE_SAMPLES,
+    ORIGIN_ONSET_SLACK_SAMPLES,
+    _is_trend,
+    group_window,
+    moved_by,
+)
 from .series import GRAD_OUTPUT, TensorSeries, forward_positions
 
 
@@ -228,12 +234,24 @@ def build_events(facets: Sequence[Facet]) -> list[Event]:
 
 
 def _lead_from_upstream(event: Event) -> None:
-    """Put first the facet whose module comes first in propagation order (forward
-    order for activations, backward order for output gradients) among the facets of
-    the first facet's signal whose onset is within ``ONSET_TOLERANCE_SAMPLES`` of its
-    own: each facet is its category's origin at those samples, and the change begins
-    at the most upstream of them (an upstream LayerNorm's scale step beside a larger
-    kurtosis step in the Linear after it). Model-wide events keep their order."""
+    """Put first the facet where the change begins among the facets of the first facet's
+    signal whose onset is within ``ONSET_TOLERANCE_SAMPLES`` of its own (its peers):
+    each facet is its category's origin at those samples, and the change begins at the
+    most upstream of them in propagation order (forward order for activations, backward
+    order for output gradients): an upstream LayerNorm's scale step beside a larger
+    kurtosis step in the Linear after it.
+
+    Only peers whose change began first may lead, as within a category
+    (:func:`~torchinstruments.find.base._profile_origin`): a step (or a non-finite
+    value, or a change without a change point) whose onset is the earliest such onset
+    among the peers, or within ``ORIGIN_ONSET_SLACK_SAMPLES`` after it where its value
+    had already departed from its trend there
+    (:func:`~torchinstruments.find.base.moved_by`), and a break of trend only where its
+    corner comes before that earliest onset. A step is
+    dated to the sample where the level moved; a break of trend that bends from a later
+    sample on follows the step (an optimizer answering a weight scaled at the step's
+    sample), and never leads it however far upstream it sits. Where every peer is a
+    break of trend, the most upstream leads. Model-wide events keep their order."""
     first = event.facets[0].candidate
     if first.model_wide is not None or first.onset is None:
         return
@@ -247,6 +265,19 @@ def _lead_from_upstream(event: Event) -> None:
         and f.candidate.onset is not None
         and abs(f.candidate.onset - onset) <= ONSET_TOLERANCE_SAMPLES
     ]
+    steps = [f.candidate.onset for f in peers if not _is_trend(f.candidate)]
+    if steps:
+        earliest = min(steps)
+        peers = [
+            f
+            for f in peers
+            if f.candidate.onset < earliest
+            or (
+                not _is_trend(f.candidate)
+                and f.candidate.onset <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
+                and moved_by(f.candidate, earliest)
+            )
+        ]
     lead = min(peers, key=lambda f: -f.candidate.position if backward else f.candidate.position)
     if lead is not event.facets[0]:  # min keeps the first of equal positions
         event.facets.remove(lead)

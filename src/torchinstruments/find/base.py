@@ -8,12 +8,13 @@ sample form a group. A fault propagates forward through activations and backward
 through gradients, so the group is laid out in propagation order (forward order for
 activations, reverse forward order for output gradients) and the origin is where the
 profile of change begins: the first member, among those whose change began within
-``ORIGIN_ONSET_SLACK_SAMPLES`` of the group's earliest, whose step, in the metric's
-tracked units (a log ratio for scale metrics, a fraction of elements for fractions), is
-at least ``ORIGIN_SHARE`` of the group's largest. A member before it that
-moved far less is an echo carried upstream by the optimizer between samples (an update
-driven by the faulty module's gradients), not the start. The others are listed in the
-origin's evidence instead of being returned as findings of their own.
+``ORIGIN_ONSET_SLACK_SAMPLES`` of the group's earliest (a later one only if its value
+had already departed from its trend at the earliest onset, :func:`moved_by`), whose
+step, in the metric's tracked units (a log ratio for scale metrics, a fraction of
+elements for fractions), is at least ``ORIGIN_SHARE`` of the group's largest. A member
+before it that moved far less is an echo carried upstream by the optimizer between
+samples (an update driven by the faulty module's gradients), not the start. The others
+are listed in the origin's evidence instead of being returned as findings of their own.
 
 A group of activation changes at whose onset at least ``MODEL_WIDE_SHARE`` of the
 observed modules moved (members, or modules that departed from their trends by 3
@@ -55,7 +56,8 @@ ORIGIN_SHARE = 0.25
 #: The origin is among the members whose change began within this many samples of the
 #: group's earliest: a change that began later is a consequence, however early it sits in
 #: propagation order (one sample of slack: a step of a few spreads may alarm one sample
-#: after a larger echo of it).
+#: after a larger echo of it; such a step had already departed from its trend at the
+#: earlier sample, see :func:`moved_by`).
 ORIGIN_ONSET_SLACK_SAMPLES = 1
 #: Least share of the observed modules (of one signal) in one group that makes it a
 #: model-wide event.
@@ -235,9 +237,17 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
     (``TREND_GROUP_SHARE``)."""
     earliest = min((c.onset for c in group if c.onset is not None), default=None)
     slack = ORIGIN_ONSET_SLACK_SAMPLES
-    if all(_is_trend(c) for c in group):
+    trend_group = all(_is_trend(c) for c in group)
+    if trend_group:
         slack = max(slack, group_window(_earliest(group), slack))
-    first = [c for c in group if earliest is None or c.onset is None or c.onset <= earliest + slack]
+
+    def began_first(c: Candidate) -> bool:
+        if earliest is None or c.onset is None or c.onset <= earliest:
+            return True
+        # A corner is only estimated; a step must have moved at the earliest onset.
+        return c.onset <= earliest + slack and (trend_group or moved_by(c, earliest))
+
+    first = [c for c in group if began_first(c)]
     largest = max(_raw_step(c) for c in group)
     if largest <= 0.0:
         return first[0]
@@ -245,6 +255,19 @@ def _profile_origin(group: list[Candidate]) -> Candidate:
         if candidate.change is None or _raw_step(candidate) >= ORIGIN_SHARE * largest:
             return candidate
     return first[0]
+
+
+def moved_by(candidate: Candidate, sample: int) -> bool:
+    """True if ``candidate``'s series may already have changed at ``sample``, before its
+    own onset: its value there departed from its trend by ``UPSTREAM_DEPARTURE_SPREADS``
+    or more, or that value is no longer kept (unknown, so not ruled out). A step dated
+    one sample after its group's earliest is where the change began only if it had
+    moved by then (``ORIGIN_ONSET_SLACK_SAMPLES``): a module whose value held at the
+    sample where the others stepped began later, an echo carried to it by the update in
+    between (a Linear before a weight scaled between samples, whose output steps at the
+    next sample through the larger gradients it received)."""
+    departure = candidate.judged.departure_at(sample)
+    return departure is None or abs(departure.z) >= UPSTREAM_DEPARTURE_SPREADS
 
 
 def _raw_step(candidate: Candidate) -> float:
