@@ -23,6 +23,7 @@ from tests.harness import (
 from torchinstruments import (
     ConfigError,
     MemorySink,
+    ObserverHandle,
     ObserverStateError,
     ReportConfig,
     TorchInstrumentsError,
@@ -133,6 +134,56 @@ def test_shared_output_dir_is_refused(tmp_path: Path) -> None:
         inject_observer(second, output_dir=tmp_path)
     remove_observer(first)
     inject_observer(second, output_dir=tmp_path)
+    remove_observer(second)
+
+
+def _train_and_drop(output_dir: Path, cycle: bool) -> ObserverHandle:
+    """Observe a model inside a function that returns without removing it (the handle
+    comes back; the model does not); with ``cycle`` the model is in a reference cycle,
+    so only the garbage collector frees it."""
+    model = MLP(features=8)
+    if cycle:
+        model.myself = [model]  # type: ignore[assignment]
+    handle = inject_observer(model, output_dir=output_dir)
+    train(model, make_batches(12))
+    return handle
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["on_return", "by_the_collector"])
+def test_a_model_dropped_without_removal_gets_its_final_report(tmp_path: Path, cycle: bool) -> None:
+    import gc
+
+    handle = _train_and_drop(tmp_path, cycle)
+    if cycle:
+        assert read_report(tmp_path)["run"]["final"] is False
+        gc.collect()
+    report = read_report(tmp_path)
+    assert report["run"]["final"] is True
+    assert report["run"]["forwards_seen"] == 12
+    assert report["errors"] == []
+    assert handle.removed
+    handle.remove()  # nothing left to do
+    again = MLP(features=8)  # the directory is free again
+    inject_observer(again, output_dir=tmp_path)
+    remove_observer(again)
+
+
+def test_a_model_collected_while_the_registry_is_locked_never_blocks(tmp_path: Path) -> None:
+    """The collector may free a model in the middle of another injection, which holds
+    the registry lock: the final report is written all the same, without waiting."""
+    import gc
+
+    from torchinstruments import api
+
+    first = tmp_path / "first"
+    handle = _train_and_drop(first, cycle=True)
+    with api._LOCK:
+        gc.collect()
+    assert read_report(first)["run"]["final"] is True
+    assert handle.removed
+    del handle
+    # Its directory was left marked (the lock was held) by a reference that is dead now.
+    inject_observer(second := MLP(features=8), output_dir=first)
     remove_observer(second)
 
 

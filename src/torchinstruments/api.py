@@ -56,6 +56,10 @@ class ObserverHandle:
         self.output_dir = output_dir
         self.active = observer is not None
         self.removed = False
+        #: Calls :meth:`_model_collected` once the model is garbage-collected while
+        #: observed (set by :func:`inject_observer`; None before, and on a rank that does
+        #: not observe).
+        self._on_collected: weakref.finalize | None = None
 
     def flush(self) -> Path | None:
         """Write the report now; return the path of ``report.json`` (None if not observing).
@@ -98,10 +102,20 @@ class ObserverHandle:
         else:
             self._finish()
 
-    def _finish(self) -> None:
+    def _model_collected(self) -> None:
+        """The observed model was garbage-collected without :func:`remove_observer` (a
+        training function returned, say): what removal does, the final report first.
+        Called from the garbage collector, at any allocation of any thread, so the
+        registry lock is only tried: where it is held, the directory stays marked as
+        used until this handle is gone (a dead reference, which frees it)."""
+        self._finish(collected=True)
+
+    def _finish(self, collected: bool = False) -> None:
         if self.removed:
             return
         self.removed = True
+        if self._on_collected is not None:
+            self._on_collected.detach()
         observer = self._observer
         if observer is not None:
             observer.detach()
@@ -111,12 +125,14 @@ class ObserverHandle:
                     sink.flush()
                 except Exception as error:
                     observer.record_error("sink", type(sink).__name__, error)
-        if self.output_dir is not None:
-            with _LOCK:
+        if self.output_dir is not None and _LOCK.acquire(blocking=not collected):
+            try:
                 key = str(self.output_dir.resolve())
                 ref = _ACTIVE_DIRS.get(key)
                 if ref is not None and ref() is self:
                     del _ACTIVE_DIRS[key]
+            finally:
+                _LOCK.release()
 
     def __enter__(self) -> Self:
         return self
@@ -515,6 +531,10 @@ def inject_observer(
         if root is not model:
             _REGISTRY[root] = handle
         _ACTIVE_DIRS[key] = weakref.ref(handle)
+        # A model dropped without remove_observer still gets its final report. Not at
+        # interpreter exit: the exit handler writes it then.
+        handle._on_collected = weakref.finalize(root, handle._model_collected)
+        handle._on_collected.atexit = False
     return handle
 
 
