@@ -137,6 +137,19 @@ def test_shared_output_dir_is_refused(tmp_path: Path) -> None:
     remove_observer(second)
 
 
+def test_a_leading_tilde_in_output_dir_is_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "..")
+    model = MLP()
+    handle = inject_observer(model, output_dir="~/stats")
+    remove_observer(model)
+    assert handle.output_dir == tmp_path / "stats"
+    assert read_report(tmp_path / "stats")["run"]["final"] is True
+    assert not (tmp_path / ".." / "~").exists()
+
+
 def _train_and_drop(output_dir: Path, cycle: bool) -> ObserverHandle:
     """Observe a model inside a function that returns without removing it (the handle
     comes back; the model does not); with ``cycle`` the model is in a reference cycle,

@@ -130,10 +130,11 @@ class _RecordingLightningLogger:
 
 
 def test_callback_arguments_are_checked_when_the_callback_is_made() -> None:
-    """A callback made with an output_dir that is no path, or Lightning's metrics given
-    as one str, fails at once with an error naming the callback and the argument (it
-    raised a bare TypeError, or at fit start a ConfigError that named an internal sink
-    and the str's characters)."""
+    """A callback made with an output_dir that is no path, Lightning's metrics given
+    as one str, or a sampling, selection or report_config that inject_observer refuses,
+    fails at once with an error naming the callback and the argument (it raised a bare
+    TypeError, or at fit start a ConfigError that named an internal sink and the str's
+    characters, or inject_observer)."""
     pytest.importorskip("lightning.pytorch")
     pytest.importorskip("transformers")
     from torchinstruments.errors import ConfigError
@@ -153,6 +154,21 @@ def test_callback_arguments_are_checked_when_the_callback_is_made() -> None:
         "TorchInstrumentsCallback: metrics must be a sequence of metric names, as ('rms',), "
         "got the str 'rms'"
     )
+    # What inject_observer would refuse at fit start is refused now, in its words.
+    refused = [
+        ({"sampling": 0}, "sampling must be None, an int >= 1 (at most 2**62) or a "),
+        ({"include": 5}, "include must be a glob pattern string or a sequence of them"),
+        ({"exclude": [3]}, "exclude must be a glob pattern string or a sequence of them"),
+        ({"report_config": {"max_bytes": 10}}, "report_config must be a ReportConfig or None"),
+    ]
+    with pytest.raises(ConfigError) as error:
+        Lightning("stats", metrics=("rms", "nope"))
+    assert str(error.value).startswith("TorchInstrumentsCallback: metrics must be a non-empty")
+    for callback in (Lightning, Hf):
+        for kwargs, message in refused:
+            with pytest.raises(ConfigError) as error:
+                callback("stats", **kwargs)
+            assert str(error.value).startswith(f"TorchInstrumentsCallback: {message}"), error.value
 
 
 def test_lightning_example_uses_the_shipped_callback() -> None:

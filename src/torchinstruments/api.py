@@ -311,7 +311,9 @@ def inject_observer(
         model: the root module (a DDP or DataParallel wrapper is unwrapped; names are
             shown without its ``module.`` prefix).
         output_dir: directory for ``report.json`` and ``index.md``. Default ``"stats"``.
-            Two live observers may not share one directory.
+            A leading ``~`` is the user's home directory (``os.path.expanduser``); a
+            relative path is resolved against the working directory once, at
+            injection. Two live observers may not share one directory.
         sampling: ``None`` for :class:`~torchinstruments.DefaultSampling` (dense first,
             then one forward in 256), an int N to sample every N-th training forward
             (``1`` = every forward), or a :class:`~torchinstruments.SamplingPolicy`.
@@ -450,7 +452,7 @@ def inject_observer(
                 )
         rank_info = detect_rank()
         # Resolved once: an os.chdir during training must not move later writes.
-        directory = Path(os.path.abspath(output_dir))
+        directory = Path(os.path.abspath(os.path.expanduser(output_dir)))
         if rank_policy == "all":
             directory = directory / f"rank-{rank_info.rank:03d}"
         if rank_policy == "rank0" and rank_info.rank != 0:

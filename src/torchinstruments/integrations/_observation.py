@@ -8,9 +8,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ..api import ObserverHandle, _check_output_dir, inject_observer
+from ..api import ObserverHandle, _as_patterns, _check_output_dir, _typed, inject_observer
 from ..config import ReportConfig
-from ..sampling import SamplingPolicy
+from ..errors import ConfigError
+from ..sampling import SamplingPolicy, resolve_sampling
 from ..sinks import Sink
 
 
@@ -19,12 +20,14 @@ class Observation:
     the observer's handle while training runs (``handle``, else None), and the start
     and end of the observation.
 
-    Args: as for :func:`~torchinstruments.inject_observer` (``output_dir`` checked
-    here, the others there, at :meth:`start`); ``sinks`` are the caller's own, always
-    added; ``caller`` names the callback in errors.
+    Args: as for :func:`~torchinstruments.inject_observer`, checked here as it checks
+    them (a mistake shows when the callback is made, not when training starts);
+    ``sinks`` are the caller's own, always added; ``caller`` names the callback in
+    errors.
 
     Raises:
-        ConfigError: ``output_dir`` is not a path (see ``inject_observer``).
+        ConfigError: an argument that ``inject_observer`` would refuse, with the message
+            it would give, naming ``caller``.
     """
 
     def __init__(
@@ -38,6 +41,14 @@ class Observation:
         caller: str,
     ) -> None:
         _check_output_dir(output_dir, caller)
+        try:
+            resolve_sampling(sampling)
+            _typed("report_config", report_config, ReportConfig)
+            _as_patterns("include", include)
+            _as_patterns("exclude", exclude)
+        except ConfigError as error:
+            message = str(error).removeprefix("inject_observer: ")
+            raise ConfigError(f"{caller}: {message}") from None
         self.output_dir = Path(output_dir)
         self.sampling = sampling
         self.report_config = report_config

@@ -28,7 +28,7 @@ from ..api import ObserverHandle
 from ..config import ReportConfig
 from ..errors import ConfigError
 from ..sampling import SamplingPolicy
-from ..sinks import MetricLoggerSink, Sink, TensorBoardSink
+from ..sinks import MetricLoggerSink, Sink, TensorBoardSink, _metrics_argument
 from ._observation import Observation
 
 __all__ = ["TorchInstrumentsCallback"]
@@ -70,8 +70,10 @@ class TorchInstrumentsCallback(Callback):
 
     Raises:
         ConfigError: ``log_to_loggers`` is not a bool, ``metrics`` is a str (not a
-            sequence of names), or ``output_dir`` is not a path; the other arguments are
-            validated by :func:`~torchinstruments.inject_observer` in ``on_fit_start``.
+            sequence of names) or names an unknown metric, or ``output_dir``,
+            ``sampling``, ``report_config``, ``include`` or ``exclude`` is one that
+            :func:`~torchinstruments.inject_observer` refuses (checked here); a
+            selection that matches no module at ``on_fit_start``.
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class TorchInstrumentsCallback(Callback):
         self._observation = Observation(
             output_dir, sampling, report_config, include, exclude, sinks, type(self).__name__
         )
-        self.metrics = tuple(metrics)
+        self.metrics = _metrics_argument(type(self).__name__, metrics)
         self.log_to_loggers = log_to_loggers
 
     @property

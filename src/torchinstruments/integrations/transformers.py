@@ -69,9 +69,10 @@ class TorchInstrumentsCallback(TrainerCallback):
             None.
 
     Raises:
-        ConfigError: ``output_dir`` is not a path; from ``on_train_begin``, when
-            ``Trainer`` passes no model; the other arguments are validated by
-            :func:`~torchinstruments.inject_observer` there.
+        ConfigError: ``output_dir``, ``sampling``, ``report_config``, ``include`` or
+            ``exclude`` is one that :func:`~torchinstruments.inject_observer` refuses
+            (checked here); from ``on_train_begin``, when ``Trainer`` passes no model,
+            or the selection matches no module.
     """
 
     def __init__(
