@@ -155,7 +155,7 @@ def test_callback_arguments_are_checked_when_the_callback_is_made() -> None:
         "got the str 'rms'"
     )
     # What inject_observer would refuse at fit start is refused now, in its words.
-    refused = [
+    refused: list[tuple[dict[str, Any], str]] = [
         ({"sampling": 0}, "sampling must be None, an int >= 1 (at most 2**62) or a "),
         ({"include": 5}, "include must be a glob pattern string or a sequence of them"),
         ({"exclude": [3]}, "exclude must be a glob pattern string or a sequence of them"),

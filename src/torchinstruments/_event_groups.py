@@ -258,27 +258,30 @@ def _lead_from_upstream(event: Event) -> None:
     onset = first.onset
     backward = first.series.signal == GRAD_OUTPUT
     peers = [
-        f
+        (f, c.onset)
         for f in event.facets
-        if f.candidate.series.signal == first.series.signal
-        and f.candidate.model_wide is None
-        and f.candidate.onset is not None
-        and abs(f.candidate.onset - onset) <= ONSET_TOLERANCE_SAMPLES
+        if (c := f.candidate).series.signal == first.series.signal
+        and c.model_wide is None
+        and c.onset is not None
+        and abs(c.onset - onset) <= ONSET_TOLERANCE_SAMPLES
     ]
-    steps = [f.candidate.onset for f in peers if not _is_trend(f.candidate)]
+    steps = [start for f, start in peers if not _is_trend(f.candidate)]
     if steps:
         earliest = min(steps)
         peers = [
-            f
-            for f in peers
-            if f.candidate.onset < earliest
+            (f, start)
+            for f, start in peers
+            if start < earliest
             or (
                 not _is_trend(f.candidate)
-                and f.candidate.onset <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
+                and start <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
                 and moved_by(f.candidate, earliest)
             )
         ]
-    lead = min(peers, key=lambda f: -f.candidate.position if backward else f.candidate.position)
+    lead = min(
+        (f for f, _ in peers),
+        key=lambda f: -f.candidate.position if backward else f.candidate.position,
+    )
     if lead is not event.facets[0]:  # min keeps the first of equal positions
         event.facets.remove(lead)
         event.facets.insert(0, lead)
