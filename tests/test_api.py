@@ -337,10 +337,32 @@ def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch
 
 
 def test_selection_that_matches_nothing_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"select no module besides the root; module names"):
+    with pytest.raises(ConfigError, match=r"selects no module besides the root; module names"):
         inject_observer(ResidualNet(), output_dir=tmp_path, include="block.*")
-    with pytest.raises(ConfigError, match=r"module_types=\['Conv2d'\] select no module"):
+    with pytest.raises(ConfigError) as error:
         inject_observer(ResidualNet(), output_dir=tmp_path, module_types=nn.Conv2d)
+    assert str(error.value).startswith(
+        "inject_observer: module_types=['Conv2d'] selects no module besides the root; "
+    )
+    # Only what was given is named (module_types=[] was named for an include alone).
+    with pytest.raises(ConfigError) as error:
+        inject_observer(ResidualNet(), output_dir=tmp_path, include=["nomatch.*"])
+    assert str(error.value).startswith(
+        "inject_observer: include=['nomatch.*'] selects no module besides the root; "
+        "module names look like ["
+    )
+    # An exclude that removes every module is refused too (the root alone was observed).
+    with pytest.raises(ConfigError) as error:
+        inject_observer(ResidualNet(), output_dir=tmp_path, include="*", exclude="*")
+    assert str(error.value).startswith(
+        "inject_observer: include=['*'] and exclude=['*'] select no module besides the root"
+    )
+    with pytest.raises(ConfigError, match=r"^inject_observer: exclude=\['\*'\] selects no"):
+        inject_observer(ResidualNet(), output_dir=tmp_path, exclude="*")
+    # A model without submodules has nothing to exclude: the root is observed.
+    leaf = nn.Linear(3, 2)
+    inject_observer(leaf, output_dir=tmp_path, exclude="*")
+    remove_observer(leaf)
 
 
 def test_side_calls_of_a_submodule_are_kept_out_of_root_training(tmp_path: Path) -> None:

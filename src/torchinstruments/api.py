@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import sys
 import threading
@@ -361,7 +362,8 @@ def inject_observer(
 
     Raises:
         ConfigError: an argument is invalid (the message names it, what was expected
-            and what was given).
+            and what was given), or ``include``, ``exclude`` and ``module_types`` leave
+            no module but the root of a model that has submodules.
         ObserverStateError: ``model`` already carries an observer, or another live
             observer writes to ``output_dir``.
 
@@ -479,12 +481,18 @@ def inject_observer(
                 "live observer; give each observed model its own output_dir"
             )
         modules = select_modules(root, include_patterns, exclude_patterns, types)
-        if (include_patterns is not None or types is not None) and len(modules) == 1:
-            examples = [name for name, _ in root.named_modules() if name][:5]
+        examples = [name for name, _ in itertools.islice(root.named_modules(), 1, 6)]
+        given = {
+            "include": include_patterns,
+            "exclude": exclude_patterns if examples else None,
+            "module_types": [t.__name__ for t in types] if types is not None else None,
+        }
+        chosen = [f"{name}={list(value)!r}" for name, value in given.items() if value is not None]
+        if chosen and len(modules) == 1:
             raise ConfigError(
-                f"inject_observer: include={list(include_patterns or ())!r} and "
-                f"module_types={[t.__name__ for t in types or ()]!r} select no module "
-                f"besides the root; module names look like {examples!r}"
+                f"inject_observer: {' and '.join(chosen)} select"
+                f"{'s' if len(chosen) == 1 else ''} no module besides the root; module "
+                f"names look like {examples!r}"
             )
         # A DirectorySink for the same directory (say with write_full_details=True)
         # replaces the default writer instead of writing the same files twice.
