@@ -184,6 +184,12 @@ def test_quiet_run_says_no_finding_stands_out(tmp_path: Path) -> None:
     assert len(rows) == 1 + len(report["findings"]) - len(zero)  # the header, then rows
     assert " 0.0 |" not in table and "`<root>` | 0 | grad_output" not in table
     assert f"{len(zero)} more with a ranking of 0 in report.json." in table
+    listed = len(report["findings"]) - len(zero)
+    assert (
+        f"- Findings in report.json: {len(report['findings'])} (0 notable, {listed} below "
+        f"their noise floor, listed above, {len(zero)} with a ranking of 0, in report.json "
+        "only); limits that removed evidence: none." in index
+    )
 
 
 def test_run_without_a_training_forward_says_so(tmp_path: Path) -> None:
@@ -431,3 +437,11 @@ def test_at_the_same_sample_non_finite_values_come_first_in_a_round() -> None:
     earlier = _round_key(True, 38, False, "activation", 10.0)
     gradient = _round_key(True, 36, False, "grad_output", 500.0)
     assert sorted([scale, non_finite, earlier, gradient]) == [earlier, non_finite, scale, gradient]
+
+
+def test_index_counts_the_findings_it_does_not_list() -> None:
+    """A run whose findings all rank 0 lists none: the coverage line says where they are."""
+    from torchinstruments._report_markdown import _returned_text
+
+    assert _returned_text(0, 0, 6) == "6 (0 notable, 6 with a ranking of 0, in report.json only)"
+    assert _returned_text(2, 3, 0) == "5 (2 notable, 3 below their noise floor, listed above)"

@@ -144,6 +144,16 @@ def md_code(value: object, *, in_table: bool = False) -> str:
     return span.replace("|", "\\|") if in_table else span
 
 
+def _returned_text(notable: int, listed: int, zero: int) -> str:
+    """The findings of report.json, by where index.md shows them."""
+    parts = [f"{notable} notable"]
+    if listed:
+        parts.append(f"{listed} below their noise floor, listed above")
+    if zero:
+        parts.append(f"{zero} with a ranking of 0, in report.json only")
+    return f"{notable + listed + zero} ({', '.join(parts)})"
+
+
 def _not_observed_text(coverage: dict[str, Any]) -> str:
     """The modules not observed, less those that never ran (:func:`_placement_text`
     names them, with the parent observed in their place)."""
@@ -390,6 +400,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         if len(below) > len(others):
             lines += ["", f"{len(below) - len(others)} more with a ranking of 0 in report.json."]
         lines.append("")
+    returned = _returned_text(len(findings) - len(below), len(others), len(below) - len(others))
     lines += [
         "## Coverage and limits",
         "",
@@ -400,8 +411,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Eval or no-grad forwards kept out: {coverage['eval_forwards_skipped']}; "
         f"checkpoint recomputations ignored: {coverage['recompute_calls_ignored']}.",
         f"- Tensors skipped: {md_text(coverage['tensors_skipped'] or 'none')}.",
-        f"- Findings returned: {sum(coverage['findings_returned'].values())}; limits that "
-        f"removed evidence: {', '.join(coverage['limits_hit']) or 'none'}.",
+        f"- Findings in report.json: {returned}; limits that removed evidence: "
+        f"{', '.join(coverage['limits_hit']) or 'none'}.",
         f"- Hook errors: {coverage['errors_total']}.",
         *_compiled_lines(coverage.get("compiled_capture") or {}),
         "",
