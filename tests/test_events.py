@@ -83,6 +83,8 @@ def test_one_step_is_one_event_that_its_findings_refer_to(
     assert ids == [f"E{n}" for n in range(1, len(ids) + 1)]
     referred = {f["event"] for f in notable}
     assert referred == set(ids)
+    # Every event has its echoes, an empty list when nothing echoed.
+    assert all(isinstance(e["echoes"], list) for e in report["events"])
 
 
 def test_a_pass_through_is_one_series_named_by_all(stepped: tuple[dict[str, Any], Path]) -> None:

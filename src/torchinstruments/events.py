@@ -241,6 +241,7 @@ def event_body(
             if tensor not in seen:
                 seen.add(tensor)
                 echoes.append(e)
+    body["echoes"] = []
     if echoes:
         body["echoes"] = [
             {
