@@ -214,9 +214,11 @@ def test_set_step_puts_the_points_at_the_callers_step(tmp_path: Path) -> None:
     assert len(recorder.points) == FORWARDS // 2 * 12
 
 
-@pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", 2**63, 2**70])
 def test_set_step_rejects_what_is_not_a_step(tmp_path: Path, step: object) -> None:
     handle = inject_observer(ResidualNet(), output_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"set_step: step must be an int >= 0, got "):
+    with pytest.raises(
+        ConfigError, match=r"set_step: step must be an int >= 0 and below 2\*\*63, got "
+    ):
         handle.set_step(step)  # type: ignore[arg-type]
     handle.remove()

@@ -79,13 +79,17 @@ class ObserverHandle:
         a training loop may too. It changes nothing in the report.
 
         Args:
-            step: a non-negative int, the x position of the caller's own metrics.
+            step: a non-negative int below ``2**63`` (the loggers store steps as signed
+                64-bit integers), the x position of the caller's own metrics.
 
         Raises:
-            ConfigError: ``step`` is not an int >= 0.
+            ConfigError: ``step`` is not an int in ``[0, 2**63)``.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"ObserverHandle.set_step: step must be an int >= 0, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 63:
+            raise ConfigError(
+                f"ObserverHandle.set_step: step must be an int >= 0 and below 2**63, "
+                f"got {shown(step)}"
+            )
         if self._observer is not None:
             self._observer.caller_step = step
 
