@@ -2011,7 +2011,7 @@ def test_a_compiled_submodule_called_directly_is_observed_inside_its_graph(
     for name, report in reports.items():
         coverage = report["coverage"]
         assert report["errors"] == [], name
-        assert coverage["direct_call_samples"] == steps, name
+        assert coverage["direct_call_forwards"] == steps, name
         assert coverage["samples_observed"] == coverage["backward_samples_observed"] == samples
         assert not report["summary"]["headline"].startswith("No training forward"), name
     assert reports["compiled"]["coverage"]["compiled_capture"]["mode"] == "in_graph"

@@ -174,8 +174,8 @@ class ForwardContext(_ContextCadence):
         goes through the root (counted under ``calls_outside_root_skipped``): such a
         call is a side computation unless ``capture_direct_forwards``. True where it
         joins the open direct-call sample (another opener's, whose backward has not
-        started); False where it opens the next one (counted under
-        ``direct_call_samples``; sampled as the policy says)."""
+        started); False where it opens the next training forward of direct calls
+        (counted under ``direct_call_forwards``; sampled as the policy says)."""
         if self.root_forward_seen and not self.capture_direct_forwards:
             self.calls_outside_root_skipped += 1
             return None
@@ -187,7 +187,7 @@ class ForwardContext(_ContextCadence):
             return True
         self.implicit_opener = opener
         self.implicit_backward_seen = False
-        self.direct_call_samples += 1
+        self.direct_call_forwards += 1
         self.open_sample()
         self.maybe_flush()
         return False

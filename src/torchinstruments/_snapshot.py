@@ -61,7 +61,7 @@ class Counters:
     #: Root forwards and module calls re-run during backward that no sample awaited.
     recompute_calls_ignored: int = 0
     #: Samples opened by a module called with no root forward open.
-    direct_call_samples: int = 0
+    direct_call_forwards: int = 0
     #: Training calls of submodules outside any root forward, not observed.
     calls_outside_root_skipped: int = 0
     #: Output gradients that arrived again for the same sample (``retain_graph``).
@@ -216,7 +216,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         backward_samples_observed=capture.backward_samples_observed,
         eval_forwards_skipped=ctx.eval_forwards_skipped,
         recompute_calls_ignored=ctx.recompute_calls_ignored,
-        direct_call_samples=ctx.direct_call_samples,
+        direct_call_forwards=ctx.direct_call_forwards,
         calls_outside_root_skipped=ctx.calls_outside_root_skipped,
         repeated_backward_gradients=capture.repeated_backward_gradients,
         backward_gradients_summed=capture.backward_gradients_summed,

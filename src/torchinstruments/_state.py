@@ -118,5 +118,5 @@ class ForwardState:
     samples_observed: int = 0
     eval_forwards_skipped: int = 0
     recompute_calls_ignored: int = 0
-    direct_call_samples: int = 0
+    direct_call_forwards: int = 0
     calls_outside_root_skipped: int = 0

@@ -361,7 +361,7 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                     "backward_samples_observed": observer.counters.backward_samples_observed,
                     "eval_forwards_skipped": observer.counters.eval_forwards_skipped,
                     "recompute_calls_ignored": observer.counters.recompute_calls_ignored,
-                    "direct_call_samples": observer.counters.direct_call_samples,
+                    "direct_call_forwards": observer.counters.direct_call_forwards,
                     "calls_outside_root_skipped": observer.counters.calls_outside_root_skipped,
                     "repeated_backward_gradients": observer.counters.repeated_backward_gradients,
                     "backward_gradients_summed": observer.counters.backward_gradients_summed,
