@@ -15,14 +15,18 @@ default schedule's steady state). Models (``--model``):
   width 128, 4 heads, vocabulary 512, dropout 0, random init), batch 8 of 64 tokens,
   the next-token cross-entropy, SGD.
 
-What is compiled (``--compile``): ``model`` (default), ``torch.compile(model)``; or
+What is compiled (``--compile``): ``model`` (default), ``torch.compile(model)``;
 ``blocks``, each block compiled on its own (``block.compile()``: the example's
 ``blocks``, GPT-2's ``transformer.h``), the rest eager, as large models are often
-compiled. Blocks of one class share one code object, so every copy's blocks share
-its compiled entries; ``recompile_limit`` is raised to 64 for them, and the number of
-times Dynamo still reached a limit is printed (it should be 0). The block class is then
-an observed one, so the plain copies' blocks guard on their forward hook dictionaries
-too (another instance of an observed class must not run the observed one's code).
+compiled; or ``wrappers``, each block replaced by its ``torch.compile(block)`` wrapper
+before the observer is injected (the root eager: the wrappers' own hooks, which open a
+direct-call sample where training calls a wrapper with no root forward, run around
+each block call and return after one state check). Blocks of one class share one code
+object, so every copy's blocks share its compiled entries; ``recompile_limit`` is
+raised to 64 for them, and the number of times Dynamo still reached a limit is printed
+(it should be 0). The block class is then an observed one, so the plain copies' blocks
+guard on their forward hook dictionaries too (another instance of an observed class
+must not run the observed one's code).
 
 Kinds of copy:
 
@@ -103,6 +107,12 @@ KINDS = ("plain", "plain, hook guards", "no-op hooks", "observer, one sample", "
 #: ``--kinds`` names of the kinds.
 KIND_NAMES = dict(zip(("plain", "guards", "no-op", "one-sample", "default"), KINDS, strict=True))
 GPT2_VOCABULARY, GPT2_TOKENS = 512, 64
+#: What ``--compile`` compiles, as the first line of the output says it.
+COMPILED_PARTS = {
+    "model": "whole model",
+    "blocks": "each block",
+    "wrappers": "each block's torch.compile wrapper",
+}
 
 
 def _example_class() -> type[nn.Module]:
@@ -157,6 +167,11 @@ def _own_class(base: type[nn.Module], number: int) -> type[nn.Module]:
     return type(f"{base.__name__}Copy{number}", (base,), {"forward": own})
 
 
+def _blocks_name(model_name: str) -> str:
+    """The ``nn.ModuleList`` of blocks that ``--compile blocks`` and ``wrappers`` compile."""
+    return "transformer.h" if model_name == "gpt2" else "blocks"
+
+
 def _no_op_hook(module: nn.Module, args: object, output: object) -> None:
     return None
 
@@ -183,6 +198,11 @@ def _make_copy(
 ) -> tuple[Callable[[], None], nn.Module]:
     torch.manual_seed(0)
     model = _own_class(base, number)()
+    if compile_what == "wrappers":
+        # Before the observer: it finds the wrappers below the root when injected.
+        blocks = cast(nn.ModuleList, model.get_submodule(_blocks_name(model_name)))
+        for index, block in enumerate(blocks):
+            blocks[index] = torch.compile(block, backend=backend)
     if reference is not None:
         _share_tensors(model, reference)
     if kind == "no-op hooks":
@@ -203,10 +223,12 @@ def _make_copy(
         inject_observer(model, output_dir=directory / f"default-{number}")
     compiled: Any
     if compile_what == "blocks":
-        blocks = model.get_submodule("transformer.h" if model_name == "gpt2" else "blocks")
+        blocks = model.get_submodule(_blocks_name(model_name))
         for block in cast(nn.ModuleList, blocks):
             block.compile(backend=backend)
         compiled = model
+    elif compile_what == "wrappers":
+        compiled = model  # the root runs eagerly, each block's wrapper compiled
     else:
         compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -246,9 +268,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", choices=("example", "gpt2"), default="example")
     parser.add_argument(
         "--compile",
-        choices=("model", "blocks"),
+        choices=("model", "blocks", "wrappers"),
         default="model",
-        help="compile the whole model, or each block on its own",
+        help="compile the whole model, each block on its own (block.compile()), or each "
+        "block replaced by its torch.compile wrapper",
     )
     parser.add_argument(
         "--kinds",
@@ -273,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     kinds = [KIND_NAMES[name] for name in names]
     torch.set_num_threads(1)
-    if args.compile == "blocks":
+    if args.compile in ("blocks", "wrappers"):
         from torch._dynamo import config
 
         config.recompile_limit = 64
@@ -319,10 +342,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             # copy's own offset, which then cancels out of the quotient below.
             removed_times = _time_rounds(copies, args.blocks, args.steps, seed=1)
     print(
-        f"{args.model} ({'each block' if args.compile == 'blocks' else 'whole model'} "
-        f"compiled): torch {torch.__version__}, backend {args.backend}, {args.copies} "
-        f"copies of each kind sharing one set of parameters, {args.blocks} rounds of "
-        f"{args.steps} steps per copy, 1 thread"
+        f"{args.model} ({COMPILED_PARTS[args.compile]} compiled): torch {torch.__version__}, "
+        f"backend {args.backend}, {args.copies} copies of each kind sharing one set of "
+        f"parameters, {args.blocks} rounds of {args.steps} steps per copy, 1 thread"
     )
     ratios = _print_ratios(copies, times, kinds)
     print(f"recompile limit reached: {recompile_limit_hits()} times")
