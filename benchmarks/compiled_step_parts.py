@@ -202,7 +202,7 @@ def _make_copy(
         # Before the observer: it finds the wrappers below the root when injected.
         blocks = cast(nn.ModuleList, model.get_submodule(_blocks_name(model_name)))
         for index, block in enumerate(blocks):
-            blocks[index] = torch.compile(block, backend=backend)
+            blocks[index] = cast(nn.Module, torch.compile(block, backend=backend))
     if reference is not None:
         _share_tensors(model, reference)
     if kind == "no-op hooks":
