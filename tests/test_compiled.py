@@ -51,6 +51,7 @@ from tests.harness.scenarios import (
 )
 from torchinstruments import (
     inject_observer,
+    observer_of,
     remove_observer,
 )
 
@@ -2045,6 +2046,61 @@ def test_a_compiled_submodule_whose_output_the_loss_detaches_loses_nothing(
     coverage = reports["compiled"]["coverage"]
     assert coverage["compiled_capture"]["gradient_samples_lost"] == 0
     assert "compiled_gradient_samples" not in coverage["limits_hit"]
+
+
+class LateNet(nn.Module):
+    """:class:`DirectNet`'s layers with a forward of its own: code that no other test
+    compiled, so that its first call traces it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_compile_wrapper_made_after_injection_is_observed_from_its_second_call(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """``inject_observer(holder)``, then ``holder.model = torch.compile(holder.model)``,
+    then training that calls ``holder.model`` directly. The wrapper was unknown at
+    injection, and nothing of ours ran eagerly around its compiled frame: every call was
+    lost (0 forwards, mode ``unused``). Dynamo tracing our hooks with no forward open
+    now hooks the new wrapper during its first call: from the second call on, every
+    series equals that of the same model observed eagerly from its second step on, and
+    training equals the compiled model's without the observer."""
+    steps = 6
+    torch.manual_seed(0)
+    model, head = LateNet(), nn.Linear(2, 1)
+    eager, observed, twin = (
+        DirectHolder(None, copy.deepcopy(model), copy.deepcopy(head)) for _ in "abc"
+    )
+    twin.model = cast(nn.Module, torch.compile(twin.model, backend="aot_eager"))
+
+    def observe_eager_from_the_second_step() -> None:
+        if observer_of(eager) is None:
+            inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+
+    direct_steps(eager, steps, with_head=False, after_step=observe_eager_from_the_second_step)
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    observed.model = cast(nn.Module, torch.compile(observed.model, backend="aot_eager"))
+    losses = direct_steps(observed, steps, with_head=False)
+    reports = {
+        name: remove_observer_and_read(holder, tmp_path / name)
+        for name, holder in (("eager", eager), ("compiled", observed))
+    }
+    assert losses == direct_steps(twin, steps, with_head=False)
+    assert_same_model(observed, twin)
+    eager_series = written_series(tmp_path / "eager")
+    assert {key[0] for key in eager_series} == {"model.fc1", "model.act", "model.fc2"}
+    assert_same_telemetry(eager_series, written_series(tmp_path / "compiled"))
+    for name, report in reports.items():
+        coverage = report["coverage"]
+        assert report["errors"] == [], name
+        assert coverage["direct_call_forwards"] == steps - 1, name
+        assert coverage["samples_observed"] == coverage["backward_samples_observed"] == steps - 1
+    assert reports["compiled"]["coverage"]["compiled_capture"]["mode"] == "in_graph"
 
 
 class GanHolder(nn.Module):

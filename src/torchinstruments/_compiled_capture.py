@@ -84,6 +84,7 @@ without ``torch.compiler.assume_constant_result``), forward hooks stay
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import types
 import weakref
@@ -221,6 +222,9 @@ class CompiledCapture:
         #: compiled for an earlier observer of a model of the same class. Until then
         #: no graph writes rows of ours, and samples take none.
         self.graphs_ran = False
+        #: Called (if set, and its observer alive) when Dynamo traces a hook of ours,
+        #: once per compilation: see :func:`_traced_hook`.
+        self.on_traced_while_idle: weakref.WeakMethod[Callable[[], None]] | None = None
         #: Set by traced code after each graph run that wrote rows (a side effect
         #: Dynamo replays), cleared when rows are taken: see :meth:`take_rows_so_far`.
         self.rows_pending = False
@@ -785,6 +789,37 @@ def _capture_owning(block: Tensor | None) -> CompiledCapture | None:
     return next((capture for capture in list(_CAPTURES) if capture.owns(block)), None)
 
 
+#: The compilation (Dynamo's compile id and attempt) in which :func:`_traced_hook` last
+#: asked the observers; None before.
+_traced_in: object = None
+
+
+def _traced_hook() -> bool:
+    """At trace time, once per compilation: tell the observer of each live capture that
+    Dynamo traces a hook of ours (see ``Observer._compiled_while_idle``, which hooks
+    ``torch.compile`` wrappers made after injection when no forward of its own is open;
+    which observer's hook is traced is not read: traced code never tells them apart, and
+    a hook's rows may not be allocated yet). True."""
+    global _traced_in
+    compilation: object = None
+    try:
+        from torch._guards import CompileContext
+
+        trace = CompileContext.current_trace_id()
+        compilation = None if trace is None else (trace.compile_id, trace.attempt)
+    except Exception:  # a torch without trace ids: every hook traced asks
+        pass
+    if compilation is not None and compilation == _traced_in:
+        return True
+    _traced_in = compilation
+    for capture in list(_CAPTURES):
+        callback = capture.on_traced_while_idle() if capture.on_traced_while_idle else None
+        if callback is not None:
+            with contextlib.suppress(Exception):  # never into Dynamo's trace (nor training)
+                callback()
+    return True
+
+
 def _assign(block: Tensor, path: str, gradient: str) -> int:
     """At trace time: the index of ``path`` among the tensor paths (see
     :meth:`CompiledCapture.assign`), for a tensor of an output of the module whose block
@@ -911,6 +946,8 @@ _count_dropped_constant: Callable[[Tensor | None], bool] = _count_dropped
 _recomputable_constant: Callable[[Tensor | None], bool] = _recomputable
 #: :func:`_checkpoint_region` as Dynamo sees it; set by :func:`enable`.
 _checkpoint_region_constant: Callable[[], int] = _checkpoint_region
+#: :func:`_traced_hook` as Dynamo sees it; set by :func:`enable`.
+_traced_hook_constant: Callable[[], bool] = _traced_hook
 #: ``ForwardHook.__call__`` as :func:`enable` found it (``torch.compiler.disable``d).
 _opaque_call: Callable[..., Any] | None = None
 
@@ -984,6 +1021,7 @@ def _forward_hook_call(
         compiled = self.compiled
         rows = self.rows
         if isinstance(compiled, CompiledCapture):
+            _traced_hook_constant()
             if not _recomputable_constant(_any_block(rows)):
                 return traced_activation(compiled, rows, output, args, kwargs)
             return _graph_break_call(self, module, args, kwargs, output)
@@ -1002,7 +1040,7 @@ def enable() -> None:
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
     global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
-    global _checkpoint_region_constant, _graph_break_call, _status
+    global _checkpoint_region_constant, _graph_break_call, _status, _traced_hook_constant
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return
@@ -1012,6 +1050,7 @@ def enable() -> None:
         _recomputable_constant = _assume_constant(_recomputable)
         _count_dropped_constant = _assume_constant(_count_dropped)
         _checkpoint_region_constant = _assume_constant(_checkpoint_region)
+        _traced_hook_constant = _assume_constant(_traced_hook)
         _graph_break_call = torch.compiler.disable(_call_as_graph_break, recursive=True)
     except Exception as error:
         _assign_constant = None

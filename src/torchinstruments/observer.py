@@ -39,6 +39,7 @@ from ._report_write import warn_if_never_written, write_report_files
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
+from ._state import IDLE
 from ._store import SeriesStore
 from .capture import (
     COMPILED_WRAPPER_ATTRIBUTE,
@@ -128,6 +129,10 @@ class Observer:
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
         self._preparers: list[tuple[weakref.ref[nn.Module], PrepareScriptable]] = []
         self._atexit = AtExit(self)
+        #: The ``torch.compile`` wrappers below the root given direct-call hooks, by
+        #: ``id`` (see :meth:`_attach_compile_entries`).
+        self._compile_entries: dict[int, weakref.ref[nn.Module]] = {}
+        self._entries_made = 0
 
         # The stages, in data-flow order (see the module docstring).
         self.error_log = ErrorLog(report_config.max_error_entries)
@@ -251,6 +256,10 @@ class Observer:
                 parking.add(module, handle.id, hook)
         if not self.capture_direct_forwards:
             self._attach_compile_entries()
+            if self.compiled_capture is not None:
+                self.compiled_capture.on_traced_while_idle = weakref.WeakMethod(
+                    self._compiled_while_idle
+                )
         self._prepare_for_scripting()
         context.attached = self.buffer.attached = True
         _amp.install(self)
@@ -259,29 +268,50 @@ class Observer:
 
     def _attach_compile_entries(self) -> None:
         """Give each ``torch.compile`` wrapper below the root (``self.model =
-        torch.compile(net)`` makes one) a :class:`~.capture.DirectCallPreHook` and a
-        :class:`~.capture.DirectCallPostHook`: the wrapper's own hooks run eagerly
-        around its compiled frame, so that calls of it made with no root forward open
-        are observed inside that frame (see ``ForwardContext.open_direct_entry``).
-        Wrappers made after injection are not seen: their modules are then observed
-        in direct calls only where their hooks run eagerly."""
+        torch.compile(net)`` makes one) that has none yet a
+        :class:`~.capture.DirectCallPreHook` and a :class:`~.capture.DirectCallPostHook`:
+        the wrapper's own hooks run eagerly around its compiled frame, so that calls of
+        it made with no root forward open are observed inside that frame (see
+        ``ForwardContext.open_direct_entry``). Called at injection, and again when Dynamo
+        traces a hook of ours with no forward open (:meth:`_compiled_while_idle`): a
+        wrapper made after injection is then hooked while its first call compiles, and
+        its calls are observed from the next one on."""
         root = self.root
         if root is None:
             return
         context = self.context
-        entries = 0
         for module in root.modules():
             if (
                 not is_compile_wrapper(module)
                 or getattr(module, COMPILED_WRAPPER_ATTRIBUTE) is root
+                or _hooked(self._compile_entries, module)
             ):
                 continue
-            entries += 1
-            entry = -entries  # the opener's identity: no module index is negative
+            self._entries_made += 1
+            entry = -self._entries_made  # the opener's identity: no module index is negative
+            self._compile_entries[id(module)] = weakref.ref(module)
             self._handles.append(
                 module.register_forward_pre_hook(DirectCallPreHook(context, entry))
             )
             self._handles.append(module.register_forward_hook(DirectCallPostHook(context, entry)))
+
+    def _compiled_while_idle(self) -> None:
+        """Dynamo traces a hook of ours (at trace time, from ``_compiled_capture.py``):
+        where no forward of ours is open (no root forward, no direct call through a
+        hooked wrapper) and training does not go through the root, a ``torch.compile``
+        wrapper that training calls directly may have been made after injection: hook
+        the new wrappers now (:meth:`_attach_compile_entries`)."""
+        context = self.context
+        if (
+            context.attached
+            and context.state is IDLE
+            and context.direct_entry is None
+            and not context.root_forward_seen
+        ):
+            try:
+                self._attach_compile_entries()
+            except Exception as error:  # never into Dynamo's trace (nor training)
+                self.record_error("compile_entries", "", error)
 
     def _prepare_for_scripting(self) -> None:
         """Give every module of the model a :class:`~._copies.PrepareScriptable`, so
@@ -544,3 +574,9 @@ class Observer:
             self.write_report()
         else:
             self.write_report(flush=False)
+
+
+def _hooked(entries: dict[int, weakref.ref[nn.Module]], module: nn.Module) -> bool:
+    """True if ``module`` is among ``entries`` (not another object at a reused ``id``)."""
+    ref = entries.get(id(module))
+    return ref is not None and ref() is module
