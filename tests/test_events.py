@@ -539,6 +539,11 @@ def test_an_event_is_led_by_its_most_upstream_facet() -> None:
     assert lead(step, held) == ["head", "fc1"]
     two_later = facet("heavy_tail_growth", "fc1", 5, 34, "activation")
     assert lead(step, two_later) == ["head", "fc1"]
+    # The earliest step leads however little its value had departed at its own onset
+    # (a sustained shift is found over windows: its first value may sit in the noise).
+    shift = facet("activation_scale_drift", "head", 9, 32, "activation", departed={32: 0.4})
+    assert lead(shift, held) == ["head", "fc1"]
+    assert lead(held, shift) == ["head", "fc1"]
     # Only breaks of trend: the most upstream, as before.
     late_bend = facet("heavy_tail_growth", "fc1", 5, 35, "activation", kind="trend")
     assert lead(bend, late_bend) == ["fc1", "act"]

@@ -789,29 +789,32 @@ def _capture_owning(block: Tensor | None) -> CompiledCapture | None:
     return next((capture for capture in list(_CAPTURES) if capture.owns(block)), None)
 
 
-#: The compilation (Dynamo's compile id and attempt) in which :func:`_traced_hook` last
-#: asked the observers; None before.
-_traced_in: object = None
+#: The tracing context (one per compilation attempt) in which :func:`_traced_hook` last
+#: asked the observers, by weak reference; None before.
+_traced_in: weakref.ref[object] | None = None
 
 
 def _traced_hook() -> bool:
-    """At trace time, once per compilation: tell the observer of each live capture that
-    Dynamo traces a hook of ours (see ``Observer._compiled_while_idle``, which hooks
-    ``torch.compile`` wrappers made after injection when no forward of its own is open;
-    which observer's hook is traced is not read: traced code never tells them apart, and
-    a hook's rows may not be allocated yet). True."""
+    """At trace time, once per compilation attempt: tell the observer of each live
+    capture that Dynamo traces a hook of ours (see ``Observer._compiled_while_idle``,
+    which hooks ``torch.compile`` wrappers made after injection when no forward of its
+    own is open; which observer's hook is traced is not read: traced code never tells
+    them apart, and a hook's rows may not be allocated yet). True."""
     global _traced_in
-    compilation: object = None
+    tracing: object = None
     try:
-        from torch._guards import CompileContext
+        from torch._guards import TracingContext
 
-        trace = CompileContext.current_trace_id()
-        compilation = None if trace is None else (trace.compile_id, trace.attempt)
-    except Exception:  # a torch without trace ids: every hook traced asks
+        tracing = TracingContext.try_get()
+    except Exception:  # a torch without it: every hook traced asks
         pass
-    if compilation is not None and compilation == _traced_in:
-        return True
-    _traced_in = compilation
+    if tracing is not None:
+        if _traced_in is not None and _traced_in() is tracing:
+            return True
+        try:
+            _traced_in = weakref.ref(tracing)
+        except TypeError:
+            _traced_in = None
     for capture in list(_CAPTURES):
         callback = capture.on_traced_while_idle() if capture.on_traced_while_idle else None
         if callback is not None:

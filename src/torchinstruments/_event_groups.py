@@ -274,8 +274,13 @@ def _lead_from_upstream(event: Event) -> None:
             if start < earliest
             or (
                 not _is_trend(f.candidate)
-                and start <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
-                and moved_by(f.candidate, earliest)
+                and (
+                    start == earliest
+                    or (
+                        start <= earliest + ORIGIN_ONSET_SLACK_SAMPLES
+                        and moved_by(f.candidate, earliest)
+                    )
+                )
             )
         ]
     lead = min(
