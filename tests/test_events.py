@@ -351,8 +351,14 @@ def test_index_names_an_echo_s_call_when_it_is_not_the_first(
         {**event["echoes"][0], "module": "block.fc", "call_index": 0},
     ]
     index = render_markdown(report)
-    assert "Echoes (moved at the same samples, not listed separately): " in index
+    assert (
+        "Echoes (moved with it, at its sample unless another is given; not listed separately): "
+    ) in index
     assert "`block.relu (call 1)`, `block.fc`." in index
+    # An echo whose change began at another sample says which.
+    event["echoes"][1]["onset_sample"] = event["onset"]["sample"] + 1
+    index = render_markdown(report)
+    assert f"`block.fc` (from sample {event['onset']['sample'] + 1})." in index
 
 
 def test_a_cross_section_of_differences_is_headed_so(
@@ -415,10 +421,16 @@ def test_echoes_before_the_lead_are_counted_apart_and_the_largest_named() -> Non
 
     from torchinstruments._event_texts import _echoes_text
 
-    def candidate(module: str, position: int, step_z: float, signal: str = "activation") -> Any:
+    def candidate(
+        module: str, position: int, step_z: float, signal: str = "activation", onset: int = 30
+    ) -> Any:
         series = SimpleNamespace(module=module, call_index=0, signal=signal)
         return SimpleNamespace(
-            series=series, position=position, change=SimpleNamespace(step_z=step_z), echoes=[]
+            series=series,
+            position=position,
+            change=SimpleNamespace(step_z=step_z),
+            echoes=[],
+            onset=onset,
         )
 
     lead = candidate("c_fc", 5, 51.7)
@@ -437,6 +449,18 @@ def test_echoes_before_the_lead_are_counted_apart_and_the_largest_named() -> Non
     assert _echoes_text(event, gradient) == (
         " 1 module(s) before it in propagation order moved at the same samples too (the "
         "largest step: c_proj, 5 residual spreads); the change may begin there."
+    )
+    # Upstream modules that moved only at a later sample did not begin it: the updates
+    # after the change carried it back (a Linear before a weight scaled between samples).
+    head = candidate("head", 9, 20.5)
+    head.echoes = [candidate("fc1", 5, 26.5, onset=31), candidate("act", 6, 25.1, onset=31)]
+    head.echoes += [candidate("extra", 10, 21.8), candidate("out", 11, 19.8, onset=32)]
+    event = cast(Any, SimpleNamespace(facets=[SimpleNamespace(candidate=head)]))
+    assert _echoes_text(event, head) == (
+        " 2 module(s) after it in propagation order moved at the same sample or up to 2 "
+        "later. 2 module(s) before it in propagation order moved only from sample 31 on "
+        "(the largest step: fc1, 26.5 residual spreads), after this change: the updates "
+        "that followed it carried it back."
     )
 
 
@@ -460,6 +484,13 @@ def test_a_gradient_step_whose_later_modules_held_is_at_the_module_itself() -> N
     assert _gradient_experiment(moved, "ln_2", "sample 34").startswith(
         "The gradient reaching ln_2 changed at sample 34 while the loss gradient did not "
         "account for it: something after ln_2 in forward order changed its backward."
+    )
+    # The last observed module in forward order: its gradient comes from the loss.
+    last = [{"offset": -1, "module": "attn", "in_spreads": 0.6}, held[1]]
+    assert _gradient_experiment(last, "ln_2", "sample 34").startswith(
+        "The gradient reaching ln_2 changed at sample 34, and no observed module runs after "
+        "ln_2 in forward order: its gradient comes from the loss. Check the loss around "
+        "sample 34"
     )
     assert _gradient_experiment(None, "ln_2", "sample 34").startswith(
         "The gradient reaching ln_2 changed at sample 34 while the loss gradient did not"

@@ -78,7 +78,16 @@ def _gradient_experiment(section: list[dict[str, Any]] | None, module: str, when
     """The next experiment of an output-gradient step at ``module``: where the gradients
     of the modules after it in forward order (which the gradient passes first) held,
     within ``MOVED_SPREADS`` in the cross-section ``section``, the change is at the
-    module itself; otherwise at something after it."""
+    module itself; where no observed module follows it, at the loss; otherwise at
+    something after it."""
+    if section and not any(r["offset"] > 0 for r in section):
+        return (
+            f"The gradient reaching {module} changed at {when}, and no observed module "
+            f"runs after {module} in forward order: its gradient comes from the loss. "
+            f"Check the loss around {when}: how it treats {module}'s output (its scale, "
+            "a saturated softmax or a clamp, the targets, a reduction or weighting "
+            f"changed), and {module}'s output itself."
+        )
     after_rows = [r for r in section or () if r["offset"] > 0 and r["in_spreads"] is not None]
     if after_rows and all(abs(r["in_spreads"]) < MOVED_SPREADS for r in after_rows):
         held = ", ".join(r["module"] for r in after_rows[:2])
@@ -120,11 +129,13 @@ def _input_experiment(
 
 
 def _echoes_text(event: Event, c: Candidate) -> str:
-    """How many modules of the lead's signal moved at the same samples (the echoes of
-    the event's findings), those after the lead in propagation order (forward order
-    for activations, backward order for output gradients) and those before it apart:
-    the origin is where the profile of change jumps, so a module that moved can sit
-    before it; the one with the largest step of those is named."""
+    """How many modules of the lead's signal moved with it (the echoes of the event's
+    findings), those after the lead in propagation order (forward order for
+    activations, backward order for output gradients) and those before it apart: the
+    origin is where the profile of change jumps, so a module that moved at the same
+    sample can sit before it (the one with the largest step of those is named); one
+    before it that moved only at a later sample is an echo that the updates after the
+    change carried back."""
     s = c.series
     echoes: dict[tuple[str, int], Candidate] = {}
     for facet in event.facets:
@@ -135,20 +146,41 @@ def _echoes_text(event: Event, c: Candidate) -> str:
         before = [e for e in echoes.values() if e.position > c.position]
     else:
         before = [e for e in echoes.values() if e.position < c.position]
-    after = len(echoes) - len(before)
+    after = [e for e in echoes.values() if e not in before]
+    onset = c.onset
+
+    def later(e: Candidate) -> bool:
+        return onset is not None and e.onset is not None and e.onset > onset
+
+    def size(e: Candidate) -> float:
+        return abs(e.change.step_z) if e.change is not None else 0.0
+
     text = ""
     if after:
-        text += f" {after} module(s) after it in propagation order moved at the same samples."
-    if before:
-
-        def size(e: Candidate) -> float:
-            return abs(e.change.step_z) if e.change is not None else 0.0
-
-        largest = max(before, key=size)
+        lags = [
+            e.onset - onset
+            for e in after
+            if onset is not None and e.onset is not None and e.onset > onset
+        ]
+        when = f"at the same sample or up to {max(lags)} later" if lags else "at the same samples"
+        text += f" {len(after)} module(s) after it in propagation order moved {when}."
+    together = [e for e in before if not later(e)]
+    if together:
+        largest = max(together, key=size)
         text += (
-            f" {len(before)} module(s) before it in propagation order moved at the same "
+            f" {len(together)} module(s) before it in propagation order moved at the same "
             f"samples too (the largest step: {display_module(largest.series.module)}, "
             f"{format_value(size(largest))} residual spreads); the change may begin there."
+        )
+    behind = [e for e in before if later(e)]
+    if behind:
+        largest = max(behind, key=size)
+        first = min(e.onset for e in behind if e.onset is not None)
+        text += (
+            f" {len(behind)} module(s) before it in propagation order moved only from "
+            f"sample {first} on (the largest step: {display_module(largest.series.module)}, "
+            f"{format_value(size(largest))} residual spreads), after this change: the "
+            "updates that followed it carried it back."
         )
     return text
 
@@ -209,16 +241,29 @@ def _step_texts(
             if change.confirmed
             else "not yet confirmed by later samples"
         )
-    text = (
-        f"{where} moved {size} its {trend} trend at {_when(change.start_sample, forward)}: "
-        f"{format_value(after)} where the trend forecast {format_value(before)} "
-        f"({format_value(abs(change.step_z))} residual spreads), and {kind}."
-    )
+    if change.kind == "sustained_shift":
+        # Found over two windows of a noisy series: the level after is the median of
+        # the values from the change on, its size in standard errors of the step.
+        text = (
+            f"{where} moved {size} its {trend} trend from "
+            f"{_when(change.start_sample, forward)} on: the median of its values from "
+            f"there, {format_value(after)}, where the trend forecast {format_value(before)} "
+            f"({format_value(abs(change.step_z))} standard errors of the step), and {kind}."
+        )
+    else:
+        text = (
+            f"{where} moved {size} its {trend} trend at {_when(change.start_sample, forward)}: "
+            f"{format_value(after)} where the trend forecast {format_value(before)} "
+            f"({format_value(abs(change.step_z))} residual spreads), and {kind}."
+        )
+    current = next((p for p in window if p[0] == change.start_sample), None)
+    value = current[2] if current is not None else after
     if previous is not None:
-        verb = "rose" if previous[2] < after else "fell" if previous[2] > after else "stayed"
+        verb = "rose" if previous[2] < value else "fell" if previous[2] > value else "stayed"
         text += (
             f" The value itself {verb} from {format_value(previous[2])} at sample "
-            f"{previous[0]} to {format_value(after)}."
+            f"{previous[0]} to {format_value(value)}"
+            + (f" at sample {change.start_sample}." if current is not None else ".")
         )
     section = cross_section(c, observer, same)
     # The module just before this one in forward order, for activations: its input.

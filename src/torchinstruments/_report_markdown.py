@@ -30,17 +30,19 @@ Rules for your answer:
    "value" and "in_residual_spreads", and first, latest, min, max with their samples.
 2. Separate measurement (what the numbers show) from mechanism (why it might happen);
    label mechanisms as hypotheses.
-3. Treat "warmup_complete": false as weak evidence. "early_in_run": true means the
-   series' reference was still young, so the change had to pass twice the usual
-   residual spreads: weigh it by its size, and prefer a later change of similar size.
+3. Treat "warmup_complete": false as weak evidence. "young_reference": true means the
+   series had fewer than 1.5 warm-ups of values before the change (its reference was
+   still young, wherever the change sits in the run), so the change had to pass twice
+   the usual residual spreads: weigh it by its size, and prefer a later change of
+   similar size.
 4. An event's module is where the change begins along depth. Its "cross_section" gives,
    at the onset, the module (offset 0) and its neighbours in forward order, each against
    its own trend: "before" (forecast), "after", "ratio" (or "difference" for fractions
    and kurtosis) and "in_spreads" (the departure in that series' own noise units). For
    activations, modules before it near 0 spreads and the module far from 0 place the
    origin there; output gradients flow backwards, so for them the modules after it stay
-   near 0 and those before it move with it. Its "echoes" moved at the same samples
-   because of it.
+   near 0 and those before it move with it. Its "echoes" moved with it, at its sample
+   or a few samples later (each one's "onset_sample"), because of it.
    "also_named" are other modules that output the same tensor. Module "<model>" is a
    model-wide event: most of the model moved at once, a run-level cause.
 5. "shape" says what happened: a "step" that held, a "spike" that returned, a "bend"
@@ -250,12 +252,21 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         names = ", ".join(md_code(n) for n in e["also_named"])
         lines.append(f"- The same tensor is also the output of: {names}.")
     if e.get("echoes"):
+        onset = (e.get("onset") or {}).get("sample")
         names = ", ".join(
             md_code(x["module"] + (f" (call {x['call_index']})" if x.get("call_index") else ""))
+            + (
+                f" (from sample {x['onset_sample']})"
+                if x.get("onset_sample") is not None and x["onset_sample"] != onset
+                else ""
+            )
             for x in e["echoes"]
         )
         more = f" and {e['echoes_omitted']} more" if e.get("echoes_omitted") else ""
-        lines.append(f"- Echoes (moved at the same samples, not listed separately): {names}{more}.")
+        lines.append(
+            f"- Echoes (moved with it, at its sample unless another is given; not listed "
+            f"separately): {names}{more}."
+        )
     history = (e.get("history") or {}).get("points") or []
     if len(history) >= 2:
         metric = e["history"]["metric"]

@@ -132,7 +132,7 @@ def _model_wide_header() -> dict[str, Any]:
         "tensor_path": None,
         "not_applicable": "call_index and tensor_path: a model-wide event has neither",
         "warmup_end_sample": None,
-        "early_in_run": False,
+        "young_reference": False,
         "change_in_residual_spreads": None,
         "change_sample": None,
         "change_forward": None,
@@ -167,7 +167,7 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
             "change_sample": item["change_sample"],
             "change_forward": item["change_forward"],
             "change_in_residual_spreads": item["change_in_residual_spreads"],
-            "early_in_run": False,
+            "young_reference": False,
         }
     )
     evidence = item["evidence"]
@@ -183,7 +183,7 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         "direction": "up" if evidence["factor"] > 1 else "down",
         "onset": item["onset"],
         "warmup_complete": item["warmup_complete"],
-        "early_in_run": False,
+        "young_reference": False,
         "findings": [{"category": item["category"], "rank": item["rank"], "metric": "rms"}],
         "model_wide": {"measured_on": "loss gradient (the root output's gradient RMS)"},
         "change": {

@@ -142,7 +142,7 @@ def facet_row(facet: Facet, observer: RunSnapshot, same: SameTensor) -> dict[str
         "change_in_residual_spreads": (
             max([step_size(c), *(step_size(e) for e in c.echoes)]) if c.change is not None else None
         ),
-        "early_in_run": is_early(c),
+        "young_reference": is_early(c),
         "ranking": {**ranking(c), "group_value": c.group_score},
     }
     latest = c.tracker.latest
@@ -186,7 +186,7 @@ def event_body(
         "direction": {1: "up", -1: "down"}.get(c.direction),
         "onset": onset_of(c.onset, observer),
         "warmup_complete": t.warmup_complete,
-        "early_in_run": is_early(c),
+        "young_reference": is_early(c),
         "findings": [
             {"category": f.category, "rank": f.rank, "metric": f.candidate.metric}
             for f in event.facets
@@ -210,6 +210,7 @@ def event_body(
         before, after = judged.level(change.level_before), judged.level(change.level_after)
         step: dict[str, Any] = {
             "metric": measure,
+            "kind": change.kind,
             "start_sample": change.start_sample,
             "alarm_sample": change.alarm_sample,
             "trend_forecast": before,
