@@ -4,6 +4,8 @@ cross-section in index.md, advice that fits the shape and the module, stopped mo
 from __future__ import annotations
 
 import copy
+import gc
+import itertools
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -29,9 +31,12 @@ class Gate(nn.Module):
         return x if self.skip else self.inner(x)
 
 
-def stepped_run(directory: Path, *, sampling: int = 1, steps: int = 90) -> dict[str, Any]:
+def stepped_run(
+    directory: Path, *, sampling: int = 1, steps: int = 90, drop: bool = False
+) -> dict[str, Any]:
     """Linear, Linear, Identity, Tanh, Linear; the second Linear's weight x4 at step 60.
-    The Identity returns the second Linear's tensor, the root the last Linear's."""
+    The Identity returns the second Linear's tensor, the root the last Linear's. With
+    ``drop`` the model is not removed but dropped in a reference cycle and collected."""
     torch.manual_seed(0)
     faulty = nn.Linear(16, 16)
     model = nn.Sequential(nn.Linear(8, 16), faulty, nn.Identity(), nn.Tanh(), nn.Linear(16, 1))
@@ -50,7 +55,12 @@ def stepped_run(directory: Path, *, sampling: int = 1, steps: int = 90) -> dict[
         optimizer.zero_grad()
         model(torch.randn(32, 8, generator=generator)).pow(2).mean().backward()
         optimizer.step()
-    remove_observer(model)
+    if drop:
+        model.myself = [model]  # type: ignore[assignment]
+        del model, faulty, optimizer
+        gc.collect()
+    else:
+        remove_observer(model)
     return read_report(directory)
 
 
@@ -578,3 +588,57 @@ def test_an_event_is_led_by_its_most_upstream_facet() -> None:
     # Only breaks of trend: the most upstream, as before.
     late_bend = facet("heavy_tail_growth", "fc1", 5, 35, "activation", kind="trend")
     assert lead(bend, late_bend) == ["fc1", "act"]
+
+
+def test_a_scaled_linear_before_a_saturating_tanh_gets_the_weight_advice(tmp_path: Path) -> None:
+    """A Linear's weight x10 in a Tanh MLP: its output steps 10x, and the Tanh after it
+    saturates, so the Linear's output gradient gains exact zeros (zero_fraction_growth
+    of grad_output, a facet of the same event). The advice said "Units at 4 stopped
+    firing" and pointed at its input, which the same text says did not move: zeros of
+    an output gradient are not units that stopped firing. The Linear's advice is back."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    y = torch.tensor(digits.target)
+    torch.manual_seed(0)
+    widths = [64, 96, 96, 96, 64]
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(widths):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(64, 10))
+    inject_observer(model, output_dir=tmp_path, sampling=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(600):
+        if step == 400:
+            with torch.no_grad():
+                cast(nn.Linear, model[4]).weight.mul_(10)
+        batch = torch.randint(0, len(x), (64,), generator=generator)
+        loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    remove_observer(model)
+    event = read_report(tmp_path)["events"][0]
+    assert (event["module"], event["shape"], event["onset"]["forward"]) == ("4", "step", 400)
+    assert "zero_fraction_growth" in {f["category"] for f in event["findings"]}
+    assert event["next_experiment"].startswith(
+        "4 is a Linear: compare its weight norm just before and just after sample 100"
+    )
+
+
+def test_a_model_collected_while_observed_keeps_its_module_kinds(
+    tmp_path: Path, stepped: tuple[dict[str, Any], Path]
+) -> None:
+    """The final report of a model collected while observed named no module kinds (they
+    were read from the live modules): every event lost "a Linear" and its Linear
+    advice. They are kept from when the modules were observed."""
+    dropped = stepped_run(tmp_path, sampling=2, steps=180, drop=True)
+    removed = stepped[0]
+    assert dropped["run"]["final"] is True
+    assert [e["module_kind"] for e in dropped["events"]] == [
+        e["module_kind"] for e in removed["events"]
+    ]
+    assert dropped["events"][0]["module_kind"] == "Linear"
+    assert dropped["events"][0]["next_experiment"] == removed["events"][0]["next_experiment"]

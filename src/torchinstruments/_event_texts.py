@@ -322,7 +322,15 @@ def _step_texts(
     if s.signal == GRAD_OUTPUT:
         experiment = _gradient_experiment(section, module, when)
         return text, _keep_fixed(experiment)
-    zero = any(f.category == "zero_fraction_growth" for f in event.facets)
+    # Units that stopped firing: more exact zeros in this module's own activation (not in
+    # an output gradient, whose zeros rise where the module after it saturates).
+    zero = any(
+        f.category == "zero_fraction_growth"
+        and f.candidate.series.signal == s.signal
+        and f.candidate.series.module == s.module
+        and f.candidate.direction > 0
+        for f in event.facets
+    )
     from_input = (
         None
         if s.tensor_path.startswith(ATTENTION_LOGITS_PATH)
@@ -330,7 +338,7 @@ def _step_texts(
     )
     if from_input is not None:
         experiment = from_input
-    elif (zero and change.step > 0) or measure == "zero_fraction":
+    elif zero or (measure == "zero_fraction" and change.step > 0):
         experiment = (
             f"Units at {module} stopped firing at {when}: check the scale and bias of "
             f"its input (the module before it) and the learning rate at that point; "

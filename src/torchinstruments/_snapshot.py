@@ -311,9 +311,10 @@ def modules_replaced(observer: Observer) -> list[str]:
 
 
 def module_kinds(observer: Observer) -> dict[str, str]:
-    """Class name (``Linear``, ``LayerNorm``, ...) per selected module name, for the
-    modules still alive (the report words its advice by the kind of module)."""
-    kinds = {}
+    """Class name (``Linear``, ``LayerNorm``, ...) per selected module name (the report
+    words its advice by the kind of module): of the module in its place now, or, for a
+    module gone with its model (a model collected while observed), as it was observed."""
+    kinds = dict(observer.module_classes)
     for index, name in enumerate(observer.names):
         try:
             module = observer.module(index)

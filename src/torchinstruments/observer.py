@@ -92,6 +92,9 @@ class Observer:
         self._root = weakref.ref(root)
         self.names = [name for name, _ in modules]
         self._modules = [weakref.ref(module) for _, module in modules]
+        #: Class name of each observed module, by name, as it was observed (the report
+        #: words its advice by it, also after the model is gone).
+        self.module_classes = {name: type(module).__name__ for name, module in modules}
         self.policy = policy
         self.report_config = report_config
         self.track_config = track_config
@@ -511,6 +514,7 @@ class Observer:
         index = len(self.names)
         self.names.append(name)
         self._modules.append(weakref.ref(module))
+        self.module_classes[name] = type(module).__name__
         self.capture.plan_histograms(index, name)
         hook = self._forward_hook(index, name)
         handle = hook.register(module)
