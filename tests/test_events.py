@@ -598,9 +598,9 @@ def test_a_scaled_linear_before_a_saturating_tanh_gets_the_weight_advice(tmp_pat
     an output gradient are not units that stopped firing. The Linear's advice is back."""
     from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16
-    y = torch.tensor(digits.target)
+    features, targets = load_digits(return_X_y=True)
+    x = torch.tensor(features, dtype=torch.float32) / 16
+    y = torch.tensor(targets)
     torch.manual_seed(0)
     widths = [64, 96, 96, 96, 64]
     layers: list[nn.Module] = []
