@@ -362,13 +362,16 @@ def test_index_names_an_echo_s_call_when_it_is_not_the_first(
     ]
     index = render_markdown(report)
     assert (
-        "Echoes (moved with it, at its sample unless another is given; not listed separately): "
+        "Echoes (moved with it, at its sample and in its signal unless others are given; "
+        "not listed separately): "
     ) in index
     assert "`block.relu (call 1)`, `block.fc`." in index
-    # An echo whose change began at another sample says which.
+    # An echo whose change began at another sample, or in another signal, says which.
     event["echoes"][1]["onset_sample"] = event["onset"]["sample"] + 1
+    event["echoes"][0]["signal"] = "grad_output"
     index = render_markdown(report)
-    assert f"`block.fc` (from sample {event['onset']['sample'] + 1})." in index
+    later = event["onset"]["sample"] + 1
+    assert f"`block.relu (call 1)` (grad_output), `block.fc` (from sample {later})." in index
 
 
 def test_a_cross_section_of_differences_is_headed_so(
@@ -483,12 +486,17 @@ def test_a_gradient_step_whose_later_modules_held_is_at_the_module_itself() -> N
         {"offset": 1, "module": "c_fc", "in_spreads": 1.2},
         {"offset": 2, "module": "act", "in_spreads": -2.5},
     ]
+    # The gradient reaching ln_2 passes c_fc's weights: a c_fc weight scaled there moves
+    # ln_2's output gradient while c_fc's own holds (a fresh user's ReLU MLP, a Linear
+    # x10: the gradient event named only the ReLU before it).
     assert _gradient_experiment(held, "ln_2", "sample 34") == (
         "The gradient reaching ln_2 changed at sample 34 while those of the modules after "
-        "it in forward order held (c_fc, act within 3 residual spreads): the change is at "
-        "ln_2 itself, whose output now takes another path back (its forward bypassed or "
-        "replaced, its output changed in place, detached or rerouted). Check ln_2's "
-        "forward at sample 34."
+        "it in forward order held (c_fc, act within 3 residual spreads): the change is "
+        "between them, at ln_2 itself, whose output now takes another path back (its "
+        "forward bypassed or replaced, its output changed in place, detached or "
+        "rerouted), or in the weights of c_fc, which the gradient passes from c_fc's "
+        "output to ln_2's (scaled or replaced; an event at c_fc at the same sample says "
+        "so). Check c_fc's weights and ln_2's forward at sample 34."
     )
     moved = [*held[:3], {**held[3], "in_spreads": 3.0}]
     assert _gradient_experiment(moved, "ln_2", "sample 34").startswith(

@@ -91,12 +91,16 @@ def _gradient_experiment(section: list[dict[str, Any]] | None, module: str, when
     after_rows = [r for r in section or () if r["offset"] > 0 and r["in_spreads"] is not None]
     if after_rows and all(abs(r["in_spreads"]) < MOVED_SPREADS for r in after_rows):
         held = ", ".join(r["module"] for r in after_rows[:2])
+        following = after_rows[0]["module"]
         return (
             f"The gradient reaching {module} changed at {when} while those of the "
             f"modules after it in forward order held ({held} within "
-            f"{format_value(MOVED_SPREADS)} residual spreads): the change is at {module} "
-            "itself, whose output now takes another path back (its forward bypassed or "
-            f"replaced, its output changed in place, detached or rerouted). Check "
+            f"{format_value(MOVED_SPREADS)} residual spreads): the change is between "
+            f"them, at {module} itself, whose output now takes another path back (its "
+            "forward bypassed or replaced, its output changed in place, detached or "
+            f"rerouted), or in the weights of {following}, which the gradient passes "
+            f"from {following}'s output to {module}'s (scaled or replaced; an event at "
+            f"{following} at the same sample says so). Check {following}'s weights and "
             f"{module}'s forward at {when}."
         )
     return (
@@ -260,9 +264,10 @@ def _step_texts(
     value = current[2] if current is not None else after
     if previous is not None:
         verb = "rose" if previous[2] < value else "fell" if previous[2] > value else "stayed"
+        kept = " (the last value kept before it)" if previous[0] != change.start_sample - 1 else ""
         text += (
             f" The value itself {verb} from {format_value(previous[2])} at sample "
-            f"{previous[0]} to {format_value(value)}"
+            f"{previous[0]}{kept} to {format_value(value)}"
             + (f" at sample {change.start_sample}." if current is not None else ".")
         )
     section = cross_section(c, observer, same)

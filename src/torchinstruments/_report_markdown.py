@@ -146,6 +146,21 @@ def md_code(value: object, *, in_table: bool = False) -> str:
     return span.replace("|", "\\|") if in_table else span
 
 
+def _echo_name(echo: dict[str, Any], event: dict[str, Any]) -> str:
+    """An echo as index.md names it: its module (and call), then its signal and the
+    sample its change began at where they differ from the event's."""
+    name = md_code(
+        echo["module"] + (f" (call {echo['call_index']})" if echo.get("call_index") else "")
+    )
+    notes = []
+    if echo.get("signal") and echo["signal"] != event.get("signal"):
+        notes.append(str(echo["signal"]))
+    onset = (event.get("onset") or {}).get("sample")
+    if echo.get("onset_sample") is not None and echo["onset_sample"] != onset:
+        notes.append(f"from sample {echo['onset_sample']}")
+    return name + (f" ({', '.join(notes)})" if notes else "")
+
+
 def _returned_text(notable: int, listed: int, zero: int) -> str:
     """The findings of report.json, by where index.md shows them."""
     parts = [f"{notable} notable"]
@@ -252,20 +267,11 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         names = ", ".join(md_code(n) for n in e["also_named"])
         lines.append(f"- The same tensor is also the output of: {names}.")
     if e.get("echoes"):
-        onset = (e.get("onset") or {}).get("sample")
-        names = ", ".join(
-            md_code(x["module"] + (f" (call {x['call_index']})" if x.get("call_index") else ""))
-            + (
-                f" (from sample {x['onset_sample']})"
-                if x.get("onset_sample") is not None and x["onset_sample"] != onset
-                else ""
-            )
-            for x in e["echoes"]
-        )
+        names = ", ".join(_echo_name(x, e) for x in e["echoes"])
         more = f" and {e['echoes_omitted']} more" if e.get("echoes_omitted") else ""
         lines.append(
-            f"- Echoes (moved with it, at its sample unless another is given; not listed "
-            f"separately): {names}{more}."
+            f"- Echoes (moved with it, at its sample and in its signal unless others are "
+            f"given; not listed separately): {names}{more}."
         )
     history = (e.get("history") or {}).get("points") or []
     if len(history) >= 2:
