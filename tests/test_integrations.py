@@ -160,6 +160,8 @@ def test_callback_arguments_are_checked_when_the_callback_is_made() -> None:
         ({"include": 5}, "include must be a glob pattern string or a sequence of them"),
         ({"exclude": [3]}, "exclude must be a glob pattern string or a sequence of them"),
         ({"report_config": {"max_bytes": 10}}, "report_config must be a ReportConfig or None"),
+        ({"sinks": 5}, "sinks must be an iterable of sinks, got 5"),
+        ({"sinks": [object()]}, "each sink needs a write(report) method, got <object"),
     ]
     with pytest.raises(ConfigError) as error:
         Lightning("stats", metrics=("rms", "nope"))

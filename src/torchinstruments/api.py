@@ -411,16 +411,7 @@ def inject_observer(
         require_matplotlib()
     if not isinstance(write_files, bool):
         raise ConfigError(f"inject_observer: write_files must be a bool, got {shown(write_files)}")
-    if isinstance(sinks, str | bytes) or not isinstance(sinks, Iterable):
-        raise ConfigError(
-            f"inject_observer: sinks must be an iterable of sinks, got {shown(sinks)}"
-        )
-    sink_list = _listed("sinks", sinks)
-    for sink in sink_list:
-        if not callable(getattr(sink, "write", None)):
-            raise ConfigError(
-                f"inject_observer: each sink needs a write(report) method, got {shown(sink)}"
-            )
+    sink_list = _checked_sinks(sinks)
     if isinstance(histograms, HistogramSpec) or not isinstance(histograms, Iterable):
         raise ConfigError(
             "inject_observer: histograms must be an iterable of histogram(...) specs, "
@@ -577,6 +568,26 @@ def _check_output_dir(output_dir: object, caller: str = "inject_observer") -> No
         raise ConfigError(f"{expected}, got {shown(output_dir)} (not encodable)") from None
     if size > MAX_OUTPUT_DIR_BYTES:
         raise ConfigError(f"{expected}, got a path of {size} bytes")
+
+
+def _checked_sinks(sinks: object) -> list[Sink]:
+    """``sinks`` as a list, each with a ``write`` method.
+
+    Raises:
+        ConfigError: ``sinks`` is not an iterable (or is a str), or holds an object
+            without ``write(report)``.
+    """
+    if isinstance(sinks, str | bytes) or not isinstance(sinks, Iterable):
+        raise ConfigError(
+            f"inject_observer: sinks must be an iterable of sinks, got {shown(sinks)}"
+        )
+    sink_list = _listed("sinks", sinks)
+    for sink in sink_list:
+        if not callable(getattr(sink, "write", None)):
+            raise ConfigError(
+                f"inject_observer: each sink needs a write(report) method, got {shown(sink)}"
+            )
+    return sink_list
 
 
 def _typed(name: str, value: object, kind: type) -> Any:

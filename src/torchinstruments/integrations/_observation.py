@@ -8,7 +8,14 @@ from pathlib import Path
 
 from torch import nn
 
-from ..api import ObserverHandle, _as_patterns, _check_output_dir, _typed, inject_observer
+from ..api import (
+    ObserverHandle,
+    _as_patterns,
+    _check_output_dir,
+    _checked_sinks,
+    _typed,
+    inject_observer,
+)
 from ..config import ReportConfig
 from ..errors import ConfigError
 from ..sampling import SamplingPolicy, resolve_sampling
@@ -46,6 +53,7 @@ class Observation:
             _typed("report_config", report_config, ReportConfig)
             _as_patterns("include", include)
             _as_patterns("exclude", exclude)
+            sink_list = _checked_sinks(sinks)
         except ConfigError as error:
             message = str(error).removeprefix("inject_observer: ")
             raise ConfigError(f"{caller}: {message}") from None
@@ -54,7 +62,7 @@ class Observation:
         self.report_config = report_config
         self.include = include
         self.exclude = exclude
-        self.sinks = list(sinks)
+        self.sinks = sink_list
         self.handle: ObserverHandle | None = None
 
     def start(self, model: nn.Module, extra_sinks: Sequence[Sink] = ()) -> None:
