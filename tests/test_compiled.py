@@ -2101,6 +2101,20 @@ def test_a_compile_wrapper_made_after_injection_is_observed_from_its_second_call
         assert coverage["direct_call_forwards"] == steps - 1, name
         assert coverage["samples_observed"] == coverage["backward_samples_observed"] == steps - 1
     assert reports["compiled"]["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    # Another model of the class, wrapped after injection too: its code is compiled
+    # already, so nothing traces our hooks and its calls stay unobserved. The headline
+    # says why instead of asking for train mode.
+    again = DirectHolder(None, copy.deepcopy(model), copy.deepcopy(head))
+    inject_observer(again, output_dir=tmp_path / "again", sampling=1)
+    again.model = cast(nn.Module, torch.compile(again.model, backend="aot_eager"))
+    direct_steps(again, 2, with_head=False)
+    headline = remove_observer_and_read(again, tmp_path / "again")["summary"]["headline"]
+    assert headline == (
+        "No training forward was observed. `model` is a torch.compile wrapper made after "
+        "injection whose code was compiled before (for another model of its class): calls "
+        "made outside the root's forward run unobserved there. Inject the observer after "
+        "compiling, or train through the root."
+    )
 
 
 class GanHolder(nn.Module):

@@ -156,8 +156,12 @@ class RunSnapshot:
     parents_adopted: Mapping[str, str]
     #: Observed modules no longer in their place in the model.
     modules_replaced: tuple[str, ...]
-    #: Class name (``Linear``, ``LayerNorm``, ...) per selected module still alive.
+    #: Class name (``Linear``, ``LayerNorm``, ...) per selected module.
     module_kinds: Mapping[str, str]
+    #: ``torch.compile`` wrappers below the root without the observer's direct-call
+    #: hooks (made after injection, their code compiled before: see
+    #: ``Observer.unhooked_compile_wrappers``), by display name.
+    unhooked_compile_wrappers: tuple[str, ...]
     #: True once a training forward went through the root.
     root_forward_seen: bool
     report_config: ReportConfig
@@ -244,6 +248,7 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         attention_modules_adopted=tuple(observer.attention_modules_adopted),
         modules_replaced=tuple(modules_replaced(observer)),
         module_kinds=module_kinds(observer),
+        unhooked_compile_wrappers=tuple(observer.unhooked_compile_wrappers()),
         root_forward_seen=ctx.root_forward_seen,
         report_config=observer.report_config,
         track_config=observer.track_config,

@@ -298,6 +298,24 @@ class Observer:
             )
             self._handles.append(module.register_forward_hook(DirectCallPostHook(context, entry)))
 
+    def unhooked_compile_wrappers(self) -> list[str]:
+        """Names (without ``_orig_mod``) of the ``torch.compile`` wrappers below the
+        root that have no direct-call hooks of this observer: made after injection, and
+        never compiled while no forward of ours was open (their code was compiled
+        before, for another model of the same class). Calls of them made with no root
+        forward open are not observed. Empty with ``capture_direct_forwards`` (where
+        direct calls are observed eagerly) or once the root is gone."""
+        root = self.root
+        if root is None or self.capture_direct_forwards:
+            return []
+        return [
+            without_compile_wrappers(name)
+            for name, module in root.named_modules()
+            if is_compile_wrapper(module)
+            and getattr(module, COMPILED_WRAPPER_ATTRIBUTE) is not root
+            and not _hooked(self._compile_entries, module)
+        ]
+
     def _compiled_while_idle(self) -> None:
         """Dynamo traces a hook of ours (at trace time, from ``_compiled_capture.py``):
         where no forward of ours is open (no root forward, no direct call through a

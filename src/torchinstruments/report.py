@@ -530,6 +530,18 @@ def _headline(
     stopped: Sequence[dict[str, Any]] = (),
 ) -> str:
     if not observer.root_forward_seen and not observer.counters.forwards_seen:
+        wrappers = observer.unhooked_compile_wrappers
+        if wrappers:
+            names = ", ".join(f"`{display_module(name)}`" for name in wrappers[:3])
+            what = (
+                "is a torch.compile wrapper" if len(wrappers) == 1 else "are torch.compile wrappers"
+            )
+            return (
+                f"No training forward was observed. {names} {what} made after injection "
+                "whose code was compiled before (for another model of its class): calls "
+                "made outside the root's forward run unobserved there. Inject the "
+                "observer after compiling, or train through the root."
+            )
         return (
             f"No training forward was observed ({observer.counters.eval_forwards_skipped} forwards "
             "skipped as evaluation: eval mode, no_grad, inference_mode or inside a "
