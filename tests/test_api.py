@@ -336,6 +336,17 @@ def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch
     assert first["message"] == "reduction failed on purpose"
 
 
+class LeafModel(nn.Module):
+    """A model without submodules: ``y = x * w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
 def test_selection_that_matches_nothing_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"selects no module besides the root; module names"):
         inject_observer(ResidualNet(), output_dir=tmp_path, include="block.*")
@@ -359,8 +370,10 @@ def test_selection_that_matches_nothing_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"^inject_observer: exclude=\['\*'\] selects no"):
         inject_observer(ResidualNet(), output_dir=tmp_path, exclude="*")
-    # A model without submodules has nothing to exclude: the root is observed.
-    leaf = nn.Linear(3, 2)
+    # A model without submodules has nothing to exclude: the root is observed. (A class
+    # of its own: an observed root's class is guarded on by code compiled later in the
+    # process, as nn.Linear would be in every other test's models.)
+    leaf = LeafModel()
     inject_observer(leaf, output_dir=tmp_path, exclude="*")
     remove_observer(leaf)
 

@@ -404,7 +404,11 @@ def test_a_model_dropped_without_removal_is_collected(tmp_path: Path) -> None:
         del model
     gc.collect()
     assert [reference() for reference in references] == [None, None, None]
-    assert read_report(tmp_path / "0")["coverage"]["forwards_seen"] == 0  # the first report
+    # Each wrote its final report when collected (the report at injection was the last).
+    for run in range(3):
+        report = read_report(tmp_path / str(run))
+        assert report["run"]["final"] is True
+        assert report["coverage"]["forwards_seen"] == 2
 
 
 def test_forwards_never_followed_by_a_backward_retain_nothing(tmp_path: Path) -> None:
