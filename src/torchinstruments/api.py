@@ -473,7 +473,9 @@ def inject_observer(
         if holder is not None and holder() is not None and not holder().removed:  # type: ignore[union-attr]
             raise ObserverStateError(
                 f"inject_observer: output_dir {str(directory)!r} is already used by another "
-                "live observer; give each observed model its own output_dir"
+                "live observer; give each observed model its own output_dir (a model "
+                "dropped without remove_observer keeps it until the garbage collector "
+                "frees the model: call remove_observer, or gc.collect())"
             )
         modules = select_modules(root, include_patterns, exclude_patterns, types)
         examples = [name for name, _ in itertools.islice(root.named_modules(), 1, 6)]
