@@ -850,7 +850,12 @@ def _recomputable(block: Tensor | None) -> bool:
     graph without AOTAutograd, which runs the region as ``torch.utils.checkpoint``
     itself (see :func:`_checkpoint_region`): the hook stays a graph break there, so
     Dynamo runs the checkpoint call eagerly and the eager path observes it under the
-    checkpoint's saved-tensor hooks."""
+    checkpoint's saved-tensor hooks.
+
+    Dynamo calls this once for every hook it traces, before anything else of the hook:
+    it also asks the observers about ``torch.compile`` wrappers made after injection
+    (:func:`_traced_hook`, once per compilation)."""
+    _traced_hook()
     try:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     except Exception:
@@ -949,8 +954,6 @@ _count_dropped_constant: Callable[[Tensor | None], bool] = _count_dropped
 _recomputable_constant: Callable[[Tensor | None], bool] = _recomputable
 #: :func:`_checkpoint_region` as Dynamo sees it; set by :func:`enable`.
 _checkpoint_region_constant: Callable[[], int] = _checkpoint_region
-#: :func:`_traced_hook` as Dynamo sees it; set by :func:`enable`.
-_traced_hook_constant: Callable[[], bool] = _traced_hook
 #: ``ForwardHook.__call__`` as :func:`enable` found it (``torch.compiler.disable``d).
 _opaque_call: Callable[..., Any] | None = None
 
@@ -1024,7 +1027,6 @@ def _forward_hook_call(
         compiled = self.compiled
         rows = self.rows
         if isinstance(compiled, CompiledCapture):
-            _traced_hook_constant()
             if not _recomputable_constant(_any_block(rows)):
                 return traced_activation(compiled, rows, output, args, kwargs)
             return _graph_break_call(self, module, args, kwargs, output)
@@ -1043,7 +1045,7 @@ def enable() -> None:
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
     global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
-    global _checkpoint_region_constant, _graph_break_call, _status, _traced_hook_constant
+    global _checkpoint_region_constant, _graph_break_call, _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return
@@ -1053,7 +1055,6 @@ def enable() -> None:
         _recomputable_constant = _assume_constant(_recomputable)
         _count_dropped_constant = _assume_constant(_count_dropped)
         _checkpoint_region_constant = _assume_constant(_checkpoint_region)
-        _traced_hook_constant = _assume_constant(_traced_hook)
         _graph_break_call = torch.compiler.disable(_call_as_graph_break, recursive=True)
     except Exception as error:
         _assign_constant = None
