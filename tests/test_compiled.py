@@ -2048,6 +2048,35 @@ def test_a_compiled_submodule_whose_output_the_loss_detaches_loses_nothing(
     assert "compiled_gradient_samples" not in coverage["limits_hit"]
 
 
+def test_compile_wrappers_lose_their_direct_call_hooks_once_training_goes_through_the_root(
+    tmp_path: Path, fresh_dynamo
+) -> None:
+    """Hooks on a compile wrapper send every call of it through ``nn.Module``'s full hook
+    dispatch (3.5 % of a step with each block of the example a wrapper). They only open
+    direct-call samples, and once a training forward went through the root, direct
+    calls are side computations: the first such forward removes them. Training through
+    the root is observed inside the graphs as before."""
+    torch.manual_seed(0)
+    holder = DirectHolder("aot_eager", LateNet(), nn.Linear(2, 1))
+    wrappers = [holder.model, holder.head]
+    inject_observer(holder, output_dir=tmp_path, sampling=1)
+
+    def ours(module: nn.Module) -> list[object]:
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        return [hook for hook in hooks if type(hook).__module__.startswith("torchinstruments")]
+
+    assert all(len(ours(wrapper)) == 2 for wrapper in wrappers)
+    holder.eval()
+    holder(torch.randn(4, 6))  # an evaluation forward keeps them
+    assert all(len(ours(wrapper)) == 2 for wrapper in wrappers)
+    holder.train()
+    holder(torch.randn(4, 6)).square().mean().backward()
+    assert [ours(wrapper) for wrapper in wrappers] == [[], []]
+    report = remove_observer_and_read(holder, tmp_path)
+    assert report["coverage"]["samples_observed"] == 1
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+
+
 class LateNet(nn.Module):
     """:class:`DirectNet`'s layers with a forward of its own: code that no other test
     compiled, so that its first call traces it."""

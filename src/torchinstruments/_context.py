@@ -446,7 +446,17 @@ class ForwardContext(_ContextCadence):
 
     def _reset_forward_state(self) -> None:
         """Note a training root forward and reset what a root forward starts from."""
-        self.root_forward_seen = True
+        if not self.root_forward_seen:
+            # Training goes through the root: direct calls of compile wrappers are side
+            # computations from now on, and their hooks only cost (the wrapper's hook
+            # dispatch on every call).
+            self.root_forward_seen = True
+            owner = self._owner()
+            if owner is not None:
+                try:
+                    owner.drop_compile_entries()
+                except Exception as error:  # never break training
+                    self.errors.record("compile_entries", "", error)
         self.implicit_opener = None
         self.sample_in_backward = False
         self.recompute_anchor = -1

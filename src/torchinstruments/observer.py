@@ -135,6 +135,8 @@ class Observer:
         #: The ``torch.compile`` wrappers below the root given direct-call hooks, by
         #: ``id`` (see :meth:`_attach_compile_entries`).
         self._compile_entries: dict[int, weakref.ref[nn.Module]] = {}
+        #: Handles of the compile wrappers' direct-call hooks (see drop_compile_entries).
+        self._entry_handles: list[Any] = []
         self._entries_made = 0
 
         # The stages, in data-flow order (see the module docstring).
@@ -293,10 +295,23 @@ class Observer:
             self._entries_made += 1
             entry = -self._entries_made  # the opener's identity: no module index is negative
             self._compile_entries[id(module)] = weakref.ref(module)
-            self._handles.append(
+            self._entry_handles.append(
                 module.register_forward_pre_hook(DirectCallPreHook(context, entry))
             )
-            self._handles.append(module.register_forward_hook(DirectCallPostHook(context, entry)))
+            self._entry_handles.append(
+                module.register_forward_hook(DirectCallPostHook(context, entry))
+            )
+
+    def drop_compile_entries(self) -> None:
+        """Remove the compile wrappers' direct-call hooks: called by the context at the
+        first training forward through the root, after which direct calls are side
+        computations (see ``ForwardContext.direct_call``). Each hook made the wrapper
+        take ``nn.Module``'s full hook dispatch on every call: 3.5 % of a step of the
+        example model with each block a wrapper, root eager
+        (``benchmarks/compiled_step_parts.py --compile wrappers``)."""
+        for handle in self._entry_handles:
+            handle.remove()
+        self._entry_handles.clear()
 
     def unhooked_compile_wrappers(self) -> list[str]:
         """Names (without ``_orig_mod``) of the ``torch.compile`` wrappers below the
@@ -357,6 +372,7 @@ class Observer:
         for handle in self._handles + self.capture.leaf_hooks:
             handle.remove()
         self._handles.clear()
+        self.drop_compile_entries()
         self.capture.leaf_hooks.clear()
         for ref, had, previous in self._wrapped:
             module = ref()
