@@ -2058,7 +2058,7 @@ def test_compile_wrappers_lose_their_direct_call_hooks_once_training_goes_throug
     the root is observed inside the graphs as before."""
     torch.manual_seed(0)
     holder = DirectHolder("aot_eager", LateNet(), nn.Linear(2, 1))
-    wrappers = [holder.model, holder.head]
+    wrappers = [cast(nn.Module, holder.model), cast(nn.Module, holder.head)]
     inject_observer(holder, output_dir=tmp_path, sampling=1)
 
     def ours(module: nn.Module) -> list[object]:
