@@ -160,7 +160,8 @@ class RunSnapshot:
     module_kinds: Mapping[str, str]
     #: ``torch.compile`` wrappers below the root without the observer's direct-call
     #: hooks (made after injection, their code compiled before: see
-    #: ``Observer.unhooked_compile_wrappers``), by display name.
+    #: ``Observer.unhooked_compile_wrappers``); looked for only while no training
+    #: forward was seen.
     unhooked_compile_wrappers: tuple[str, ...]
     #: True once a training forward went through the root.
     root_forward_seen: bool
@@ -248,7 +249,12 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         attention_modules_adopted=tuple(observer.attention_modules_adopted),
         modules_replaced=tuple(modules_replaced(observer)),
         module_kinds=module_kinds(observer),
-        unhooked_compile_wrappers=tuple(observer.unhooked_compile_wrappers()),
+        # Read only by the headline of a report without a training forward.
+        unhooked_compile_wrappers=(
+            tuple(observer.unhooked_compile_wrappers())
+            if not ctx.root_forward_seen and not ctx.forwards_seen
+            else ()
+        ),
         root_forward_seen=ctx.root_forward_seen,
         report_config=observer.report_config,
         track_config=observer.track_config,

@@ -550,12 +550,11 @@ def inject_observer(
 MAX_OUTPUT_DIR_BYTES = 3_072
 
 
-def _check_output_dir(output_dir: object, caller: str = "inject_observer") -> None:
-    """Raise ``ConfigError`` (its message starting with ``caller``) unless
-    ``output_dir`` is a non-empty ``str`` path (or a path-like giving one) without NUL,
-    at most ``MAX_OUTPUT_DIR_BYTES`` long."""
+def _check_output_dir(output_dir: object) -> None:
+    """Raise ``ConfigError`` unless ``output_dir`` is a non-empty ``str`` path (or a
+    path-like giving one) without NUL, at most ``MAX_OUTPUT_DIR_BYTES`` long."""
     expected = (
-        f"{caller}: output_dir must be a non-empty path (a str or os.PathLike[str] "
+        "inject_observer: output_dir must be a non-empty path (a str or os.PathLike[str] "
         f"without NUL, at most {MAX_OUTPUT_DIR_BYTES} bytes)"
     )
     try:

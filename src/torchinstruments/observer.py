@@ -19,7 +19,7 @@ import fnmatch
 import inspect
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -285,12 +285,8 @@ class Observer:
         if root is None:
             return
         context = self.context
-        for module in root.modules():
-            if (
-                not is_compile_wrapper(module)
-                or getattr(module, COMPILED_WRAPPER_ATTRIBUTE) is root
-                or _hooked(self._compile_entries, module)
-            ):
+        for _, module in _compile_wrappers_below(root):
+            if _hooked(self._compile_entries, module):
                 continue
             self._entries_made += 1
             entry = -self._entries_made  # the opener's identity: no module index is negative
@@ -325,10 +321,8 @@ class Observer:
             return []
         return [
             without_compile_wrappers(name)
-            for name, module in root.named_modules()
-            if is_compile_wrapper(module)
-            and getattr(module, COMPILED_WRAPPER_ATTRIBUTE) is not root
-            and not _hooked(self._compile_entries, module)
+            for name, module in _compile_wrappers_below(root)
+            if not _hooked(self._compile_entries, module)
         ]
 
     def _compiled_while_idle(self) -> None:
@@ -618,3 +612,11 @@ def _hooked(entries: dict[int, weakref.ref[nn.Module]], module: nn.Module) -> bo
     """True if ``module`` is among ``entries`` (not another object at a reused ``id``)."""
     ref = entries.get(id(module))
     return ref is not None and ref() is module
+
+
+def _compile_wrappers_below(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The ``torch.compile`` wrappers inside ``root`` (not one that wraps ``root``
+    itself), with their qualified names."""
+    for name, module in root.named_modules():
+        if is_compile_wrapper(module) and getattr(module, COMPILED_WRAPPER_ATTRIBUTE) is not root:
+            yield name, module

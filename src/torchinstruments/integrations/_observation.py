@@ -47,8 +47,8 @@ class Observation:
         sinks: Iterable[Sink],
         caller: str,
     ) -> None:
-        _check_output_dir(output_dir, caller)
         try:
+            _check_output_dir(output_dir)
             resolve_sampling(sampling)
             _typed("report_config", report_config, ReportConfig)
             _as_patterns("include", include)
