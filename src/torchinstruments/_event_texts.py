@@ -153,20 +153,20 @@ def _echoes_text(event: Event, c: Candidate) -> str:
     after = [e for e in echoes.values() if e not in before]
     onset = c.onset
 
+    def lag(e: Candidate) -> int:
+        """Samples from the lead's onset to ``e``'s (0 where either is unknown)."""
+        return e.onset - onset if onset is not None and e.onset is not None else 0
+
     def later(e: Candidate) -> bool:
-        return onset is not None and e.onset is not None and e.onset > onset
+        return lag(e) > 0
 
     def size(e: Candidate) -> float:
         return abs(e.change.step_z) if e.change is not None else 0.0
 
     text = ""
     if after:
-        lags = [
-            e.onset - onset
-            for e in after
-            if onset is not None and e.onset is not None and e.onset > onset
-        ]
-        when = f"at the same sample or up to {max(lags)} later" if lags else "at the same samples"
+        most = max(lag(e) for e in after)
+        when = f"at the same sample or up to {most} later" if most > 0 else "at the same samples"
         text += f" {len(after)} module(s) after it in propagation order moved {when}."
     together = [e for e in before if not later(e)]
     if together:
