@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,38 @@ def test_unwritable_output_dir_warns_once_counts_and_never_stops_training(tmp_pa
     assert sorted(e["stage"] for e in report["errors"]) == ["series_summary", "write"]
 
 
+def test_a_ranking_error_still_writes_the_final_report_without_findings_and_warns_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import torchinstruments.report as report_module
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("ranking failed on purpose")
+
+    monkeypatch.setattr(report_module, "run_rules", broken)
+    model = ResidualNet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = inject_observer(model, output_dir=tmp_path, sampling=1)
+        train(model, make_batches(3))
+        handle.flush()
+        remove_observer(model)
+    ours = [str(w.message) for w in caught if "could not rank" in str(w.message)]
+    assert len(ours) == 1
+    assert ours[0].startswith(
+        "torchinstruments could not rank this run's findings (ValueError: ranking failed "
+        "on purpose at test_api.py:"
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["run"]["final"] is True
+    assert report["run"]["report_number"] == 3  # the first sample, the flush, removal
+    assert report["findings"] == [] and report["events"] == []
+    assert report["summary"]["headline"] == report_module.RANKING_FAILED_HEADLINE
+    assert report["coverage"]["samples_observed"] == 3
+    assert [(e["stage"], e["count"]) for e in report["errors"]] == [("report", 3)]
+    assert report_module.RANKING_FAILED_HEADLINE in (tmp_path / "index.md").read_text()
+
+
 def test_hook_errors_are_caught_counted_and_reported(tmp_path: Path, monkeypatch) -> None:
     import torchinstruments._staging as staging_module
 
@@ -376,6 +409,59 @@ def test_selection_that_matches_nothing_is_refused(tmp_path: Path) -> None:
     leaf = LeafModel()
     inject_observer(leaf, output_dir=tmp_path, exclude="*")
     remove_observer(leaf)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.spare = nn.ModuleDict()  # empty: a leaf, never called
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def _selected(model: nn.Module, **options: Any) -> tuple[list[str], list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = inject_observer(model, write_files=False, **options)
+        observer = handle._observer
+        assert observer is not None
+        names = sorted(observer.names)
+        remove_observer(model)
+    return names, [f"{Path(w.filename).name}: {w.message}" for w in caught]
+
+
+def test_selection_skips_containers_and_warns_of_patterns_it_ignores() -> None:
+    names = "module names look like ['blocks', 'blocks.0', 'blocks.1', 'spare', 'head']"
+    # By default: the leaves, never a container without a forward (even an empty one).
+    assert _selected(_Stack()) == (["", "blocks.0", "blocks.1", "head"], [])
+    # A pattern among several that matches nothing is named, with the names there are.
+    assert _selected(_Stack(), include=["blocks.*", "blcks.*"]) == (
+        ["", "blocks.0", "blocks.1"],
+        [f"test_api.py: inject_observer: include pattern 'blcks.*' matches no module; {names}"],
+    )
+    assert _selected(_Stack(), exclude=["head", "haed"]) == (
+        ["", "blocks.0", "blocks.1"],
+        [f"test_api.py: inject_observer: exclude pattern 'haed' matches no module; {names}"],
+    )
+    # A ModuleList is never called: naming it says how to name what it holds.
+    hint = (
+        "include pattern 'blocks' matches only ModuleList container(s), which are never "
+        "called and are not observed; to observe the modules they hold, include 'blocks.*'"
+    )
+    assert _selected(_Stack(), include=["blocks", "head"]) == (
+        ["", "head"],
+        [f"test_api.py: inject_observer: {hint}"],
+    )
+    with pytest.raises(ConfigError) as error:
+        inject_observer(_Stack(), write_files=False, include="blocks")
+    assert str(error.value) == (
+        f"inject_observer: include=['blocks'] selects no module besides the root; {names} ({hint})"
+    )
 
 
 def test_side_calls_of_a_submodule_are_kept_out_of_root_training(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -335,6 +336,39 @@ def test_a_previous_run_s_plain_files_become_links_showing_the_same_at_each_step
         assert os.readlink(old / name) == f".current/{name}"
     assert (old / "notes.txt").read_text() == "mine"
     handle.remove()
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["linked", "replace_each"])
+def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: bool
+) -> None:
+    if not links:
+        monkeypatch.setattr(sinks_module, "symlinks_work", lambda directory: False)
+    (tmp_path / "index.md").write_text("# My experiment log\n")
+    (tmp_path / "report.json").write_text('{"accuracy": 0.91}')
+    (tmp_path / f"report.json{files_module.SET_ASIDE_SUFFIX}").write_text("kept before")
+    (tmp_path / "series.json").write_text("")  # empty: not ours either
+    with pytest.warns(RuntimeWarning) as caught:
+        model, _ = _run(tmp_path)
+        remove_observer(model)
+    ours = [str(w.message) for w in caught if "did not write" in str(w.message)]
+    assert ours == [
+        f"torchinstruments found files it did not write in {str(tmp_path)!r} under the "
+        "names of its report; they were kept as report.json.not-torchinstruments.1, "
+        "index.md.not-torchinstruments, series.json.not-torchinstruments"
+    ]
+    assert (tmp_path / "index.md.not-torchinstruments").read_text() == "# My experiment log\n"
+    assert (tmp_path / "report.json.not-torchinstruments.1").read_text() == '{"accuracy": 0.91}'
+    assert (tmp_path / "report.json.not-torchinstruments").read_text() == "kept before"
+    assert (tmp_path / "series.json.not-torchinstruments").read_text() == ""
+    assert visible(tmp_path) == (3, 3, 6)
+    # The next run finds only its own files there: nothing more is set aside.
+    with warnings.catch_warnings(record=True) as caught_again:
+        warnings.simplefilter("always")
+        model, _ = _run(tmp_path)
+        remove_observer(model)
+    assert not [w for w in caught_again if "did not write" in str(w.message)]
+    assert len(list(tmp_path.glob("*.not-torchinstruments*"))) == 4
 
 
 def test_stale_generations_and_temporaries_are_removed_and_nothing_else(

@@ -2,14 +2,27 @@
 
 Telemetry never breaks training: every hook catches its own errors and hands them to
 :meth:`ErrorLog.record`; the report's ``errors`` section lists the entries and
-``coverage.errors_total`` the count.
+``coverage.errors_total`` the count. What a user must hear of at once (a report that
+could not be written) is also said with :func:`warn`, which never raises.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 
-__all__ = ["ErrorEntry", "ErrorLog"]
+__all__ = ["ErrorEntry", "ErrorLog", "warn"]
+
+
+def warn(message: str) -> None:
+    """Issue a ``RuntimeWarning`` that never raises: under ``-W error`` (or a
+    ``filterwarnings = error`` test setting) a warning becomes an exception, which must
+    not reach the training loop; it is then dropped (the error it reports is counted in
+    the report anyway)."""
+    with contextlib.suppress(Exception):
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
 
 #: Most characters of an error message kept (its first line).
 MAX_MESSAGE_CHARS = 300

@@ -12,23 +12,13 @@ import contextlib
 import os
 import signal
 import threading
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .observer import Observer
 
-__all__ = ["AtExit", "on_termination", "sink_for_child", "warn"]
-
-
-def warn(message: str) -> None:
-    """Issue a ``RuntimeWarning`` that never raises: under ``-W error`` (or a
-    ``filterwarnings = error`` test setting) a warning becomes an exception, which must
-    not reach the training loop; it is then dropped (the error it reports is counted in
-    the report anyway)."""
-    with contextlib.suppress(Exception):
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+__all__ = ["AtExit", "on_termination", "sink_for_child"]
 
 
 class _TerminationWriter:

@@ -7,7 +7,8 @@ in; where the file system has no symbolic links it replaces each file on its own
 (:meth:`ReportFiles.replace_each`). It also removes what earlier runs killed in the
 middle of a write left behind (:func:`remove_stale_temporaries`), and takes in what a
 copy that resolved the links made of an earlier run's layout (a real directory
-``.current``, regular files under the visible names). The sink renders the
+``.current``, regular files under the visible names), and keeps files of someone
+else's found under those names (:func:`set_aside_foreign_files`). The sink renders the
 texts and decides the mode; this module only moves bytes. Only the standard library.
 """
 
@@ -16,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from ._error_log import warn
 from ._generations import (
     CURRENT_LINK,
     LINKED_NAMES,
@@ -76,6 +79,53 @@ _OWN_FILES = ("report.json", "index.md", "series.json", "details.json")
 #: Temporary links of the linked layout (``..current.<random>``, ``.plots.<random>``,
 #: ``.probe.<random>``), which :func:`remove_stale_temporaries` may delete too.
 _OWN_LINKS = (CURRENT_LINK, "plots", "probe")
+
+
+#: The suffix under which a file of someone else's found under one of our names is kept.
+SET_ASIDE_SUFFIX = ".not-torchinstruments"
+_OUR_JSON = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*"torchinstruments\.')
+_OUR_MARKDOWN = b"# torchinstruments "
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether the regular file ``path`` starts as this library's files do (a JSON
+    object whose first key is a ``torchinstruments.`` schema; ``index.md``'s title)."""
+    with open(path, "rb") as stream:
+        head = stream.read(256)
+    if path.suffix == ".md":
+        return head.startswith(_OUR_MARKDOWN)
+    return _OUR_JSON.match(head) is not None
+
+
+def set_aside_foreign_files(directory: Path) -> list[str]:
+    """Rename each regular file under one of our names (``report.json``, ``index.md``,
+    ``series.json``, ``details.json``) that this library did not write to
+    ``<name>.not-torchinstruments`` (``.1``, ``.2``, ... appended while that exists),
+    so that writing the report never destroys a user's own file; return the new names.
+    Files that cannot be read or renamed are left as they are (the write then replaces
+    them).
+    """
+    kept: list[str] = []
+    for name in _OWN_FILES:
+        path = directory / name
+        try:
+            if path.is_symlink() or not path.is_file() or _written_by_us(path):
+                continue
+            target = directory / f"{name}{SET_ASIDE_SUFFIX}"
+            number = 0
+            while os.path.lexists(target):
+                number += 1
+                target = directory / f"{name}{SET_ASIDE_SUFFIX}.{number}"
+            os.rename(path, target)
+        except OSError:
+            continue
+        kept.append(target.name)
+    if kept:
+        warn(
+            f"torchinstruments found files it did not write in {str(directory)!r} under "
+            f"the names of its report; they were kept as {', '.join(kept)}"
+        )
+    return kept
 
 
 def _own_temporary(name: str, bases: Sequence[str]) -> bool:
@@ -266,6 +316,7 @@ class ReportFiles:
         if not self._cleaned:
             self._cleaned = True
             remove_stale_temporaries(self.path)
+            set_aside_foreign_files(self.path)
         errors = atomic_write_together(files)
         full = any(error.errno == errno.ENOSPC for error in errors)
         # On a full disk, what earlier killed writes left may be what is missing.
@@ -300,6 +351,7 @@ class ReportFiles:
         numbers = [generation_number(entry.name) for entry in os.scandir(self.path)]
         self._next_number = max((n for n in numbers if n is not None), default=0) + 1
         remove_stale_temporaries(self.path)
+        set_aside_foreign_files(self.path)
         self._adopt_current_directory()
         self._adopt_plain_files()
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._lifecycle import warn
+from ._error_log import warn
 
 if TYPE_CHECKING:
     from .observer import Observer
@@ -65,8 +67,16 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
         snapshot = observer.snapshot()
         report = build_report(snapshot)  # statistics flushed above
     except Exception as error:
+        # The run's coverage and this error still reach output_dir: a report without
+        # ranking, rather than the previous report left in place with final: false.
         observer.record_error("report", "", error)
-        return
+        _warn_ranking(observer, error)
+        try:
+            snapshot = observer.snapshot()
+            report = build_report(snapshot, ranking=False)
+        except Exception as fallback_error:
+            observer.record_error("report", "", fallback_error)
+            return
     writer = observer.writer
     failed: dict[int, Exception] = {}  # id of a directory sink -> why its report failed
     if writer is not None:
@@ -115,6 +125,20 @@ def write_report_files(observer: Observer, block: bool, flush: bool, files_only:
             directory.note_failed_write(report, failed[id(directory)])
         else:
             directory.note_written(report)
+
+
+def _warn_ranking(observer: Observer, error: Exception) -> None:
+    if observer.warned_ranking:
+        return
+    observer.warned_ranking = True
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    warn(
+        f"torchinstruments could not rank this run's findings "
+        f"({type(error).__name__}: {error}{where}); the report it writes lists none, "
+        "training continues. This is a defect of torchinstruments: please report it "
+        "with this message."
+    )
 
 
 def _warn_write(observer: Observer, error: Exception, target: object) -> None:

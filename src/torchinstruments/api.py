@@ -7,6 +7,7 @@ import itertools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -244,13 +245,16 @@ def select_modules(
     modules (never the root, whose hooks define the sample). TorchScript submodules
     (``torch.jit.script`` or ``trace`` results) take no hooks and are never selected.
     A submodule replaced by its ``torch.compile`` wrapper is selected as the module it
-    wraps, named without the wrapper's ``_orig_mod`` (as after injection).
+    wraps, named without the wrapper's ``_orig_mod`` (as after injection). Containers
+    without a ``forward`` of their own (``nn.ModuleList``, ``nn.ModuleDict``,
+    ``nn.ParameterList``: :func:`has_no_forward`) are never called, so never selected.
     """
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     for qualified, module in root.named_modules():
         if id(module) in seen or (
-            module is not root and (_is_scripted(module) or is_compile_wrapper(module))
+            module is not root
+            and (_is_scripted(module) or is_compile_wrapper(module) or has_no_forward(module))
         ):
             continue
         name = without_compile_wrappers(qualified)
@@ -268,6 +272,48 @@ def select_modules(
             seen.add(id(module))
             chosen.append((name, module))
     return chosen
+
+
+def has_no_forward(module: nn.Module) -> bool:
+    """True for a module whose class keeps ``nn.Module``'s unimplemented ``forward``
+    (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.ParameterList``, ``nn.ParameterDict``):
+    calling it raises, so its hooks never fire."""
+    return getattr(type(module), "forward", None) is getattr(nn.Module, "forward", None)
+
+
+def selection_warnings(
+    root: nn.Module,
+    include: tuple[str, ...] | None,
+    exclude: tuple[str, ...] | None,
+) -> list[str]:
+    """What :func:`select_modules` ignored of what was asked, one message each: an
+    ``include`` or ``exclude`` pattern that matches no module name, and a container
+    without a ``forward`` matched by ``include`` (its children are observed only when
+    a pattern matches them, as ``"blocks.*"`` does).
+    """
+    names: list[tuple[str, nn.Module]] = [
+        (without_compile_wrappers(qualified), module)
+        for qualified, module in root.named_modules()
+        if module is not root and not is_compile_wrapper(module)
+    ]
+    messages: list[str] = []
+    for argument, patterns in (("include", include), ("exclude", exclude)):
+        for pattern in patterns or ():
+            matched = [m for name, m in names if fnmatch.fnmatchcase(name, pattern)]
+            if not matched:
+                examples = [name for name, _ in names[:5]]
+                messages.append(
+                    f"inject_observer: {argument} pattern {pattern!r} matches no module; "
+                    f"module names look like {examples!r}"
+                )
+            elif argument == "include" and all(has_no_forward(m) for m in matched):
+                messages.append(
+                    f"inject_observer: include pattern {pattern!r} matches only "
+                    f"{', '.join(sorted({type(m).__name__ for m in matched}))} "
+                    "container(s), which are never called and are not observed; to "
+                    f"observe the modules they hold, include {pattern + '.*'!r}"
+                )
+    return messages
 
 
 def _is_scripted(module: nn.Module) -> bool:
@@ -485,12 +531,17 @@ def inject_observer(
             "module_types": [t.__name__ for t in types] if types is not None else None,
         }
         chosen = [f"{name}={list(value)!r}" for name, value in given.items() if value is not None]
+        ignored = selection_warnings(root, include_patterns, exclude_patterns if examples else None)
         if chosen and len(modules) == 1:
+            hint = next((m for m in ignored if "container" in m), "")
             raise ConfigError(
                 f"inject_observer: {' and '.join(chosen)} select"
                 f"{'s' if len(chosen) == 1 else ''} no module besides the root; module "
                 f"names look like {examples!r}"
+                + (f" ({hint.removeprefix('inject_observer: ')})" if hint else "")
             )
+        for message in ignored:
+            warnings.warn(message, UserWarning, stacklevel=2)
         # A DirectorySink for the same directory (say with write_full_details=True)
         # replaces the default writer instead of writing the same files twice.
         own_sink = any(

@@ -117,6 +117,8 @@ class Observer:
         self.series_summary_omitted = 0
         #: True once a failed write was warned of (one warning a run).
         self.warned_write = False
+        #: True once a failed ranking was warned of (one warning a run).
+        self.warned_ranking = False
         #: The last error a report write met (None while none failed).
         self.last_write_error: Exception | None = None
         #: True while a report is being built and written (see _lifecycle.py).

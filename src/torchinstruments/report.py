@@ -180,7 +180,16 @@ def _round_key(
     )
 
 
-def build_report(observer: RunSnapshot) -> dict[str, Any]:
+#: The headline of a report built with ``ranking=False``.
+RANKING_FAILED_HEADLINE = (
+    "Ranking the observed series failed (see errors, stage `report`): this report lists "
+    "no findings. Its coverage counts what was observed; series.json, where written, "
+    "holds the series themselves. The error is a defect of torchinstruments: please "
+    "report it with the warning printed."
+)
+
+
+def build_report(observer: RunSnapshot, *, ranking: bool = True) -> dict[str, Any]:
     """Build the bounded report from an observer's snapshot (taken after a flush).
 
     Per category, the notable findings (at most ``top_k_per_category``) and then up to
@@ -190,17 +199,28 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
     each notable finding refers to its event (``events``), written once in full. The
     longest prefix of that order whose bytes fit is kept, with the events it refers to.
 
+    Args:
+        observer: the snapshot.
+        ranking: ``False`` builds the report without running the rules (no findings, no
+            events, no modules stopped; the headline says the ranking failed): the
+            fallback the observer writes when building with ranking raised, so that the
+            run's coverage and its errors still reach ``output_dir``.
+
     Returns:
         A JSON-safe dict whose :func:`dumps_report` bytes are at most
         ``observer.report_config.max_bytes`` long.
     """
     config = observer.report_config
-    stopped = modules_stopped(observer)
-    ranked = run_rules(
-        observer.series.values(),
-        loss_scaled=observer.counters.loss_scaled_samples > 0,
-        nonfinite_between_samples=_sentinel_hits(observer),
-        stopped={(m["module"], m["call_index"]): m["last_sample"] for m in stopped},
+    stopped = modules_stopped(observer) if ranking else []
+    ranked = (
+        run_rules(
+            observer.series.values(),
+            loss_scaled=observer.counters.loss_scaled_samples > 0,
+            nonfinite_between_samples=_sentinel_hits(observer),
+            stopped={(m["module"], m["call_index"]): m["last_sample"] for m in stopped},
+        )
+        if ranking
+        else {category: [] for category in CATEGORIES}
     )
     same = SameTensor(observer.series.values())
     kinds = dict(observer.module_kinds)
@@ -226,7 +246,11 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
             *(c for c in ranked[category] if not c.notable),
         ]
         items: list[tuple[object, tuple[Any, ...]]] = []
-        specials = _model_wide_findings(observer) if category == "gradient_scale_change" else []
+        specials = (
+            _model_wide_findings(observer)
+            if ranking and category == "gradient_scale_change"
+            else []
+        )
         for rank, special in enumerate(specials, 1):
             key = _round_key(
                 special["notable"],
@@ -327,8 +351,10 @@ def build_report(observer: RunSnapshot) -> dict[str, Any]:
                     "notable_findings_returned": notable_returned,
                     "events": len(bodies),
                     "events_returned": len(kept_events),
-                    "headline": _headline(
-                        kept_events, sum(notable_counts.values()), observer, stopped
+                    "headline": (
+                        _headline(kept_events, sum(notable_counts.values()), observer, stopped)
+                        if ranking
+                        else RANKING_FAILED_HEADLINE
                     ),
                     "first_non_finite": first_non_finite,
                 },
