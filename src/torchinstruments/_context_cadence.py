@@ -168,7 +168,7 @@ class _ContextCadence(ForwardState):
         if owner is None:
             return
         if pending and self.prompt_sinks:
-            owner.flush_statistics(block=True)  # the previous samples, complete by now
+            owner.flush_statistics(block=True, from_hook=True)  # the previous samples
         elif (
             pending >= MAX_PENDING_RECORDS
             or (pending and self.forwards_seen % interval == 0)
@@ -176,14 +176,14 @@ class _ContextCadence(ForwardState):
         ):
             # Rows from compiled graphs are flushed at once until the first have been
             # read: the parents of modules that did not run wait for them.
-            owner.flush_statistics(block=False)
+            owner.flush_statistics(block=False, from_hook=True)
         if time.monotonic() - self.last_write >= self.rewrite_interval_s:
-            owner.write_report(block=False)
+            owner.write_report(block=False, from_hook=True)
 
     def _write(self) -> None:
         owner = self._owner()
         if owner is not None:
-            owner.write_report(block=False)
+            owner.write_report(block=False, from_hook=True)
 
     def detach(self) -> None:
         """Close what is open; hooks that compiled code or stale references still call

@@ -66,7 +66,9 @@ class ObserverHandle:
     def flush(self) -> Path | None:
         """Write the report now; return the path of ``report.json`` (None if not observing).
 
-        Errors while writing are counted in the report, never raised.
+        Safe from any thread: a write another thread is running is waited for (up to
+        120 s; then this one is skipped and counted as an error). Errors while writing
+        are counted in the report, never raised.
         """
         if self._observer is None or self.removed:
             return None
@@ -95,7 +97,13 @@ class ObserverHandle:
             self._observer.caller_step = step
 
     def report(self) -> dict[str, Any] | None:
-        """Build and return the current report dict without writing it."""
+        """Build and return the current report dict without writing it; None on a rank
+        that does not observe. Waits for a flush or write another thread is running.
+
+        Raises:
+            TimeoutError: when another thread's write held the observer's report lock
+                for ``REPORT_LOCK_TIMEOUT_S`` (120 s).
+        """
         if self._observer is None:
             return None
         return self._observer.build_report()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import inspect
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -58,7 +59,12 @@ from .distributed import RankInfo
 from .histogram import HistogramSpec
 from .sampling import SampleForwards, SamplingPolicy
 
-__all__ = ["Observer", "RankInfo"]
+__all__ = ["REPORT_LOCK_TIMEOUT_S", "Observer", "RankInfo"]
+
+#: Longest wait, in seconds, of a flush or report write asked for outside the hooks
+#: (``handle.flush()``, ``handle.report()``, removal, exit) for one that another thread
+#: is running.
+REPORT_LOCK_TIMEOUT_S = 120.0
 
 
 class Observer:
@@ -123,6 +129,9 @@ class Observer:
         self.last_write_error: Exception | None = None
         #: True while a report is being built and written (see _lifecycle.py).
         self.writing = False
+        #: Held by each flush and report write: one at a time, whichever thread asks
+        #: (the training thread's hooks, ``handle.flush()`` from another, a finalizer).
+        self.report_lock = threading.RLock()
         #: In a process forked after injection: the parent's pid, and the training
         #: forwards seen before the fork (see :meth:`forked`); None in the original.
         self.forked_from_pid: int | None = None
@@ -401,14 +410,39 @@ class Observer:
         self.error_log.record(stage, module, error)
 
     # ------------------------------------------------------------------ flush
-    def flush_statistics(self, *, block: bool = True) -> None:
+    def _take_report_lock(self, from_hook: bool) -> bool:
+        """Take :attr:`report_lock`: at once or not at all from a hook (training never
+        waits on a write of another thread; that write carries the statistics on), else
+        waiting up to :data:`REPORT_LOCK_TIMEOUT_S` (a timeout is counted as an error)."""
+        if from_hook:
+            return self.report_lock.acquire(blocking=False)
+        if self.report_lock.acquire(timeout=REPORT_LOCK_TIMEOUT_S):
+            return True
+        self.record_error(
+            "report",
+            "",
+            TimeoutError(f"another thread held the report lock for {REPORT_LOCK_TIMEOUT_S:.0f} s"),
+        )
+        return False
+
+    def flush_statistics(self, *, block: bool = True, from_hook: bool = False) -> None:
         """Move pending statistics to the host and update the trackers.
 
         Each flush stacks the pending vectors per device and starts one copy to the host
         (non-blocking into pinned memory on CUDA). With ``block=False`` (inside hooks)
         only batches whose copy has completed are processed, so no hook waits on the
-        device; ``block=True`` waits for all of them.
+        device; ``block=True`` waits for all of them. Flushes and report writes of one
+        observer run one at a time (:attr:`report_lock`); with ``from_hook=True`` a
+        flush is skipped while another thread's runs.
         """
+        if not self._take_report_lock(from_hook):
+            return
+        try:
+            self._flush_statistics(block)
+        finally:
+            self.report_lock.release()
+
+    def _flush_statistics(self, block: bool) -> None:
         with passive():
             buffer = self.buffer
             if self.compiled_capture is not None:
@@ -443,36 +477,63 @@ class Observer:
     def build_report(self, *, block: bool = True) -> dict[str, Any]:
         """Flush statistics and build the report dict (JSON-safe).
 
-        ``block=False`` (inside hooks) uses only batches already on the host.
+        ``block=False`` uses only batches already on the host.
+
+        Raises:
+            TimeoutError: when another thread held :attr:`report_lock` for
+                :data:`REPORT_LOCK_TIMEOUT_S`.
         """
         from .report import build_report
 
-        self.flush_statistics(block=block)
-        return build_report(self.snapshot())
+        if not self._take_report_lock(from_hook=False):
+            raise TimeoutError(
+                f"another thread held the report lock for {REPORT_LOCK_TIMEOUT_S:.0f} s"
+            )
+        try:
+            self._flush_statistics(block)
+            return build_report(self.snapshot())
+        finally:
+            self.report_lock.release()
 
     def write_report(
-        self, *, block: bool = True, flush: bool = True, files_only: bool = False
+        self,
+        *,
+        block: bool = True,
+        flush: bool = True,
+        files_only: bool = False,
+        from_hook: bool = False,
     ) -> None:
         """Build the report and hand it to the writer and sinks; never raises.
 
         ``flush=False`` writes what is on the host already (pending statistics stay
         pending): used from a signal handler that may have interrupted a flush.
         ``files_only=True`` writes the files of ``output_dir`` and nothing to the sinks
-        (the first report, written at injection).
+        (the first report, written at injection). Writes run one at a time
+        (:attr:`report_lock`): ``handle.flush()`` from another thread waits for a write
+        under way; a write asked for by a hook (``from_hook=True``) is skipped while
+        another thread writes, and one asked for inside a write of the same thread (a
+        garbage-collector finalizer run in the middle of it) is skipped too.
         """
         forwards = self.context.forwards_seen
         if self.forked_from_pid is not None and forwards == self.forwards_at_fork:
             return  # a forked child that never trained: nothing of its own to write
+        if not self._take_report_lock(from_hook):
+            return
         started = time.perf_counter()
-        self.writing = True
         try:
-            with passive():
-                write_report_files(self, block, flush, files_only)
-        except Exception as error:  # never into training, whatever the warning filters
-            self.record_error("report", "", error)
+            if self.writing:  # this thread's own write is under way
+                return
+            self.writing = True
+            try:
+                with passive():
+                    write_report_files(self, block, flush, files_only)
+            except Exception as error:  # never into training, whatever the warning filters
+                self.record_error("report", "", error)
+            finally:
+                self.writing = False
+                self.capture.note_cost(time.perf_counter() - started)
         finally:
-            self.writing = False
-            self.capture.note_cost(time.perf_counter() - started)
+            self.report_lock.release()
         on_termination.deliver_deferred()
 
     def write_final_report(self) -> None:

@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -819,3 +820,38 @@ def test_temporaries_left_by_killed_writes_are_removed(tmp_path: Path) -> None:
     assert not any(path.exists() for path in leftovers)
     assert unrelated.read_text() == "kept"
     assert read_report(tmp_path)["errors"] == []
+
+
+def test_flushes_from_another_thread_and_automatic_writes_take_turns(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = ResidualNet()
+    # A rewrite due at every forward: the training thread writes whenever it can.
+    handle = inject_observer(
+        model,
+        output_dir=tmp_path,
+        sampling=1,
+        report_config=ReportConfig(rewrite_interval_s=1e-6),
+    )
+    stop = threading.Event()
+    flushes = 0
+
+    def flush_in_a_loop() -> None:
+        nonlocal flushes
+        while not stop.is_set():
+            handle.flush()
+            flushes += 1
+
+    thread = threading.Thread(target=flush_in_a_loop)
+    thread.start()
+    try:
+        train(model, make_batches(120))
+    finally:
+        stop.set()
+        thread.join()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    assert flushes > 0
+    assert report["errors"] == [] and report["coverage"]["errors_total"] == 0
+    assert report["coverage"]["samples_observed"] == 120
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert f"Report {report['run']['report_number']} of the run" in index
