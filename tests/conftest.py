@@ -3,10 +3,12 @@ loops, readers): import those from there, not from here."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from tests.harness import make_batches
+from tests.harness import make_batches, older_objects_frozen
 
 
 @pytest.fixture
@@ -26,3 +28,12 @@ def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
     monkeypatch.setitem(torch._dynamo.utils.counters["frames"], "total", 0)
     monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
+
+
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """For leak tests that count live objects: every object alive before the test is
+    left out of the collector's passes and of the count
+    (:func:`tests.harness.older_objects_frozen`)."""
+    with older_objects_frozen():
+        yield

@@ -47,6 +47,7 @@ from torchinstruments import (
 )
 
 
+@pytest.mark.usefixtures("frozen_heap")
 @pytest.mark.parametrize("mode", [None, "reentrant", "non_reentrant"])
 def test_forwards_without_backward_leak_nothing(tmp_path: Path, mode: str | None) -> None:
     model = CheckpointNet(mode)
@@ -76,6 +77,7 @@ def test_forwards_without_backward_leak_nothing(tmp_path: Path, mode: str | None
     remove_observer(model)
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_repeated_inject_and_remove_leaves_nothing_behind(tmp_path: Path) -> None:
     model, twin = pair(MLP)
     hooks, attributes = hook_counts(model), instance_attributes(model)

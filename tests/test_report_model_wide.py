@@ -45,6 +45,47 @@ def test_changed_loss_reduction_is_one_model_wide_finding(tmp_path: Path) -> Non
     }
 
 
+def test_a_loss_gradient_step_that_follows_the_output_is_no_model_wide_event(
+    tmp_path: Path,
+) -> None:
+    """The loss is the output's mean square: scaling the last Linear's weight 10x moves
+    the loss gradient 10x at the same sample. The Linear's activation step leads; the
+    loss gradient's step is a compact row that says it follows the output."""
+    torch.manual_seed(0)
+    last = nn.Linear(32, 4)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), last)
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    for step, (x, _) in enumerate(make_batches(60)):
+        if step == 40:
+            with torch.no_grad():
+                last.weight.mul_(10.0)
+        optimizer.zero_grad()
+        (model(x) ** 2).mean().backward()
+        optimizer.step()
+    remove_observer(model)
+    report = read_report(tmp_path)
+    first = report["events"][0]
+    assert (first["module"], first["signal"], first["shape"]) == ("4", "activation", "step")
+    assert first["onset"]["forward"] == 40
+    assert not [e for e in report["events"] if e["module"] == "<model>"]
+    (row,) = [f for f in report["findings"] if f["module"] == "<model>"]
+    assert (row["category"], row["notable"], row["change_sample"]) == (
+        "gradient_scale_change",
+        False,
+        40,
+    )
+    assert row["follows_output_change"]["sample"] == 40
+    assert row["follows_output_change"]["ratio"] > 2.0  # the least a leading output step
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    assert "after the model output's own step" in index
+    assert "does not point at the loss computation" in index
+    assert report["summary"]["headline"].startswith(
+        "4 notable finding(s) in 2 event(s); the first (E1) is a step at `4` (call 0, "
+        "activation.rms) at sample 40"
+    )
+
+
 def test_grad_scaler_scale_is_divided_out_and_reported_once(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = ResidualNet()

@@ -410,10 +410,22 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {f['category']} | {f['rank']} | {md_code(f['module'], in_table=True)} "
                 f"| {_blank(f.get('call_index'))} | {f['signal']}.{f['metric']} "
-                f"| {md_code(f.get('tensor_path') or '', in_table=True)} "
+                f"| {md_code(f['tensor_path'], in_table=True) if f.get('tensor_path') else ''} "
                 f"| {ranking.get('basis')} {_number_text(ranking.get('value'))} "
                 f"| {_number_text(latest.get('value'))} @{latest.get('sample')} |"
             )
+        for f in others:
+            follows = f.get("follows_output_change")
+            if follows:
+                factor = math.exp((f.get("ranking") or {}).get("value") or 0.0)
+                lines += [
+                    "",
+                    f"The loss gradient ({md_code(f['module'])} {f['signal']}.{f['metric']}) "
+                    f"changed {_number_text(factor)}x at sample {f.get('change_sample')}, "
+                    f"after the model output's own step ({_number_text(follows['ratio'])}x at "
+                    f"sample {follows['sample']}): it follows the output, and does not point "
+                    "at the loss computation.",
+                ]
         if len(below) > len(others):
             lines += ["", f"{len(below) - len(others)} more with a ranking of 0 in report.json."]
         lines.append("")

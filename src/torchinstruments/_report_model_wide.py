@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ._event_views import onset_of
 from .find import format_value
 from .find.base import MODEL
-from .series import GRAD_OUTPUT
+from .series import ACTIVATION, GRAD_OUTPUT
 from .track import bounded_exp
 
 if TYPE_CHECKING:
@@ -83,10 +83,37 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
         and tracker.max
     ):
         factor = bounded_exp(change.step)
+        output_step = _output_moved_first(observer, change.start_sample, change.step)
+        interpretation = (
+            f"The loss gradient (the root output's gradient RMS) and with it every "
+            f"output gradient changed by {format_value(factor)}x from sample "
+            f"{change.start_sample}. A changed loss reduction or weighting, a changed "
+            f"accumulation factor or unscaled loss scaling do this. Module findings "
+            f"are measured net of it."
+        )
+        next_experiment = (
+            f"Check the loss computation around sample {change.start_sample}: its "
+            f"reduction, weighting and any division by the accumulation count."
+        )
+        if output_step is not None:
+            interpretation = (
+                f"The loss gradient (the root output's gradient RMS) and with it every "
+                f"output gradient changed by {format_value(factor)}x from sample "
+                f"{change.start_sample}, after the model output itself (the root's "
+                f"activation RMS) changed by {format_value(bounded_exp(output_step[1]))}x "
+                f"from sample {output_step[0]}: the loss follows the output, so this is "
+                f"an echo of the change that moved the output. Module findings are "
+                f"measured net of it."
+            )
+            next_experiment = (
+                "Follow the activation events up to the module where the output's change "
+                "began; the loss computation is not implicated by this step."
+            )
         findings.append(
             {
                 **_model_wide_header(),
-                "notable": True,
+                # Not notable when the output moved first: the module events lead.
+                "notable": output_step is None,
                 "metric": "rms",
                 "observations": tracker.count,
                 "first": _point(tracker.first),
@@ -106,20 +133,46 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
                     "step_alarm_sample": change.alarm_sample,
                     "step_in_residual_spreads": change.step_z,
                 },
-                "interpretation": (
-                    f"The loss gradient (the root output's gradient RMS) and with it every "
-                    f"output gradient changed by {format_value(factor)}x from sample "
-                    f"{change.start_sample}. A changed loss reduction or weighting, a changed "
-                    f"accumulation factor or unscaled loss scaling do this. Module findings "
-                    f"are measured net of it."
-                ),
-                "next_experiment": (
-                    f"Check the loss computation around sample {change.start_sample}: its "
-                    f"reduction, weighting and any division by the accumulation count."
+                "interpretation": interpretation,
+                "next_experiment": next_experiment,
+                "follows_output_change": (
+                    None
+                    if output_step is None
+                    else {
+                        "sample": output_step[0],
+                        "ratio": bounded_exp(output_step[1]),
+                    }
                 ),
             }
         )
     return findings
+
+
+def _output_moved_first(
+    observer: RunSnapshot, sample: int, gradient_step: float
+) -> tuple[int, float] | None:
+    """``(start sample, log step)`` of a confirmed step of the root output's activation
+    RMS in the direction of the loss gradient's step ``gradient_step`` (log factor), of
+    at least 6 residual spreads and a factor of 2, dated at or before ``sample``; None
+    when there is none. The loss is a function of the output, so such a step moves the
+    loss gradient with it, while a change of the loss computation moves the gradient
+    first and the output only from the next optimizer step on."""
+    roots = sorted(
+        (s for s in observer.series.values() if s.module == "" and s.signal == ACTIVATION),
+        key=lambda s: (s.call_index, s.tensor_path),
+    )
+    tracker = roots[0].trackers.get("rms") if roots else None
+    change = tracker.strongest_change if tracker is not None else None
+    if (
+        change is None
+        or not change.confirmed
+        or change.start_sample > sample
+        or change.step * gradient_step <= 0
+        or abs(change.step) < math.log(2.0)
+        or abs(change.step_z) < 6.0
+    ):
+        return None
+    return change.start_sample, change.step
 
 
 def _model_wide_header() -> dict[str, Any]:
@@ -159,6 +212,10 @@ def _special_parts(item: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     """A ``<model>`` finding of :func:`_model_wide_findings` as a row of ``findings`` and,
     when notable, the body of its event (without its id)."""
     row = {key: item[key] for key in _SPECIAL_ROW_KEYS}
+    if not item["notable"] and item.get("follows_output_change") is not None:
+        # A loss-gradient step after the output's own: when, and what it followed.
+        keys = ("change_sample", "change_forward", "follows_output_change")
+        return {**row, **{k: item[k] for k in keys}}, None
     if not item["notable"]:
         # The loss scale: its range is the point (first, min, max with their samples).
         return {**row, **{k: item[k] for k in ("min", "max")}}, None

@@ -31,14 +31,14 @@ HEADERS = (
 def test_overhead_benchmark_quick(tmp_path: Path) -> None:
     json_path = tmp_path / "overhead.json"
     completed = subprocess.run(
-        # Two of the four workloads: each runs the same sections; the others' tables are
+        # One of the four workloads: each runs the same sections; the others' tables are
         # the same code.
         [
             sys.executable,
             str(SCRIPT),
             "--quick",
             "--workloads",
-            "mlp,transformer",
+            "mlp",
             "--json",
             str(json_path),
         ],
@@ -51,8 +51,7 @@ def test_overhead_benchmark_quick(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     for header in HEADERS:
         assert header in completed.stdout, f"missing {header!r} in:\n{completed.stdout}"
-    for workload in ("mlp", "transformer"):
-        assert workload in completed.stdout
+    assert "mlp" in completed.stdout
     numbers = json.loads(json_path.read_text(encoding="utf-8"))
     assert {"meta", "overhead", "hook", "memory", "report", "compile"} <= set(numbers)
 

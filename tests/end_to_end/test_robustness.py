@@ -412,6 +412,7 @@ def test_a_model_dropped_without_removal_is_collected(tmp_path: Path) -> None:
         assert report["coverage"]["forwards_seen"] == 2
 
 
+@pytest.mark.usefixtures("frozen_heap")
 def test_forwards_never_followed_by_a_backward_retain_nothing(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     inject_observer(model, output_dir=tmp_path, sampling=1)
