@@ -50,7 +50,8 @@ def test_a_loss_gradient_step_that_follows_the_output_is_no_model_wide_event(
 ) -> None:
     """The loss is the output's mean square: scaling the last Linear's weight 10x moves
     the loss gradient 10x at the same sample. The Linear's activation step leads; the
-    loss gradient's step is a compact row that says it follows the output."""
+    loss gradient's step is a compact row that says it follows the output, and the
+    output gradient of the module before the Linear joins the Linear's event."""
     torch.manual_seed(0)
     last = nn.Linear(32, 4)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), last)
@@ -80,9 +81,22 @@ def test_a_loss_gradient_step_that_follows_the_output_is_no_model_wide_event(
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert "after the model output's own step" in index
     assert "does not point at the loss computation" in index
-    assert report["summary"]["headline"].startswith(
-        "4 notable finding(s) in 2 event(s); the first (E1) is a step at `4` (call 0, "
-        "activation.rms) at sample 40"
+    # The output gradient of the ReLU before it stepped in the same backward pass: one
+    # event, led by the Linear's activation, whose text says what the pair means.
+    assert report["summary"]["headline"] == (
+        "4 notable finding(s) in 1 event(s); the first (E1) is a step at `4` (call 0, "
+        "activation.rms) at sample 40 (training forward 40) (activation_scale_drift, "
+        "gradient_scale_change, regime_change)."
+    )
+    assert {(f["module"], f["signal"]) for f in report["findings"] if f["notable"]} == {
+        ("4", "activation"),
+        ("3", "grad_output"),
+    }
+    assert "In the same sample the output gradient of 3, before it in forward order, " in (
+        first["interpretation"]
+    )
+    assert "as it does when 4's weights (or a scale applied to them) change." in (
+        first["interpretation"]
     )
 
 

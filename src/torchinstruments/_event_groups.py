@@ -16,7 +16,7 @@ from .find.base import (
     group_window,
     moved_by,
 )
-from .series import GRAD_OUTPUT, TensorSeries, forward_positions
+from .series import ACTIVATION, GRAD_OUTPUT, TensorSeries, forward_positions
 
 
 class SameTensor:
@@ -204,6 +204,8 @@ def _joins(event: Event, c: Candidate) -> bool:
     where = (c.series.module, c.series.call_index)
     if c.onset is None:
         return where in event.members
+    if gradient_behind(c, lead) or gradient_behind(lead, c):
+        return True
     if lead.onset is None or abs(c.onset - lead.onset) > ONSET_TOLERANCE_SAMPLES:
         return False
     lead_where = (lead.series.module, lead.series.call_index)
@@ -215,9 +217,33 @@ def _joins(event: Event, c: Candidate) -> bool:
     return same_signal and (where in event.members or bool(_members(c) & event.members))
 
 
+def gradient_behind(gradient: Candidate, activation: Candidate) -> bool:
+    """Whether ``gradient`` (an output-gradient step) is what an activation step
+    ``activation`` of a module after it in forward order does to the gradients before
+    it: both steps (not breaks of trend, not model-wide) dated at the same sample. A
+    module's weights scaled at a sample move its output and, in the same backward
+    pass, the gradient it passes back to the modules before it; a change of the loss or
+    of the gradients alone moves no activation in that sample."""
+    return (
+        gradient.series.signal == GRAD_OUTPUT
+        and activation.series.signal == ACTIVATION
+        and gradient.model_wide is None
+        and activation.model_wide is None
+        and gradient.change is not None
+        and activation.change is not None
+        and not _is_trend(gradient)
+        and not _is_trend(activation)
+        and gradient.onset is not None
+        and gradient.onset == activation.onset
+        and gradient.position < activation.position
+    )
+
+
 def build_events(facets: Sequence[Facet]) -> list[Event]:
     """Group ``facets`` (notable, in report order) into events; set each facet's
-    ``event``. Events are numbered in the order of their first facet."""
+    ``event``. Events are numbered in the order of their first facet. An output-gradient
+    step joins the activation step of a module after it at the same sample, and the
+    activation step leads (:func:`gradient_behind`)."""
     events: list[Event] = []
     for facet in facets:
         c = facet.candidate
@@ -229,6 +255,10 @@ def build_events(facets: Sequence[Facet]) -> list[Event]:
         event.members |= _members(c)
         facet.event = event
     for event in events:
+        cause = next((f for f in event.facets if gradient_behind(event.lead, f.candidate)), None)
+        if cause is not None:
+            event.facets.remove(cause)
+            event.facets.insert(0, cause)
         _lead_from_upstream(event)
     return events
 

@@ -14,7 +14,7 @@ from .track import bounded_exp
 
 if TYPE_CHECKING:
     from ._snapshot import RunSnapshot
-from ._event_groups import Event, SameTensor
+from ._event_groups import Event, SameTensor, gradient_behind
 from ._event_views import MOVED_SPREADS, cross_section
 
 _NORM = ("Norm",)
@@ -291,9 +291,31 @@ def _step_texts(
                 "the change begins here."
             )
     text += _echoes_text(event, c)
-    other = sorted({f.candidate.series.signal for f in event.facets} - {s.signal})
+    behind = [f for f in event.facets if gradient_behind(f.candidate, c)]
+    if behind:
+        named = ", ".join(dict.fromkeys(display_module(f.candidate.series.module) for f in behind))
+        steps = ", ".join(
+            dict.fromkeys(
+                f"{format_value(bounded_exp(abs(f.candidate.change.step)))}x"
+                for f in behind
+                if f.candidate.change is not None
+            )
+        )
+        text += (
+            f" In the same sample the output gradient of {named}, before it in forward "
+            f"order, stepped {steps} ({', '.join(f.category for f in behind)}): the "
+            f"gradient passed back through {module} changed with its output, as it does "
+            f"when {module}'s weights (or a scale applied to them) change."
+        )
+    other = sorted(
+        {f.candidate.series.signal for f in event.facets if f not in behind} - {s.signal}
+    )
     if other:
-        facets = [f.category for f in event.facets if f.candidate.series.signal != s.signal]
+        facets = [
+            f.category
+            for f in event.facets
+            if f.candidate.series.signal != s.signal and f not in behind
+        ]
         text += (
             f" The {' and '.join(_SIGNAL_WORDS.get(x, x) for x in other)} moved at the same "
             "samples too "

@@ -17,12 +17,16 @@ module turns the notable ones into events and the others into compact rows:
   the event's module or one of its echoes (of its signal), or the event's module is
   among the facet's own module and echoes (of any signal: an activation step moves the
   output gradients at the same samples), or when it has no onset (volatility,
-  oscillation) and is at one of those modules. Model-wide facets (``<model>``) join the
-  model-wide event at their onset (within the window of a group of breaks of trend,
-  :func:`~torchinstruments.find.base.group_window`). Once joined, the facet whose module
-  comes first in propagation order among those of the first facet's signal and onset
-  (within ``ONSET_TOLERANCE_SAMPLES``) becomes the first: each facet is its category's
-  origin there, and the change begins at the most upstream of them.
+  oscillation) and is at one of those modules. An output-gradient step of a module
+  before the event's activation step in forward order, dated at the same sample, joins
+  it too, and the activation step leads (a module's weights scaled at a sample move its
+  output and, in the same backward pass, the gradient it passes back). Model-wide facets
+  (``<model>``) join the model-wide event at their onset (within the window of a group
+  of breaks of trend, :func:`~torchinstruments.find.base.group_window`). Once joined,
+  the facet whose module comes first in propagation order among those of the first
+  facet's signal and onset (within ``ONSET_TOLERANCE_SAMPLES``) becomes the first: each
+  facet is its category's origin there, and the change begins at the most upstream of
+  them.
 - **Shape.** What the event's first facet looks like decides its texts: ``step`` (a
   change point that held), ``spike`` (one that returned to the old trend), ``bend``
   (a break of trend), ``non_finite``, ``model_wide``, ``oscillation``, ``volatility``,
