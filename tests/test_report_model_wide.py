@@ -92,11 +92,13 @@ def test_a_loss_gradient_step_that_follows_the_output_is_no_model_wide_event(
         ("4", "activation"),
         ("3", "grad_output"),
     }
-    assert "In the same sample the output gradient of 3, before it in forward order, " in (
-        first["interpretation"]
+    assert (
+        "In the same sample the output gradient of 3, before it in forward order, "
+        in (first["interpretation"])
     )
-    assert "as it does when 4's weights (or a scale applied to them) change." in (
-        first["interpretation"]
+    assert (
+        "as it does when 4's weights (or a scale applied to them) change."
+        in (first["interpretation"])
     )
 
 
