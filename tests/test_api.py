@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -462,6 +462,31 @@ def test_selection_skips_containers_and_warns_of_patterns_it_ignores() -> None:
     assert str(error.value) == (
         f"inject_observer: include=['blocks'] selects no module besides the root; {names} ({hint})"
     )
+    # An exclude pattern takes everything inside what it names.
+    assert _selected(_Stack(), exclude="blocks.0") == (["", "blocks.1", "head"], [])
+    assert _selected(_Stack(), exclude="blocks") == (["", "head"], [])
+    assert _selected(_Stack(), include="blocks.*", exclude="blocks.1") == (["", "blocks.0"], [])
+
+
+def test_names_shown_and_matched_leave_out_compile_wrappers() -> None:
+    model = _Stack()
+    model.blocks[0] = cast(nn.Module, torch.compile(model.blocks[0], backend="eager"))
+    with pytest.raises(ConfigError) as error:
+        inject_observer(model, write_files=False, include="blocks.0._orig_mod")
+    assert str(error.value) == (
+        "inject_observer: include=['blocks.0._orig_mod'] selects no module besides the "
+        "root; module names look like ['blocks', 'blocks.0', 'blocks.1', 'spare', 'head']"
+    )
+    assert _selected(model, include="blocks.0")[0] == ["", "blocks.0"]
+
+
+def test_observer_of_finds_the_observer_through_a_compile_wrapper(tmp_path: Path) -> None:
+    model = ResidualNet()
+    handle = inject_observer(model, output_dir=tmp_path)
+    compiled = cast(nn.Module, torch.compile(model, backend="eager"))
+    assert observer_of(compiled) is handle and observer_of(model) is handle
+    remove_observer(compiled)
+    assert observer_of(compiled) is None and observer_of(model) is None
 
 
 def test_side_calls_of_a_submodule_are_kept_out_of_root_training(tmp_path: Path) -> None:

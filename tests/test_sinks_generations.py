@@ -348,6 +348,9 @@ def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
     (tmp_path / "report.json").write_text('{"accuracy": 0.91}')
     (tmp_path / f"report.json{files_module.SET_ASIDE_SUFFIX}").write_text("kept before")
     (tmp_path / "series.json").write_text("")  # empty: not ours either
+    (tmp_path / "plots").mkdir()  # pictures of one's own, under the name of ours
+    (tmp_path / "plots" / "loss_curve.png").write_bytes(b"\x89PNG mine")
+    (tmp_path / ".current").write_text("a file, where ours is a link")
     with pytest.warns(RuntimeWarning) as caught:
         model, _ = _run(tmp_path)
         remove_observer(model)
@@ -355,8 +358,14 @@ def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
     assert ours == [
         f"torchinstruments found files it did not write in {str(tmp_path)!r} under the "
         "names of its report; they were kept as report.json.not-torchinstruments.1, "
-        "index.md.not-torchinstruments, series.json.not-torchinstruments"
+        "index.md.not-torchinstruments, series.json.not-torchinstruments, "
+        "plots.not-torchinstruments, .current.not-torchinstruments"
     ]
+    picture = tmp_path / "plots.not-torchinstruments" / "loss_curve.png"
+    assert picture.read_bytes() == b"\x89PNG mine"
+    assert (tmp_path / ".current.not-torchinstruments").read_text() == (
+        "a file, where ours is a link"
+    )
     assert (tmp_path / "index.md.not-torchinstruments").read_text() == "# My experiment log\n"
     assert (tmp_path / "report.json.not-torchinstruments.1").read_text() == '{"accuracy": 0.91}'
     assert (tmp_path / "report.json.not-torchinstruments").read_text() == "kept before"
@@ -368,7 +377,7 @@ def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
         model, _ = _run(tmp_path)
         remove_observer(model)
     assert not [w for w in caught_again if "did not write" in str(w.message)]
-    assert len(list(tmp_path.glob("*.not-torchinstruments*"))) == 4
+    assert len(list(tmp_path.glob("*.not-torchinstruments*"))) == 6
 
 
 def test_stale_generations_and_temporaries_are_removed_and_nothing_else(

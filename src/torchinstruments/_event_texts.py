@@ -132,14 +132,17 @@ def _input_experiment(
     )
 
 
-def _echoes_text(event: Event, c: Candidate) -> str:
+def _echoes_text(event: Event, c: Candidate, begins_here: bool = False) -> str:
     """How many modules of the lead's signal moved with it (the echoes of the event's
     findings), those after the lead in propagation order (forward order for
     activations, backward order for output gradients) and those before it apart: the
     origin is where the profile of change jumps, so a module that moved at the same
     sample can sit before it (the one with the largest step of those is named); one
     before it that moved only at a later sample is an echo that the updates after the
-    change carried back."""
+    change carried back. ``begins_here``: the modules just before the lead did not move
+    (the text has said the change begins here), so modules further before it that moved
+    at the same sample are told as moved by the updates between samples, not as a
+    possible beginning."""
     s = c.series
     echoes: dict[tuple[str, int], Candidate] = {}
     for facet in event.facets:
@@ -174,7 +177,13 @@ def _echoes_text(event: Event, c: Candidate) -> str:
         text += (
             f" {len(together)} module(s) before it in propagation order moved at the same "
             f"samples too (the largest step: {display_module(largest.series.module)}, "
-            f"{format_value(size(largest))} residual spreads); the change may begin there."
+            f"{format_value(size(largest))} residual spreads)"
+        )
+        text += (
+            ", but not the modules just before it: the updates between two samples, "
+            "which answer this change, can move modules further back."
+            if begins_here
+            else "; the change may begin there."
         )
     behind = [e for e in before if later(e)]
     if behind:
@@ -228,6 +237,8 @@ def _step_texts(
     measure = c.metric if t is c.tracker else RMS_TO_ROOT
     module = display_module(s.module)
     where = f"{module} (call {s.call_index}, {s.tensor_path}) {s.signal}.{measure}"
+    if measure == RMS_TO_ROOT:
+        where += " (its RMS divided by the loss gradient's, the root output's gradient RMS)"
     forward = observer.sample_forwards.forward(change.start_sample)
     window = s.change_windows.get(measure, [])
     previous = next((p for p in reversed(window) if p[0] < change.start_sample), None)
@@ -280,17 +291,19 @@ def _step_texts(
             None,
         )
     )
+    begins_here = False
     if section:
         known = [r for r in section if r["offset"] < 0 and r["in_spreads"] is not None]
         moved_before = [r for r in known if abs(r["in_spreads"]) >= MOVED_SPREADS]
         quiet_before = [r for r in known if abs(r["in_spreads"]) < MOVED_SPREADS]
         if s.signal != GRAD_OUTPUT and quiet_before and not moved_before:
+            begins_here = True
             text += (
                 f" The modules before it in forward order did not move "
                 f"({', '.join(r['module'] for r in quiet_before[-2:])} within 3 spreads): "
                 "the change begins here."
             )
-    text += _echoes_text(event, c)
+    text += _echoes_text(event, c, begins_here)
     behind = [f for f in event.facets if gradient_behind(f.candidate, c)]
     if behind:
         named = ", ".join(dict.fromkeys(display_module(f.candidate.series.module) for f in behind))

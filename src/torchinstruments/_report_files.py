@@ -85,6 +85,8 @@ _OWN_LINKS = (CURRENT_LINK, "plots", "probe")
 SET_ASIDE_SUFFIX = ".not-torchinstruments"
 _OUR_JSON = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*"torchinstruments\.')
 _OUR_MARKDOWN = b"# torchinstruments "
+#: Names of the pictures :mod:`torchinstruments.plots` writes.
+_OUR_PICTURE = re.compile(r"\A\d{2,}-E\d+-[a-z_]+-.+\.png\Z")
 
 
 def _written_by_us(path: Path) -> bool:
@@ -97,19 +99,36 @@ def _written_by_us(path: Path) -> bool:
     return _OUR_JSON.match(head) is not None
 
 
+def _foreign(path: Path) -> bool:
+    """Whether the entry ``path`` under one of our names is someone else's: a regular
+    file this library did not write (see :func:`_written_by_us`); a real directory
+    ``plots`` holding anything but pictures named as ours (``01-E1-step-fc1-activation.png``);
+    a regular file named ``plots`` or ``.current`` (ours are links or directories)."""
+    if path.is_symlink() or not os.path.lexists(path):
+        return False
+    if path.name == "plots":
+        return not path.is_dir() or not all(
+            entry.is_file(follow_symlinks=False) and _OUR_PICTURE.match(entry.name)
+            for entry in os.scandir(path)
+        )
+    if path.name == CURRENT_LINK:
+        return not path.is_dir()
+    return path.is_file() and not _written_by_us(path)
+
+
 def set_aside_foreign_files(directory: Path) -> list[str]:
-    """Rename each regular file under one of our names (``report.json``, ``index.md``,
-    ``series.json``, ``details.json``) that this library did not write to
-    ``<name>.not-torchinstruments`` (``.1``, ``.2``, ... appended while that exists),
-    so that writing the report never destroys a user's own file; return the new names.
-    Files that cannot be read or renamed are left as they are (the write then replaces
-    them).
+    """Rename each entry under one of our names (``report.json``, ``index.md``,
+    ``series.json``, ``details.json``, ``plots``, ``.current``) that this library did
+    not write (:func:`_foreign`) to ``<name>.not-torchinstruments`` (``.1``, ``.2``, ...
+    appended while that exists), so that writing the report never destroys a user's own
+    files; return the new names. Entries that cannot be read or renamed are left as they
+    are (the write then replaces files, and fails on a directory, counting the error).
     """
     kept: list[str] = []
-    for name in _OWN_FILES:
+    for name in (*_OWN_FILES, "plots", CURRENT_LINK):
         path = directory / name
         try:
-            if path.is_symlink() or not path.is_file() or _written_by_us(path):
+            if not _foreign(path):
                 continue
             target = directory / f"{name}{SET_ASIDE_SUFFIX}"
             number = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import os
 import sys
 import threading
@@ -250,7 +249,8 @@ def select_modules(
     Default: the root and every leaf module (one without children). With ``include``
     (glob patterns on qualified names, ``""`` is the root) and/or ``module_types``, the
     modules matching any pattern or type, plus the root. ``exclude`` patterns remove
-    modules (never the root, whose hooks define the sample). TorchScript submodules
+    modules and everything inside them (``"blocks.0"`` removes ``blocks.0.fc1``; never
+    the root, whose hooks define the sample). TorchScript submodules
     (``torch.jit.script`` or ``trace`` results) take no hooks and are never selected.
     A submodule replaced by its ``torch.compile`` wrapper is selected as the module it
     wraps, named without the wrapper's ``_orig_mod`` (as after injection). Containers
@@ -259,13 +259,24 @@ def select_modules(
     """
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
+    excluded: list[str] = []  # names matched by exclude: their submodules go too
     for qualified, module in root.named_modules():
+        name = without_compile_wrappers(qualified)
+        if (
+            module is not root
+            and exclude is not None
+            and (
+                any(name.startswith(f"{prefix}.") for prefix in excluded)
+                or any(fnmatch.fnmatchcase(name, p) for p in exclude)
+            )
+        ):
+            excluded.append(name)
+            continue
         if id(module) in seen or (
             module is not root
             and (_is_scripted(module) or is_compile_wrapper(module) or has_no_forward(module))
         ):
             continue
-        name = without_compile_wrappers(qualified)
         if module is root:
             selected = True
         elif include is None and module_types is None:
@@ -274,8 +285,6 @@ def select_modules(
             by_name = include is not None and any(fnmatch.fnmatchcase(name, p) for p in include)
             by_type = module_types is not None and isinstance(module, module_types)
             selected = by_name or by_type
-        if selected and module is not root and exclude is not None:
-            selected = not any(fnmatch.fnmatchcase(name, p) for p in exclude)
         if selected:
             seen.add(id(module))
             chosen.append((name, module))
@@ -287,6 +296,18 @@ def has_no_forward(module: nn.Module) -> bool:
     (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.ParameterList``, ``nn.ParameterDict``):
     calling it raises, so its hooks never fire."""
     return getattr(type(module), "forward", None) is getattr(nn.Module, "forward", None)
+
+
+def _module_names(root: nn.Module) -> list[str]:
+    """Names of ``root``'s submodules as patterns are matched against them: in
+    ``named_modules()`` order, without compile wrappers and their ``_orig_mod``."""
+    return list(
+        dict.fromkeys(
+            without_compile_wrappers(qualified)
+            for qualified, module in root.named_modules()
+            if module is not root and not is_compile_wrapper(module)
+        )
+    )
 
 
 def selection_warnings(
@@ -309,7 +330,7 @@ def selection_warnings(
         for pattern in patterns or ():
             matched = [m for name, m in names if fnmatch.fnmatchcase(name, pattern)]
             if not matched:
-                examples = [name for name, _ in names[:5]]
+                examples = _module_names(root)[:5]
                 messages.append(
                     f"inject_observer: {argument} pattern {pattern!r} matches no module; "
                     f"module names look like {examples!r}"
@@ -410,7 +431,8 @@ def inject_observer(
         plots: also write ``plots/*.png`` of the notable findings' series, linked from
             ``index.md`` (needs the ``plots`` extra, matplotlib). Default False.
         include: glob pattern(s) of qualified module names to observe (``"blocks.*"``).
-        exclude: glob pattern(s) of module names not to observe.
+        exclude: glob pattern(s) of module names not to observe, each with every module
+            inside it (``"blocks.0"`` also removes ``blocks.0.fc1``).
         module_types: observe modules of these types (``nn.Linear``, ...).
         sinks: extra sinks that receive every report (see :class:`~torchinstruments.Sink`).
         write_files: write ``report.json`` and ``index.md`` to ``output_dir``. Default True.
@@ -532,7 +554,7 @@ def inject_observer(
                 "frees the model: call remove_observer, or gc.collect())"
             )
         modules = select_modules(root, include_patterns, exclude_patterns, types)
-        examples = [name for name, _ in itertools.islice(root.named_modules(), 1, 6)]
+        examples = _module_names(root)[:5]
         given = {
             "include": include_patterns,
             "exclude": exclude_patterns if examples else None,
@@ -705,6 +727,10 @@ def remove_observer(model: nn.Module) -> None:
 
 
 def observer_of(model: nn.Module) -> ObserverHandle | None:
-    """The live handle attached to ``model``, or None."""
+    """The live handle attached to ``model``, or None. ``model`` may also be a wrapper
+    of the observed model (``torch.compile``, DDP, DataParallel, FSDP1), as for
+    :func:`remove_observer`."""
     handle = _REGISTRY.get(model)
+    if handle is None and isinstance(model, nn.Module):
+        handle = _REGISTRY.get(_unwrap(model))
     return handle if handle is not None and not handle.removed else None
