@@ -123,7 +123,9 @@ def _pictures_linked(directory: Path) -> int:
         return 0
 
 
-_OURS = re.compile(r"\.current|\.generation-\d{6}|\.\.current\.[0-9a-f]{8}")
+# The writer's own names; a killed run's `.writer.lock` names a process that is gone, and
+# the next run takes it over.
+_OURS = re.compile(r"\.current|\.generation-\d{6}|\.\.current\.[0-9a-f]{8}|\.writer\.lock")
 
 
 def _strays(directory: Path) -> list[str]:

@@ -1,12 +1,16 @@
 """Report directories: an unwritable one and a full disk never stop training (retried,
-warned once), and one directory is refused to a second observer however it is spelled.
+warned once), and one directory is refused to a second observer however it is spelled,
+and to a second process while the first runs.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
+import socket
+import subprocess
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +159,42 @@ def test_a_failed_write_says_which_report_is_still_there(tmp_path: Path) -> None
     )
     sink.note_written({"run": {"report_number": 5}, "generated_at": "T5"})
     assert not (tmp_path / WRITE_FAILED_NAME).exists()
+
+
+def _lock(directory: Path, pid: int, host: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".writer.lock").write_text(json.dumps({"pid": pid, "host": host}))
+
+
+def test_a_directory_another_running_process_writes_is_refused(tmp_path: Path) -> None:
+    _lock(tmp_path, os.getppid(), socket.gethostname())  # a process that runs
+    with pytest.raises(ObserverStateError) as error:
+        inject_observer(MLP(), output_dir=tmp_path)
+    assert str(error.value) == (
+        f"inject_observer: output_dir {str(tmp_path)!r} is used by another running "
+        f"process (pid {os.getppid()}); give each run its own output_dir (if that process "
+        f"is not a run of ours, delete {str(tmp_path / '.writer.lock')!r})"
+    )
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_lock_left_by_a_finished_or_distant_process_is_taken_over(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid runs no more
+    _lock(tmp_path / "here", gone.pid, socket.gethostname())
+    model = MLP()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inject_observer(model, output_dir=tmp_path / "here")
+    assert not [w for w in caught if "took over" in str(w.message)]
+    lock = json.loads((tmp_path / "here" / ".writer.lock").read_text())
+    assert lock == {"pid": os.getpid(), "host": socket.gethostname()}
+    remove_observer(model)
+    assert not (tmp_path / "here" / ".writer.lock").exists()  # released at removal
+    # Held on another host: whether it still runs cannot be told; taken over, warned.
+    _lock(tmp_path / "shared", 1, "another-host")
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match=r"took over .*held by pid 1 on host 'another-host'"):
+        inject_observer(model, output_dir=tmp_path / "shared")
+    remove_observer(model)
+    assert not (tmp_path / "shared" / ".writer.lock").exists()

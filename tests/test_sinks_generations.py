@@ -191,7 +191,8 @@ def test_the_first_write_into_a_fresh_directory_is_one_report_or_none(
         inject_observer(ResidualNet(), output_dir=tmp_path / "stats", sampling=1).remove()
     first = counted.steps[: counted.steps.index("replace .current") + 1]
     assert [s.split()[0] for s in first] == [
-        "mkdir",  # stats
+        "mkdir",  # stats, where injection takes its lock
+        "mkdir",  # stats again, by the writer (it is there already)
         "symlink",  # the probe: two links, one renamed onto the other
         "symlink",
         "replace",

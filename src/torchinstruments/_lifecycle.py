@@ -15,6 +15,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ._dir_lock import release
+
 if TYPE_CHECKING:
     from .observer import Observer
 
@@ -140,6 +142,7 @@ class AtExit:
         observer = self._observer()
         if observer is not None and observer.attached:
             observer.write_final_report()
+            release(observer.dir_lock)
 
 
 def sink_for_child(sink: object) -> object:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ._copies import remove_inert
+from ._dir_lock import claim, release
 from ._validate import shown
 from .capture import (
     COMPILED_WRAPPER_ATTRIBUTE,
@@ -138,6 +139,8 @@ class ObserverHandle:
                     sink.flush()
                 except Exception as error:
                     observer.record_error("sink", type(sink).__name__, error)
+        if observer is not None:
+            release(observer.dir_lock)
         if self.output_dir is not None and _LOCK.acquire(blocking=not collected):
             try:
                 key = str(self.output_dir.resolve())
@@ -445,7 +448,8 @@ def inject_observer(
             and what was given), or ``include``, ``exclude`` and ``module_types`` leave
             no module but the root of a model that has submodules.
         ObserverStateError: ``model`` already carries an observer, or another live
-            observer writes to ``output_dir``.
+            observer writes to ``output_dir``: in this process, or in another process
+            that still runs on this host (its ``.writer.lock`` there).
 
     Example:
         >>> import torch
@@ -601,11 +605,14 @@ def inject_observer(
                 "scripted_modules_skipped": scripted_submodules(root) or None,
             },
         )
+        # Across processes, one writer per directory (a lock file in it).
+        lock = observer.dir_lock = claim(directory) if write_files else None
         handle = ObserverHandle(model, observer, directory)
         try:
             observer.attach()
         except Exception as error:
             observer.detach()  # all or nothing: no hook of ours stays behind
+            release(lock)
             raise ObserverStateError(
                 f"inject_observer: could not attach to the model ({type(error).__name__}: "
                 f"{error}); no hook was left on it"

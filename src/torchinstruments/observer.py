@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
@@ -129,6 +130,9 @@ class Observer:
         self.last_write_error: Exception | None = None
         #: True while a report is being built and written (see _lifecycle.py).
         self.writing = False
+        #: The lock file of ``output_dir`` this process holds (``_dir_lock.py``),
+        #: released at removal and at interpreter exit; None where none was taken.
+        self.dir_lock: Path | None = None
         #: Held by each flush and report write: one at a time, whichever thread asks
         #: (the training thread's hooks, ``handle.flush()`` from another, a finalizer).
         self.report_lock = threading.RLock()
