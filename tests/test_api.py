@@ -335,7 +335,7 @@ def test_a_ranking_error_still_writes_the_final_report_without_findings_and_warn
         "on purpose at test_api.py:"
     )
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["run"]["final"] is True
+    assert (report["run"]["final"], report["run"]["ended_by"]) == (True, "remove_observer")
     assert report["run"]["report_number"] == 3  # the first sample, the flush, removal
     assert report["findings"] == [] and report["events"] == []
     assert report["summary"]["headline"] == report_module.RANKING_FAILED_HEADLINE

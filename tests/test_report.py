@@ -129,7 +129,10 @@ def test_the_report_says_whether_it_is_the_final_one(tmp_path: Path) -> None:
     after = read_report(tmp_path)
     index = (tmp_path / "index.md").read_text(encoding="utf-8")
     assert after["run"]["final"] is True and after["run"]["report_number"] > 1
-    assert "It is the final report: training through the observer has ended." in index
+    assert (
+        "It is the final report: training through the observer has ended "
+        "(remove_observer was called)." in index
+    )
 
 
 def test_non_finite_values_never_reach_the_json(tmp_path: Path) -> None:
@@ -267,12 +270,16 @@ def test_report_is_rewritten_during_training_and_survives_a_kill(tmp_path: Path)
         "report.json",
         "series.json",
     ]
-    ours = re.compile(r"\.current|\.generation-\d{6}|\.\.current\.[0-9a-f]{8}")
+    # The killed run's lock names a process that is gone: the next run takes it over.
+    ours = re.compile(r"\.current|\.generation-\d{6}|\.\.current\.[0-9a-f]{8}|\.writer\.lock")
     assert all(ours.fullmatch(name) for name in leftovers), leftovers
     assert sum(name.startswith(".generation-") for name in leftovers) <= 3, leftovers
 
 
-def test_report_is_written_at_interpreter_exit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("crash", [False, True], ids=["ends", "raises"])
+def test_report_is_written_at_interpreter_exit(tmp_path: Path, crash: bool) -> None:
+    """The final report says how the run ended: at exit, or at exit after an exception
+    that nothing caught (named, in report.json and index.md)."""
     script = textwrap.dedent(
         f"""
         import torch
@@ -282,10 +289,29 @@ def test_report_is_written_at_interpreter_exit(tmp_path: Path) -> None:
         inject_observer(model, output_dir={str(tmp_path)!r}, sampling=1)
         for _ in range(3):
             model(torch.randn(8, 4)).pow(2).mean().backward()
+        if {crash}:
+            raise ValueError("the data loader ran dry")
         """
     )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == (1 if crash else 0), done.stderr
+    run = read_report(tmp_path)["run"]
+    assert (run["final"], run["ended_by"]) == (
+        True,
+        "uncaught_exception" if crash else "interpreter_exit",
+    )
     assert read_report(tmp_path)["coverage"]["samples_observed"] == 3
+    index = (tmp_path / "index.md").read_text(encoding="utf-8")
+    if crash:
+        assert run["uncaught_exception"] == "ValueError: the data loader ran dry"
+        assert (
+            "It is the final report: training through the observer has ended (at "
+            "interpreter exit, after an exception that nothing caught: ValueError: the "
+            "data loader ran dry)." in index
+        )
+    else:
+        assert "uncaught_exception" not in run
+        assert "has ended (at interpreter exit)." in index
 
 
 def train_for_series_json(

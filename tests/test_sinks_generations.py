@@ -349,6 +349,7 @@ def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
     (tmp_path / "report.json").write_text('{"accuracy": 0.91}')
     (tmp_path / f"report.json{files_module.SET_ASIDE_SUFFIX}").write_text("kept before")
     (tmp_path / "series.json").write_text("")  # empty: not ours either
+    (tmp_path / "details.json").mkdir()  # a directory under a file's name
     (tmp_path / "plots").mkdir()  # pictures of one's own, under the name of ours
     (tmp_path / "plots" / "loss_curve.png").write_bytes(b"\x89PNG mine")
     (tmp_path / ".current").write_text("a file, where ours is a link")
@@ -360,8 +361,10 @@ def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
         f"torchinstruments found files it did not write in {str(tmp_path)!r} under the "
         "names of its report; they were kept as report.json.not-torchinstruments.1, "
         "index.md.not-torchinstruments, series.json.not-torchinstruments, "
-        "plots.not-torchinstruments, .current.not-torchinstruments"
+        "details.json.not-torchinstruments, plots.not-torchinstruments, "
+        ".current.not-torchinstruments"
     ]
+    assert (tmp_path / "details.json.not-torchinstruments").is_dir()
     picture = tmp_path / "plots.not-torchinstruments" / "loss_curve.png"
     assert picture.read_bytes() == b"\x89PNG mine"
     assert (tmp_path / ".current.not-torchinstruments").read_text() == (
@@ -378,7 +381,7 @@ def test_files_of_someone_else_under_our_names_are_kept_aside_and_named(
         model, _ = _run(tmp_path)
         remove_observer(model)
     assert not [w for w in caught_again if "did not write" in str(w.message)]
-    assert len(list(tmp_path.glob("*.not-torchinstruments*"))) == 6
+    assert len(list(tmp_path.glob("*.not-torchinstruments*"))) == 7
 
 
 def test_stale_generations_and_temporaries_are_removed_and_nothing_else(

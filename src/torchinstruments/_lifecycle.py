@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -84,6 +85,7 @@ class _TerminationWriter:
                 with contextlib.suppress(Exception):
                     if ends:
                         observer.final_report = True  # the process ends after this write
+                        observer.ended_by = "sigterm"
                     observer.write_on_signal()
         self._chain(signum, frame)
 
@@ -130,6 +132,10 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
+#: Most characters of ``run.uncaught_exception`` (its first line).
+MAX_EXCEPTION_CHARS = 300
+
+
 class AtExit:
     """Writes the final report at interpreter exit, holding the observer weakly."""
 
@@ -141,7 +147,13 @@ class AtExit:
     def __call__(self) -> None:
         observer = self._observer()
         if observer is not None and observer.attached:
-            observer.write_final_report()
+            # Set where the interpreter printed an exception that nothing caught.
+            error = getattr(sys, "last_value", None)
+            if isinstance(error, BaseException):
+                text = f"{type(error).__name__}: {error}".splitlines()[0][:MAX_EXCEPTION_CHARS]
+                observer.write_final_report("uncaught_exception", text)
+            else:
+                observer.write_final_report("interpreter_exit")
             release(observer.dir_lock)
 
 

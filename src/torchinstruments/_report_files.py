@@ -101,7 +101,8 @@ def _written_by_us(path: Path) -> bool:
 
 def _foreign(path: Path) -> bool:
     """Whether the entry ``path`` under one of our names is someone else's: a regular
-    file this library did not write (see :func:`_written_by_us`); a real directory
+    file this library did not write (see :func:`_written_by_us`) or a directory under a
+    file's name (``report.json/``); a real directory
     ``plots`` holding anything but pictures named as ours (``01-E1-step-fc1-activation.png``);
     a regular file named ``plots`` or ``.current`` (ours are links or directories)."""
     if path.is_symlink() or not os.path.lexists(path):
@@ -113,6 +114,8 @@ def _foreign(path: Path) -> bool:
         )
     if path.name == CURRENT_LINK:
         return not path.is_dir()
+    if path.is_dir():  # a directory under a file's name
+        return True
     return path.is_file() and not _written_by_us(path)
 
 

@@ -324,6 +324,16 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
 MARKDOWN_EVENTS = 12
 
 
+#: ``run.ended_by`` in words.
+_ENDING_WORDS = {
+    "remove_observer": "remove_observer was called",
+    "interpreter_exit": "at interpreter exit",
+    "uncaught_exception": "at interpreter exit, after an exception that nothing caught",
+    "sigterm": "SIGTERM ended the process",
+    "model_garbage_collected": "the model was garbage-collected without remove_observer",
+}
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """Render a report dict as ``index.md`` for people, with the LLM prompt."""
     run, coverage, summary = report["run"], report["coverage"], report["summary"]
@@ -346,8 +356,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     number = run.get("report_number")
     if isinstance(number, int) and number > 0:  # absent from reports of older versions
         final = run.get("final")
+        ending = _ENDING_WORDS.get(str(run.get("ended_by")), "")
+        if run.get("uncaught_exception"):
+            ending += f": {md_text(str(run['uncaught_exception']))}"
         status = (
-            " It is the final report: training through the observer has ended."
+            f" It is the final report: training through the observer has ended"
+            f"{f' ({ending})' if ending else ''}."
             if final
             else " Written while training ran: a later report replaces it."
             if final is False

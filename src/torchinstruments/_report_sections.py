@@ -44,6 +44,12 @@ def _run_section(observer: RunSnapshot) -> dict[str, Any]:
         ),
         "report_number": observer.report_number,
         "final": observer.final,
+        "ended_by": observer.ended_by,
+        **(
+            {"uncaught_exception": observer.uncaught_exception}
+            if observer.uncaught_exception is not None
+            else {}
+        ),
         "elapsed_s": round(time.time() - observer.started_at, 3),
         "telemetry_seconds": round(observer.telemetry_seconds, 6),
         "hook_parking": observer.hook_parking,

@@ -190,6 +190,10 @@ class RunSnapshot:
     report_number: int = 0
     #: The report is the run's final one (``run.final``): see ``Observer.final_report``.
     final: bool = False
+    #: What ended the run (``run.ended_by``): see ``observer.ENDINGS``; None while it runs.
+    ended_by: str | None = None
+    #: The last uncaught exception at interpreter exit (``run.uncaught_exception``).
+    uncaught_exception: str | None = None
     #: The capture inside ``torch.compile``'d graphs (``coverage.compiled_capture``).
     compiled_capture: CompiledCaptureCounts = CompiledCaptureCounts()
     #: How the directory writer puts its files in place (``coverage.file_write_mode``):
@@ -270,6 +274,8 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
         forwards_at_fork=observer.forwards_at_fork,
         report_number=observer.report_number,
         final=observer.final_report,
+        ended_by=observer.ended_by,
+        uncaught_exception=observer.uncaught_exception,
         compiled_capture=_compiled_counts(observer),
         file_write_mode=next(
             (

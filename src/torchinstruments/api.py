@@ -133,7 +133,9 @@ class ObserverHandle:
         observer = self._observer
         if observer is not None:
             observer.detach()
-            observer.write_final_report()
+            observer.write_final_report(
+                "model_garbage_collected" if collected else "remove_observer"
+            )
             for sink in observer.sinks:
                 try:
                     sink.flush()

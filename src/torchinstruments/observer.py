@@ -60,7 +60,20 @@ from .distributed import RankInfo
 from .histogram import HistogramSpec
 from .sampling import SampleForwards, SamplingPolicy
 
-__all__ = ["REPORT_LOCK_TIMEOUT_S", "Observer", "RankInfo"]
+__all__ = ["ENDINGS", "REPORT_LOCK_TIMEOUT_S", "Observer", "RankInfo"]
+
+#: What can end a run (``run.ended_by`` of its final report): ``remove_observer`` (or
+#: leaving the handle's ``with`` block), ``interpreter_exit``, ``uncaught_exception``
+#: (interpreter exit after an exception that nothing caught, ``KeyboardInterrupt``
+#: included), ``sigterm`` (whose default action then ends the process), and
+#: ``model_garbage_collected`` (the model was dropped without ``remove_observer``).
+ENDINGS = (
+    "remove_observer",
+    "interpreter_exit",
+    "uncaught_exception",
+    "sigterm",
+    "model_garbage_collected",
+)
 
 #: Longest wait, in seconds, of a flush or report write asked for outside the hooks
 #: (``handle.flush()``, ``handle.report()``, removal, exit) for one that another thread
@@ -121,6 +134,12 @@ class Observer:
         #: True from the final report on (``run.final``): written at removal or at
         #: interpreter exit, when training through this observer has ended.
         self.final_report = False
+        #: What ended the run (``run.ended_by``, one of :data:`ENDINGS`); None while it
+        #: runs.
+        self.ended_by: str | None = None
+        #: At interpreter exit, the last uncaught exception of the process, as
+        #: ``"TypeError: message"`` (``run.uncaught_exception``); None otherwise.
+        self.uncaught_exception: str | None = None
         self.series_summary_omitted = 0
         #: True once a failed write was warned of (one warning a run).
         self.warned_write = False
@@ -540,11 +559,19 @@ class Observer:
             self.report_lock.release()
         on_termination.deliver_deferred()
 
-    def write_final_report(self) -> None:
+    def write_final_report(self, ended_by: str, uncaught_exception: str | None = None) -> None:
         """The last report of the run (at removal or interpreter exit); then, if no
         report ever reached a directory of this observer, a warning that says so, with
-        the last write error. Never raises."""
+        the last write error. Never raises.
+
+        Args:
+            ended_by: what ended the run, one of :data:`ENDINGS` (``run.ended_by``).
+            uncaught_exception: at interpreter exit, the last uncaught exception of the
+                process (``"TypeError: message"``), if there was one.
+        """
         self.final_report = True
+        self.ended_by = ended_by
+        self.uncaught_exception = uncaught_exception
         if self.compiled_capture is not None:
             # The last direct-call sample's rows, still in the buffers.
             self.compiled_capture.finish_direct_sample(self.context)

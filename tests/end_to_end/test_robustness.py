@@ -141,6 +141,7 @@ def test_sigterm_writes_the_report_then_takes_its_course(tmp_path: Path, mode: s
     # process, or at exit after the user's handler ended it.
     assert report["run"]["final"] is True
     if mode == "default":
+        assert report["run"]["ended_by"] == "sigterm"
         assert code == -signal.SIGTERM  # the signal's own ending
     else:
         assert code == 7  # the user's handler ran after ours
@@ -205,10 +206,15 @@ def test_each_file_is_written_even_when_another_fails(tmp_path: Path) -> None:
     remove_observer(model)
     assert report is not None
     target = tmp_path / "out"
-    target.mkdir()
-    (target / "report.json").mkdir()  # report.json cannot replace a directory
+    sink = DirectorySink(target)
+    sink.write(report)
+    # A directory made under report.json during the run (one there before the first
+    # write is kept aside as someone else's): report.json cannot replace it.
+    (target / "report.json").unlink()
+    (target / "report.json").mkdir()
+    (target / "index.md").unlink()
     with pytest.raises(IsADirectoryError):
-        DirectorySink(target).write(report)
+        sink.write(report)
     assert "# torchinstruments report" in (target / "index.md").read_text(encoding="utf-8")
 
 
@@ -409,6 +415,7 @@ def test_a_model_dropped_without_removal_is_collected(tmp_path: Path) -> None:
     for run in range(3):
         report = read_report(tmp_path / str(run))
         assert report["run"]["final"] is True
+        assert report["run"]["ended_by"] == "model_garbage_collected"
         assert report["coverage"]["forwards_seen"] == 2
 
 
