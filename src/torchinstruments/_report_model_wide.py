@@ -15,6 +15,8 @@ from .track import bounded_exp
 
 if TYPE_CHECKING:
     from ._snapshot import RunSnapshot
+    from ._trend import ChangePoint
+    from .track import SeriesTracker
 from ._report_sections import _point
 
 #: Least factor of a step in the loss gradient reported as a model-wide event.
@@ -65,12 +67,7 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
                 ),
             }
         )
-    roots = sorted(
-        (s for s in observer.series.values() if s.module == "" and s.signal == GRAD_OUTPUT),
-        key=lambda s: (s.call_index, s.tensor_path),
-    )
-    tracker = roots[0].trackers.get("rms") if roots else None
-    change = tracker.strongest_change if tracker is not None else None
+    tracker, change = _root_rms_change(observer, GRAD_OUTPUT)
     if (
         tracker is not None
         and change is not None
@@ -157,12 +154,7 @@ def _output_moved_first(
     when there is none. The loss is a function of the output, so such a step moves the
     loss gradient with it, while a change of the loss computation moves the gradient
     first and the output only from the next optimizer step on."""
-    roots = sorted(
-        (s for s in observer.series.values() if s.module == "" and s.signal == ACTIVATION),
-        key=lambda s: (s.call_index, s.tensor_path),
-    )
-    tracker = roots[0].trackers.get("rms") if roots else None
-    change = tracker.strongest_change if tracker is not None else None
+    _, change = _root_rms_change(observer, ACTIVATION)
     if (
         change is None
         or not change.confirmed
@@ -173,6 +165,19 @@ def _output_moved_first(
     ):
         return None
     return change.start_sample, change.step
+
+
+def _root_rms_change(
+    observer: RunSnapshot, signal: str
+) -> tuple[SeriesTracker | None, ChangePoint | None]:
+    """The RMS tracker of the root output's ``signal`` (its first call and tensor path)
+    and that tracker's strongest change; None for what is missing."""
+    roots = sorted(
+        (s for s in observer.series.values() if s.module == "" and s.signal == signal),
+        key=lambda s: (s.call_index, s.tensor_path),
+    )
+    tracker = roots[0].trackers.get("rms") if roots else None
+    return tracker, tracker.strongest_change if tracker is not None else None
 
 
 def _model_wide_header() -> dict[str, Any]:
