@@ -86,8 +86,16 @@ def test_a_loss_gradient_step_that_follows_the_output_is_no_model_wide_event(
     assert report["summary"]["headline"] == (
         "4 notable finding(s) in 1 event(s); the first (E1) is a step at `4` (call 0, "
         "activation.rms) at sample 40 (training forward 40) (activation_scale_drift, "
-        "gradient_scale_change, regime_change)."
+        "regime_change; gradient_scale_change at `3` (grad_output), regime_change at `3` "
+        "(grad_output))."
     )
+    # Each finding of the event at another module says where it is.
+    assert [(f["category"], f.get("module"), f.get("signal")) for f in first["findings"]] == [
+        ("activation_scale_drift", None, None),
+        ("regime_change", None, None),
+        ("gradient_scale_change", "3", "grad_output"),
+        ("regime_change", "3", "grad_output"),
+    ]
     assert {(f["module"], f["signal"]) for f in report["findings"] if f["notable"]} == {
         ("4", "activation"),
         ("3", "grad_output"),

@@ -52,7 +52,10 @@ Rules for your answer:
    each change. "coverage.modules_stopped" lists modules that stopped being called.
 6. Do not infer anything about labels, optimizer updates, inputs or parameter gradients:
    they are not observed (a loss is observed only where the model's own output carries
-   it, as a tensor path of <root>). Samples are sampled forwards, not optimizer steps.
+   it, as a tensor path of <root>). Samples are sampled forwards, not optimizer steps:
+   a change dated at training forward F "after_forward" A began somewhere in A+1..F.
+   Output gradients are judged as "rms_to_root", their RMS divided by the loss
+   gradient's (the root output's gradient RMS) in the same sample.
 7. End with the single narrowest next experiment (one change, same seed, data order and
    precision) that would confirm or refute your leading hypothesis.
 """

@@ -89,6 +89,27 @@ STOPPED_MIN_SHARE = 0.1
 MAX_MODULES_STOPPED = 16
 
 
+def _facet_entry(facet: Facet, lead: Candidate) -> dict[str, Any]:
+    """One finding of an event: its category, rank and metric; with its module, call
+    index and signal where they are not the event's (a facet at one of its echoes, or
+    the output gradient of a module before it)."""
+    entry: dict[str, Any] = {
+        "category": facet.category,
+        "rank": facet.rank,
+        "metric": facet.candidate.metric,
+    }
+    s, own = facet.candidate.series, lead.series
+    if lead.model_wide is None and (s.module, s.call_index, s.signal) != (
+        own.module,
+        own.call_index,
+        own.signal,
+    ):
+        entry.update(
+            {"module": display_module(s.module), "call_index": s.call_index, "signal": s.signal}
+        )
+    return entry
+
+
 # ------------------------------------------------------------------ rows
 def ranking(c: Candidate) -> dict[str, Any]:
     return {"basis": c.basis, "value": c.score}
@@ -191,10 +212,7 @@ def event_body(
         "onset": onset_of(c.onset, observer),
         "warmup_complete": t.warmup_complete,
         "young_reference": is_early(c),
-        "findings": [
-            {"category": f.category, "rank": f.rank, "metric": f.candidate.metric}
-            for f in event.facets
-        ],
+        "findings": [_facet_entry(f, c) for f in event.facets],
     }
     if event.model_wide:
         assert c.model_wide_modules is not None

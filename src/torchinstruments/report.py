@@ -595,8 +595,18 @@ def _headline(
         f"at sample {onset.get('sample')}"
         if onset.get("sample") is not None
         else "over the whole run (no single onset)"
-    ) + (f" (training forward {onset['forward']})" if onset.get("forward") is not None else "")
-    categories = ", ".join(sorted({f["category"] for f in top.get("findings", [])}))
+    ) + _forwards_text(onset)
+    findings = top.get("findings", [])
+    categories = ", ".join(sorted({f["category"] for f in findings if "module" not in f}))
+    elsewhere = list(
+        dict.fromkeys(
+            f"{f['category']} at {md_code(f['module'])} ({f['signal']})"
+            for f in findings
+            if "module" in f
+        )
+    )
+    if elsewhere:
+        categories = "; ".join(x for x in (categories, ", ".join(elsewhere)) if x)
     if top["module"] == MODEL:
         share = (top.get("model_wide") or {}).get("share_of_modules")
         moved = f", {format_value(share * 100)}% of the observed modules" if share else ""
@@ -611,6 +621,17 @@ def _headline(
         f"{md_code(top['module'])} (call {top['call_index']}, {where}"
         f"{top['signal']}.{top['metric']}) {when} ({categories})." + tail
     )
+
+
+def _forwards_text(onset: dict[str, Any]) -> str:
+    """The training forwards of an onset: the one sampled, or the span from the one
+    after the sample before it (the change began somewhere in it)."""
+    forward, after = onset.get("forward"), onset.get("after_forward")
+    if forward is None:
+        return ""
+    if isinstance(after, int) and after + 1 < forward:
+        return f" (training forwards {after + 1} to {forward}: the change began in between)"
+    return f" (training forward {forward})"
 
 
 def build_series_summary(observer: RunSnapshot, max_bytes: int) -> SeriesSummary:
