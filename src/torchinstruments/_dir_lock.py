@@ -7,8 +7,9 @@ the observer registry refuses the second; across processes :func:`claim` does, t
 ``<output_dir>/.writer.lock``: created exclusively (``O_CREAT | O_EXCL``), holding the
 holder's pid and host name as JSON. A lock whose holder is gone (a run killed with
 SIGKILL leaves its lock behind) is taken over: on this host when its pid no longer
-runs, and from another host (a shared file system) with a warning, since whether that
-holder still runs cannot be told from here. Only the standard library.
+runs, and with a warning where whether the holder still runs cannot be told from here
+(another host on a shared file system; Windows, where asking ``os.kill`` would end the
+process). Only the standard library.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def _holder_of(path: Path) -> dict[str, object] | None:
     return holder
 
 
-def _runs(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (one of another user counts)."""
+def _runs(pid: int) -> bool | None:
+    """Whether process ``pid`` exists on this host (one of another user counts); None
+    where that cannot be asked safely (Windows, where ``os.kill`` ends the process)."""
+    if os.name == "nt":
+        return None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,17 +80,17 @@ def claim(directory: Path) -> Path | None:
             descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             holder = _holder_of(path)
-            if holder is not None and holder.get("pid") != me["pid"]:
+            if holder is not None and holder != me:  # this process's own: taken back
                 pid = int(str(holder["pid"]))
-                if holder.get("host") == me["host"]:
-                    if _runs(pid):
-                        raise ObserverStateError(
-                            f"inject_observer: output_dir {str(directory)!r} is used by "
-                            f"another running process (pid {pid}); give each run its own "
-                            f"output_dir (if that process is not a run of ours, delete "
-                            f"{str(path)!r})"
-                        ) from None
-                else:
+                running = _runs(pid) if holder.get("host") == me["host"] else None
+                if running:
+                    raise ObserverStateError(
+                        f"inject_observer: output_dir {str(directory)!r} is used by "
+                        f"another running process (pid {pid}); give each run its own "
+                        f"output_dir (if that process is not a run of ours, delete "
+                        f"{str(path)!r})"
+                    ) from None
+                if running is None:  # another host, or no safe way to ask
                     warn(
                         f"torchinstruments took over {str(path)!r}, held by pid {pid} on "
                         f"host {holder.get('host')!r}: if that run is still going, the "
