@@ -403,7 +403,9 @@ def _step_texts(
             f"{module} is {a_kind}: compare its weight norm just before and "
             f"just after {when} (two checkpoints, or a rerun to just past it); a step in "
             "its output with its input steady means its weights (or a scale applied to "
-            "them) changed there. Restore them at this module only."
+            "them) changed there. The cosine between the two weights tells how: near 1, "
+            "rescaled; near 0, replaced or re-initialized. Restore them at this module "
+            "only."
         )
     elif family == "nonlinearity" and previous_row is not None:
         experiment = (
