@@ -101,10 +101,10 @@ def _written_by_us(path: Path) -> bool:
 
 def _foreign(path: Path) -> bool:
     """Whether the entry ``path`` under one of our names is someone else's: a regular
-    file this library did not write (see :func:`_written_by_us`) or a directory under a
-    file's name (``report.json/``); a real directory
-    ``plots`` holding anything but pictures named as ours (``01-E1-step-fc1-activation.png``);
-    a regular file named ``plots`` or ``.current`` (ours are links or directories)."""
+    file this library did not write (see :func:`_written_by_us`); a directory under a
+    file's name (``report.json/``); a real directory ``plots`` holding anything but
+    pictures named as ours (``01-E1-step-fc1-activation.png``); a regular file named
+    ``plots`` or ``.current`` (ours are links or directories)."""
     if path.is_symlink() or not os.path.lexists(path):
         return False
     if path.name == "plots":

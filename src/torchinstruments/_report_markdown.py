@@ -434,7 +434,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         for f in others:
             follows = f.get("follows_output_change")
             if follows:
+                # The ranking is the step's absolute log factor; the output's step has
+                # the same direction.
                 factor = math.exp((f.get("ranking") or {}).get("value") or 0.0)
+                if follows["ratio"] < 1.0:
+                    factor = 1.0 / factor
                 lines += [
                     "",
                     f"The loss gradient ({md_code(f['module'])} {f['signal']}.{f['metric']}) "

@@ -81,12 +81,15 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
     ):
         factor = bounded_exp(change.step)
         output_step = _output_moved_first(observer, change.start_sample, change.step)
-        interpretation = (
+        moved = (
             f"The loss gradient (the root output's gradient RMS) and with it every "
             f"output gradient changed by {format_value(factor)}x from sample "
-            f"{change.start_sample}. A changed loss reduction or weighting, a changed "
-            f"accumulation factor or unscaled loss scaling do this. Module findings "
-            f"are measured net of it."
+            f"{change.start_sample}"
+        )
+        interpretation = (
+            f"{moved}. A changed loss reduction or weighting, a changed accumulation "
+            f"factor or unscaled loss scaling do this. Module findings are measured net "
+            f"of it."
         )
         next_experiment = (
             f"Check the loss computation around sample {change.start_sample}: its "
@@ -94,13 +97,10 @@ def _model_wide_findings(observer: RunSnapshot) -> list[dict[str, Any]]:
         )
         if output_step is not None:
             interpretation = (
-                f"The loss gradient (the root output's gradient RMS) and with it every "
-                f"output gradient changed by {format_value(factor)}x from sample "
-                f"{change.start_sample}, after the model output itself (the root's "
-                f"activation RMS) changed by {format_value(bounded_exp(output_step[1]))}x "
-                f"from sample {output_step[0]}: the loss follows the output, so this is "
-                f"an echo of the change that moved the output. Module findings are "
-                f"measured net of it."
+                f"{moved}, after the model output itself (the root's activation RMS) "
+                f"changed by {format_value(bounded_exp(output_step[1]))}x from sample "
+                f"{output_step[0]}: the loss follows the output, so this is an echo of "
+                f"the change that moved the output. Module findings are measured net of it."
             )
             next_experiment = (
                 "Follow the activation events up to the module where the output's change "

@@ -264,18 +264,18 @@ def select_modules(
     """
     chosen: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
-    excluded: list[str] = []  # names matched by exclude: their submodules go too
+    excluded: set[str] = set()  # names matched by exclude: their submodules go too
     for qualified, module in root.named_modules():
         name = without_compile_wrappers(qualified)
         if (
             module is not root
             and exclude is not None
             and (
-                any(name.startswith(f"{prefix}.") for prefix in excluded)
+                name.rpartition(".")[0] in excluded  # its parent was excluded
                 or any(fnmatch.fnmatchcase(name, p) for p in exclude)
             )
         ):
-            excluded.append(name)
+            excluded.add(name)
             continue
         if id(module) in seen or (
             module is not root
@@ -303,51 +303,51 @@ def has_no_forward(module: nn.Module) -> bool:
     return getattr(type(module), "forward", None) is getattr(nn.Module, "forward", None)
 
 
-def _module_names(root: nn.Module) -> list[str]:
-    """Names of ``root``'s submodules as patterns are matched against them: in
+def _submodules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``root``'s submodules named as patterns are matched against them: in
     ``named_modules()`` order, without compile wrappers and their ``_orig_mod``."""
-    return list(
-        dict.fromkeys(
-            without_compile_wrappers(qualified)
-            for qualified, module in root.named_modules()
-            if module is not root and not is_compile_wrapper(module)
-        )
-    )
+    return [
+        (without_compile_wrappers(qualified), module)
+        for qualified, module in root.named_modules()
+        if module is not root and not is_compile_wrapper(module)
+    ]
+
+
+def _examples(submodules: list[tuple[str, nn.Module]]) -> list[str]:
+    """The first five names of :func:`_submodules`, for messages."""
+    return list(dict.fromkeys(name for name, _ in submodules))[:5]
 
 
 def selection_warnings(
     root: nn.Module,
     include: tuple[str, ...] | None,
     exclude: tuple[str, ...] | None,
-) -> list[str]:
-    """What :func:`select_modules` ignored of what was asked, one message each: an
-    ``include`` or ``exclude`` pattern that matches no module name, and a container
-    without a ``forward`` matched by ``include`` (its children are observed only when
-    a pattern matches them, as ``"blocks.*"`` does).
+) -> tuple[list[str], list[str]]:
+    """What :func:`select_modules` ignored of what was asked: messages for patterns
+    (an ``include`` or ``exclude`` pattern that matches no module name), and messages
+    for containers (an ``include`` pattern that matches only containers without a
+    ``forward``, whose children are observed only when a pattern matches them, as
+    ``"blocks.*"`` does).
     """
-    names: list[tuple[str, nn.Module]] = [
-        (without_compile_wrappers(qualified), module)
-        for qualified, module in root.named_modules()
-        if module is not root and not is_compile_wrapper(module)
-    ]
-    messages: list[str] = []
+    submodules = _submodules(root)
+    unmatched: list[str] = []
+    containers: list[str] = []
     for argument, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns or ():
-            matched = [m for name, m in names if fnmatch.fnmatchcase(name, pattern)]
+            matched = [m for name, m in submodules if fnmatch.fnmatchcase(name, pattern)]
             if not matched:
-                examples = _module_names(root)[:5]
-                messages.append(
+                unmatched.append(
                     f"inject_observer: {argument} pattern {pattern!r} matches no module; "
-                    f"module names look like {examples!r}"
+                    f"module names look like {_examples(submodules)!r}"
                 )
             elif argument == "include" and all(has_no_forward(m) for m in matched):
-                messages.append(
+                containers.append(
                     f"inject_observer: include pattern {pattern!r} matches only "
                     f"{', '.join(sorted({type(m).__name__ for m in matched}))} "
                     "container(s), which are never called and are not observed; to "
                     f"observe the modules they hold, include {pattern + '.*'!r}"
                 )
-    return messages
+    return unmatched, containers
 
 
 def _is_scripted(module: nn.Module) -> bool:
@@ -560,23 +560,24 @@ def inject_observer(
                 "frees the model: call remove_observer, or gc.collect())"
             )
         modules = select_modules(root, include_patterns, exclude_patterns, types)
-        examples = _module_names(root)[:5]
+        examples = _examples(_submodules(root))
         given = {
             "include": include_patterns,
             "exclude": exclude_patterns if examples else None,
             "module_types": [t.__name__ for t in types] if types is not None else None,
         }
         chosen = [f"{name}={list(value)!r}" for name, value in given.items() if value is not None]
-        ignored = selection_warnings(root, include_patterns, exclude_patterns if examples else None)
+        unmatched, containers = selection_warnings(
+            root, include_patterns, exclude_patterns if examples else None
+        )
         if chosen and len(modules) == 1:
-            hint = next((m for m in ignored if "container" in m), "")
+            hint = containers[0].removeprefix("inject_observer: ") if containers else ""
             raise ConfigError(
                 f"inject_observer: {' and '.join(chosen)} select"
                 f"{'s' if len(chosen) == 1 else ''} no module besides the root; module "
-                f"names look like {examples!r}"
-                + (f" ({hint.removeprefix('inject_observer: ')})" if hint else "")
+                f"names look like {examples!r}" + (f" ({hint})" if hint else "")
             )
-        for message in ignored:
+        for message in (*unmatched, *containers):
             warnings.warn(message, UserWarning, stacklevel=2)
         # A DirectorySink for the same directory (say with write_full_details=True)
         # replaces the default writer instead of writing the same files twice.

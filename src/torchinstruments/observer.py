@@ -441,11 +441,7 @@ class Observer:
             return self.report_lock.acquire(blocking=False)
         if self.report_lock.acquire(timeout=REPORT_LOCK_TIMEOUT_S):
             return True
-        self.record_error(
-            "report",
-            "",
-            TimeoutError(f"another thread held the report lock for {REPORT_LOCK_TIMEOUT_S:.0f} s"),
-        )
+        self.record_error("report", "", _lock_timeout())
         return False
 
     def flush_statistics(self, *, block: bool = True, from_hook: bool = False) -> None:
@@ -509,9 +505,7 @@ class Observer:
         from .report import build_report
 
         if not self._take_report_lock(from_hook=False):
-            raise TimeoutError(
-                f"another thread held the report lock for {REPORT_LOCK_TIMEOUT_S:.0f} s"
-            )
+            raise _lock_timeout()
         try:
             self._flush_statistics(block)
             return build_report(self.snapshot())
@@ -700,6 +694,10 @@ class Observer:
             self.write_report()
         else:
             self.write_report(flush=False)
+
+
+def _lock_timeout() -> TimeoutError:
+    return TimeoutError(f"another thread held the report lock for {REPORT_LOCK_TIMEOUT_S:.0f} s")
 
 
 def _hooked(entries: dict[int, weakref.ref[nn.Module]], module: nn.Module) -> bool:
