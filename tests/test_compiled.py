@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import io
 import json
 import subprocess
@@ -240,6 +241,63 @@ def test_more_modules_than_the_smallest_buffer_trace_into_one_graph(tmp_path: Pa
     assert coverage["slots_dropped"] == 0
     assert ("layers.0", 0, "grad_output", "output", "rms") in compiled
     assert_same_telemetry(eager, compiled)
+
+
+class WidthsNet(nn.Module):
+    """12 Linear layers of 12 widths (6 to 17), each followed by a Tanh: 12 distinct
+    element counts among the observed outputs, more than the 8 graphs that a nested
+    compile region keeps by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = list(range(6, 18))
+        layers: list[nn.Module] = []
+        for inputs, outputs in zip([6, *widths[:-1]], widths, strict=True):
+            layers += [nn.Linear(inputs, outputs), nn.Tanh()]
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(widths[-1], 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layers(x))
+
+
+def test_the_reductions_are_traced_once_per_element_count(tmp_path: Path) -> None:
+    """Where torch has nested compile regions, each output's (and output gradient's)
+    reductions are one region call in the graph Dynamo builds: with 12 distinct element
+    counts (more regions than Dynamo keeps by default, where it would raise) the model
+    compiles with ``fullgraph=True`` into one graph; every series equals the eager
+    path's and training the compiled twin's."""
+    from torchinstruments import _compiled_capture
+
+    targets: list[str] = []
+
+    def recording(graph: torch.fx.GraphModule, example: list[Tensor]) -> Callable[..., Any]:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.compilers import nop
+
+        targets.extend(str(node.target) for node in graph.graph.nodes)
+        return aot_autograd(fw_compiler=nop)(graph, example)
+
+    def compile_model(model: nn.Module) -> nn.Module:
+        return cast(nn.Module, torch.compile(model, backend=recording, fullgraph=True))
+
+    torch.manual_seed(0)
+    eager, compiled, report = observe_eager_and_compiled(
+        WidthsNet(), tmp_path, compile_model, sampling=2, steps=4
+    )
+    coverage = report["coverage"]["compiled_capture"]
+    assert coverage["slots"] == 2 * 25  # 12 Linear, 12 Tanh, the head
+    assert coverage["slots_dropped"] == 0
+    assert_same_telemetry(eager, compiled)
+    regions = [target for target in targets if "invoke_subgraph" in target]
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None or "max_reuse_entries" not in inspect.signature(region).parameters:
+        assert _compiled_capture._rows_in_region is _compiled_capture._masked_rows
+        assert regions == []
+    else:
+        # One call per observed output in the sampled graph (the twin's graphs hold
+        # none): the forward taps' own regions run in the backward, which AOT traces.
+        assert len(regions) == 25
 
 
 class InPlaceReLUNet(nn.Module):

@@ -472,3 +472,48 @@ def test_the_next_root_sentinel_forward_is_the_first_one_checked(interval: int) 
     for start in range(checked[-1] + 1):
         assert _next_root_sentinel(start, interval) == next(f for f in checked if f >= start)
     assert [_next_root_sentinel(s, 8) for s in (0, 8, 9, 18, 27)] == [7, 8, 17, 26, 35]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_the_root_check_on_the_cpu_answers_what_its_sum_can_tell() -> None:
+    """The root sentinel's short path: finite, non-finite and overflowing sums answered
+    and counted; integers answered, not counted; tensors it cannot sum left to the full
+    check, after which it is not tried again; off the CPU or on the emulated device
+    path, left to the full check while staying on."""
+    from torchinstruments._error_log import ErrorLog
+    from torchinstruments._sentinel import Sentinel
+    from torchinstruments._staging import StatisticsBuffer
+
+    names = ["root"]
+    sentinel = Sentinel(names, StatisticsBuffer(names, ErrorLog(4)))
+    half_max = torch.tensor([60000.0, 60000.0], dtype=torch.float16)  # sums to inf
+    leaf = torch.ones(3, requires_grad=True)
+    answers = [
+        sentinel.check_root_on_cpu(torch.ones(4)),
+        sentinel.check_root_on_cpu(torch.tensor([1.0, float("nan")])),
+        sentinel.check_root_on_cpu(torch.tensor([float("-inf"), 2.0], dtype=torch.bfloat16)),
+        sentinel.check_root_on_cpu(half_max),
+        sentinel.check_root_on_cpu(torch.ones(0)),
+        sentinel.check_root_on_cpu(leaf * 2),
+    ]
+    assert answers == [False, True, True, False, False, False]
+    assert sentinel.sentinel_checks == 6
+    assert torch.is_grad_enabled()
+    assert sentinel.check_root_on_cpu(torch.ones(3, dtype=torch.int64)) is False
+    assert sentinel.check_root_on_cpu(torch.ones(3, dtype=torch.bool)) is False
+    assert sentinel.sentinel_checks == 6
+    assert sentinel.check_root_on_cpu(torch.ones(3, device="meta")) is None
+    sentinel._buffer.device_path_types = frozenset({"cpu"})
+    assert sentinel.check_root_on_cpu(torch.ones(3)) is None
+    sentinel._buffer.device_path_types = frozenset({"cuda"})
+    assert sentinel.check_root_on_cpu(torch.ones(3)) is False  # still tried
+    for refused in (
+        torch.ones(2, dtype=torch.complex64),
+        torch.ones(2).to(torch.float8_e4m3fn),
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    ):
+        fresh = Sentinel(names, StatisticsBuffer(names, ErrorLog(4)))
+        assert fresh.check_root_on_cpu(refused) is None
+        assert fresh.check_root_on_cpu(torch.tensor([float("nan")])) is None  # not tried
+        assert fresh.sentinel_checks == 0
+        assert torch.is_grad_enabled()

@@ -76,14 +76,18 @@ class _ContextCadence(ForwardState):
         """Check the root output of an unsampled training forward for non-finite values
         (one training forward in :attr:`ROOT_SENTINEL_INTERVAL`, see there)."""
         try:
-            if not user_modes_active() and type(output) is Tensor and skip_reason(output) is None:
+            if type(output) is Tensor and not user_modes_active():
                 # The common case, kept short (one forward in 8 between samples): ops on a
                 # plain tensor reach no user code while no mode is active, so the check
                 # needs no passive() around it.
-                forward = self.forwards_seen - 1
-                if self.sentinel.check(
-                    ROOT_INDEX, 0, "output", output, forward, self.samples_observed
-                ):
+                nonfinite = self.sentinel.check_root_on_cpu(output)
+                if nonfinite is None:
+                    forward, next_sample = self.forwards_seen - 1, self.samples_observed
+                    nonfinite = skip_reason(output) is None and self.sentinel.check(
+                        ROOT_INDEX, 0, "output", output, forward, next_sample
+                    )
+                if nonfinite:
+                    forward = self.forwards_seen - 1
                     self.on_nonfinite(forward, ROOT_INDEX, 0, "output", self.samples_observed)
                 return
             with passive():
