@@ -513,6 +513,14 @@ def _compiled_lines(compiled: dict) -> list[str]:
         f"- torch.compile: {compiled.get('slots', 0)} (module, call, signal, tensor path) "
         f"measured inside compiled graphs; not measured there: {', '.join(gaps)}."
     )
+    if compiled.get("root_hooks_traced"):
+        line += (
+            f" Dynamo met the root's hooks while tracing {compiled['root_hooks_traced']} "
+            "times in the process: it traced the root's own call (a torch.nn class "
+            "compiled as the root, or a model called from a compiled function), where each "
+            "hook is a graph break and fullgraph=True fails; compile the model itself, or "
+            "a module of your own class that calls it."
+        )
     if compiled.get("recompile_limit_hits"):
         line += (
             f" Dynamo reached its recompile limit {compiled['recompile_limit_hits']} times in "

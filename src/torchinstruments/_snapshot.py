@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._attention import calls_traced as attention_calls_traced
 from ._records import ROOT_INDEX
-from .capture import recompile_limit_hits
+from .capture import recompile_limit_hits, root_hook_traces
 from .compiled import last_invalidation
 
 if TYPE_CHECKING:
@@ -108,6 +108,11 @@ class CompiledCaptureCounts:
     #: Hook calls that Dynamo met under saved-tensor hooks (a compiled frame that
     #: non-reentrant checkpointing recomputes), left graph breaks and observed eagerly.
     calls_under_saved_tensor_hooks: int = 0
+    #: Times Dynamo met an observed root's pre-hook while tracing, in this process
+    #: (any observer's): it traced the root's own call (a ``torch.nn`` class compiled
+    #: as the root, a model called from a compiled function), where the root's hooks
+    #: are a graph break and ``fullgraph=True`` fails.
+    root_hooks_traced: int = 0
     #: Calls of ``scaled_dot_product_attention`` traced into compiled graphs in sampled
     #: forwards (once per compilation), whose attention logits are not measured.
     attention_calls_not_measured: int = 0
@@ -300,6 +305,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         slots_dropped=compiled.slots_dropped,
         gradients_not_captured=compiled.gradients_not_tapped,
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
+        root_hooks_traced=root_hook_traces(),
         attention_calls_not_measured=attention_calls_traced(observer.context),
         recompile_limit_hits=recompile_limit_hits(),
         gradient_samples_lost=compiled.gradient_samples_lost,

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ._copies import CopiedAsInert, InertForward, InertHook, PrepareScriptable, WrapperCopies
+from ._error_log import warn
 from ._state import IDLE, SKIP
 
 if TYPE_CHECKING:
@@ -381,6 +382,8 @@ class RootPreHook(_HookBase):
 
     def __call__(self, module: nn.Module, args: object) -> None:
         if _is_compiling():
+            if _root_traced_constant is not None:
+                _root_traced_constant()
             _enter_root_opaque(self, module)
             return
         observer = self._observer()
@@ -463,6 +466,58 @@ def _enter_root_opaque(hook: RootPreHook, module: nn.Module) -> None:
         observer.enter_root(module)
 
 
+#: Advice given once per process where Dynamo traces a root's hooks inline.
+ROOT_TRACED_ADVICE = (
+    "torchinstruments: torch.compile traces the observed root's own call, its hooks "
+    "included (its class's forward is one Dynamo does not compile as a frame of its "
+    "own, as with a torch.nn class such as nn.Sequential, or the model is called from a "
+    "compiled function): the root's hooks, which take the sampling decision, run as "
+    "graph breaks around the compiled forward, and torch.compile(..., fullgraph=True) "
+    "fails on them. Compile the model itself, and where its class is a torch.nn class, "
+    "observe and compile a module of your own class whose forward calls it instead "
+    "(class Wrapped(nn.Module): ... def forward(self, x): return self.model(x))."
+)
+_root_traced_warned = False
+#: Times Dynamo met an observed root's pre-hook while tracing, in this process.
+_root_hook_traces = 0
+
+
+def root_hook_traces() -> int:
+    """Times Dynamo met an observed root's pre-hook while tracing, in this process (any
+    observer's; a trace that Dynamo restarts counts again):
+    ``coverage.compiled_capture.root_hooks_traced``."""
+    return _root_hook_traces
+
+
+def _warn_root_traced() -> int:
+    """Run by Dynamo while it traces a root pre-hook inline (a trace-time constant, see
+    :data:`_root_traced_constant`): count it, and warn once per process with
+    :data:`ROOT_TRACED_ADVICE`, before a ``fullgraph=True`` compile fails on the graph
+    break that follows."""
+    global _root_traced_warned, _root_hook_traces
+    _root_hook_traces += 1
+    if not _root_traced_warned:
+        _root_traced_warned = True
+        warn(ROOT_TRACED_ADVICE)
+    return 0
+
+
+#: :func:`_warn_root_traced` as Dynamo sees it (``torch.compiler.assume_constant_result``:
+#: called once while tracing, its result a constant), once Dynamo is loaded; None before
+#: and where torch lacks it.
+_root_traced_constant: Callable[[], int] | None = None
+
+
+def _enable_root_traced_warning() -> None:
+    global _root_traced_constant
+    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    if assume is not None:
+        try:
+            _root_traced_constant = assume(_warn_root_traced)
+        except Exception:  # a torch whose Dynamo refuses it: no advice, the count stays
+            _root_traced_constant = None
+
+
 @_opaque_to_compiler
 def _leave_root_opaque(hook: RootPostHook, args: tuple[object, ...], output: object) -> None:
     observer = hook._observer()
@@ -473,6 +528,8 @@ def _leave_root_opaque(hook: RootPostHook, args: tuple[object, ...], output: obj
 if _is_compiling is _never_compiling:  # torch without torch.compiler.is_compiling
     _opaque_to_compiler(RootPreHook.__call__)
     _opaque_to_compiler(RootPostHook.__call__)
+else:
+    on_compiler_loaded(_enable_root_traced_warning)
 
 
 class ForwardHook(_HookBase):
