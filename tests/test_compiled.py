@@ -2373,3 +2373,62 @@ def test_a_torch_nn_root_compiled_directly_counts_its_root_hook_graph_breaks(
     coverage = remove_observer_and_read(wrapped, tmp_path / "wrapped")["coverage"]
     assert coverage["compiled_capture"]["root_hooks_traced"] == traces
     assert coverage["compiled_capture"]["slots"] == 2 * 3
+
+
+class ArgMax(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.argmax(-1)
+
+
+class EmptyOutput(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:0] * 2
+
+
+class UnreducibleBlock(nn.Module):
+    """A Linear, then two children whose outputs cannot be reduced: integer indices and
+    a tensor of no elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.pick = ArgMax()
+        self.none = EmptyOutput()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return h + self.pick(h).unsqueeze(-1).float() * 0 + self.none(h).sum()
+
+
+class UnreducibleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = UnreducibleBlock()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(x))
+
+
+def test_modules_with_only_unreducible_outputs_ran_inside_graphs_too(tmp_path: Path) -> None:
+    """Children whose only output is an integer tensor or an empty one run in every
+    forward: inside a compiled graph as eagerly, they are not named among the modules
+    that never ran, and their parent is not observed in their place (which would
+    compile the sampled graph again)."""
+    torch.manual_seed(0)
+    base = UnreducibleNet()
+    reports = {}
+    for how in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        inject_observer(model, output_dir=tmp_path / how)
+        run = model if how == "eager" else aot_eager(model, fullgraph=True)
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(10):
+            run(torch.randn(4, 8, generator=generator)).sum().backward()
+        reports[how] = remove_observer_and_read(model, tmp_path / how)["coverage"]
+    for how, coverage in reports.items():
+        assert coverage["modules_never_ran"] == [], how
+        assert coverage["parents_observed"] == {}, how
+        assert coverage["errors_total"] == 0, how
+    assert reports["eager"]["tensors_skipped"] == {"empty": 8, "non_floating": 8}
+    assert reports["compiled"]["compiled_capture"]["slots"] == 2 * 2  # fc and head

@@ -59,7 +59,10 @@ observer which modules the graphs did run (:meth:`CompiledCapture.note_measured`
 parents are adopted only once those are known (:attr:`CompiledCapture.modules_known`).
 
 What is not captured inside compiled graphs: histograms, the full sentinel and attention
-logits (counted, see ``_attention.py``); tensors of one module's calls beyond its
+logits (counted, see ``_attention.py``); the count of output tensors that cannot be
+reduced (integer, empty, float8: ``coverage.tensors_skipped`` counts them eagerly only;
+a module with nothing else still counts as run, see
+:attr:`CompiledCapture.traced_without_rows`); tensors of one module's calls beyond its
 ``ROWS_PER_MODULE`` rows in a sample (counted at the flush); output gradients of
 outputs that are other containers (counted); output gradients of samples whose
 backward ran after more than ``MAX_GRADIENT_SETS`` sampled forwards in all (each
@@ -214,6 +217,10 @@ class CompiledCapture:
         self._names: dict[int, str] = {}
         #: Module index by ``id`` of its block (the graph input Dynamo traces).
         self._owners: dict[int, int] = {}
+        #: Modules whose hook Dynamo traced in a sampled graph variant with no output
+        #: tensor it could reduce (integer, empty or float8 outputs): no row tells that
+        #: they ran, so this does (at trace time; see :func:`_note_unreduced`).
+        self.traced_without_rows: set[int] = set()
         #: Module indices in the order their rows become pending (children before
         #: parents, siblings in definition order): forward positions follow it; and,
         #: by device, the same as a tensor (to gather the blocks in that order).
@@ -952,6 +959,20 @@ def _count_dropped(block: Tensor | None) -> bool:
 
 #: :func:`_count_dropped` as Dynamo sees it; set by :func:`enable`.
 _count_dropped_constant: Callable[[Tensor | None], bool] = _count_dropped
+
+
+def _note_unreduced(block: Tensor | None) -> bool:
+    """At trace time: the module whose block is ``block`` had output tensors in this
+    sampled graph, none of which can be reduced (see
+    :attr:`CompiledCapture.traced_without_rows`)."""
+    capture = _capture_owning(block)
+    if capture is not None:
+        capture.traced_without_rows.add(capture._owners[id(block)])
+    return True
+
+
+#: :func:`_note_unreduced` as Dynamo sees it; set by :func:`enable`.
+_note_unreduced_constant: Callable[[Tensor | None], bool] = _note_unreduced
 #: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
 #: :func:`enable`.
 _recomputable_constant: Callable[[Tensor | None], bool] = _recomputable
@@ -1048,6 +1069,7 @@ def enable() -> None:
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
     global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
+    global _note_unreduced_constant
     global _checkpoint_region_constant, _graph_break_call, _rows_in_region, _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
@@ -1057,6 +1079,7 @@ def enable() -> None:
         _assign_constant = _assume_constant(_assign)
         _recomputable_constant = _assume_constant(_recomputable)
         _count_dropped_constant = _assume_constant(_count_dropped)
+        _note_unreduced_constant = _assume_constant(_note_unreduced)
         _checkpoint_region_constant = _assume_constant(_checkpoint_region)
         _graph_break_call = torch.compiler.disable(_call_as_graph_break, recursive=True)
         _rows_in_region = _nested_region(_masked_rows)
@@ -1210,8 +1233,10 @@ def traced_activation(
     inputs: list[object] | None = None  # the module's input tensors, once needed
     tappable: set[str] | None = None  # paths of the tensors the output can be rebuilt with
     in_region: bool | None = None  # inside a checkpoint region that AOTAutograd recomputes
+    unreduced = False  # an output tensor that cannot be reduced
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
+            unreduced = unreduced or isinstance(leaf, Tensor)
             continue
         assert isinstance(leaf, Tensor)
         taken += 1
@@ -1258,6 +1283,8 @@ def traced_activation(
             else:
                 tap[2].append((row, ids))
                 tap[3].append(path)
+    if unreduced and not taken:
+        _note_unreduced_constant(_any_block(rows))
     tapped: dict[str, Tensor] = {}
     for leaf, sink, places, paths in taps:
         # One tap per place, chained: each sees the whole gradient of the one copy that

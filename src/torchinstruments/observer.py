@@ -482,6 +482,7 @@ class Observer:
             if self.compiled_capture is not None and store.compiled_through >= 0:
                 measured = store.compiled_measured
                 self.capture.modules_called.update(key[0] for key in measured)
+                self.capture.modules_called.update(self.compiled_capture.traced_without_rows)
                 self.compiled_capture.note_measured(
                     measured,
                     store.compiled_through,
