@@ -80,15 +80,14 @@ class _ContextCadence(ForwardState):
                 # The common case, kept short (one forward in 8 between samples): ops on a
                 # plain tensor reach no user code while no mode is active, so the check
                 # needs no passive() around it.
+                forward, next_sample = self.forwards_seen - 1, self.samples_observed
                 nonfinite = self.sentinel.check_root_on_cpu(output)
                 if nonfinite is None:
-                    forward, next_sample = self.forwards_seen - 1, self.samples_observed
                     nonfinite = skip_reason(output) is None and self.sentinel.check(
                         ROOT_INDEX, 0, "output", output, forward, next_sample
                     )
                 if nonfinite:
-                    forward = self.forwards_seen - 1
-                    self.on_nonfinite(forward, ROOT_INDEX, 0, "output", self.samples_observed)
+                    self.on_nonfinite(forward, ROOT_INDEX, 0, "output", next_sample)
                 return
             with passive():
                 self.sentinel_output(ROOT_INDEX, 0, output)

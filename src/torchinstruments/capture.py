@@ -514,7 +514,7 @@ def _enable_root_traced_warning() -> None:
     if assume is not None:
         try:
             _root_traced_constant = assume(_warn_root_traced)
-        except Exception:  # a torch whose Dynamo refuses it: no advice, the count stays
+        except Exception:  # a torch whose Dynamo refuses it: no advice and no count
             _root_traced_constant = None
 
 
