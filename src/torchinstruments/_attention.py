@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._state import SAMPLED
-from .capture import _is_compiling, on_compiler_loaded, passive
+from .capture import _is_compiling, on_compiler_loaded, passive, trace_time_constant
 from .reduce import skip_reason
 from .series import ACTIVATION, ATTENTION_LOGITS_PATH
 
@@ -184,12 +184,7 @@ _count_traced: Callable[[], int] | None = None
 
 def _enable_count() -> None:
     global _count_traced
-    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
-    if assume is not None:
-        try:
-            _count_traced = assume(_count_calls_traced)
-        except Exception:  # a torch whose Dynamo refuses it: the calls go uncounted
-            _count_traced = None
+    _count_traced = trace_time_constant(_count_calls_traced)  # None: the calls go uncounted
 
 
 on_compiler_loaded(_enable_count)

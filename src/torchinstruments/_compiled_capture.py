@@ -973,6 +973,7 @@ def _note_unreduced(block: Tensor | None) -> bool:
 
 #: :func:`_note_unreduced` as Dynamo sees it; set by :func:`enable`.
 _note_unreduced_constant: Callable[[Tensor | None], bool] = _note_unreduced
+
 #: :func:`_recomputable` as Dynamo sees it (a constant of the traced frame); set by
 #: :func:`enable`.
 _recomputable_constant: Callable[[Tensor | None], bool] = _recomputable
@@ -1069,8 +1070,8 @@ def enable() -> None:
     trace-time constant and let Dynamo trace forward hooks. Where torch lacks what this
     needs, forward hooks stay graph breaks and :meth:`CompiledCapture.mode` says why."""
     global _assign_constant, _count_dropped_constant, _opaque_call, _recomputable_constant
-    global _note_unreduced_constant
-    global _checkpoint_region_constant, _graph_break_call, _rows_in_region, _status
+    global _checkpoint_region_constant, _graph_break_call, _note_unreduced_constant
+    global _rows_in_region, _status
     if _assume_constant is None or _is_compiling is _never_compiling:
         _status = "off: torch without torch.compiler.assume_constant_result"
         return

@@ -81,10 +81,9 @@ class Sentinel:
         One unsampled forward in 8 runs it, in a training step whose kernels have just
         evicted its code from the caches, where each tensor attribute read costs about
         1 us. So it reads one (``is_cpu``) and lets the sum refuse what it cannot take,
-        where :func:`~torchinstruments.reduce.skip_reason` reads eight: 26 us rather
-        than 50 us a check, in a compiled step of the example's model (about 1 ms). An
-        integer or boolean tensor sums to an int (nothing to check, not counted); an
-        empty one sums to 0.0 (counted, found finite)."""
+        where :func:`~torchinstruments.reduce.skip_reason` reads eight (what that saves:
+        ``benchmarks/README.md``). An integer or boolean tensor sums to an int (nothing
+        to check, not counted); an empty one sums to 0.0 (counted, found finite)."""
         if (
             not self._root_short_path
             or not output.is_cpu

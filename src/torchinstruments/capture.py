@@ -508,14 +508,22 @@ def _warn_root_traced() -> int:
 _root_traced_constant: Callable[[], int] | None = None
 
 
+def trace_time_constant(function: Callable[[], int]) -> Callable[[], int] | None:
+    """``function`` as ``torch.compiler.assume_constant_result`` makes it (Dynamo calls
+    it once while tracing and keeps its result), or None where torch lacks that or its
+    Dynamo refuses the function. Call once Dynamo is loaded (:func:`on_compiler_loaded`)."""
+    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    if assume is None:
+        return None
+    try:
+        return assume(function)
+    except Exception:
+        return None
+
+
 def _enable_root_traced_warning() -> None:
     global _root_traced_constant
-    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
-    if assume is not None:
-        try:
-            _root_traced_constant = assume(_warn_root_traced)
-        except Exception:  # a torch whose Dynamo refuses it: no advice and no count
-            _root_traced_constant = None
+    _root_traced_constant = trace_time_constant(_warn_root_traced)  # None: no advice, no count
 
 
 @_opaque_to_compiler
