@@ -15,7 +15,6 @@ import io
 import json
 import subprocess
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -2324,55 +2323,6 @@ def test_a_float8_output_inside_a_compiled_graph_is_skipped(tmp_path: Path) -> N
     assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
     observed = {key[0] for key in written_series(tmp_path)}
     assert {"fc", "out"} <= observed and "quantize" not in observed
-
-
-def test_a_torch_nn_root_compiled_directly_counts_its_root_hook_graph_breaks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``torch.compile(nn.Sequential(...))`` traces the root's own call (Dynamo compiles
-    no frame of a ``torch.nn`` class's forward), the root's hooks included: each is a
-    graph break, which the coverage counts (while tracing) and index.md explains, and
-    one warning gives the way out before ``fullgraph=True`` fails on them. Training is
-    the compiled twin's. The same model inside a module of its own class compiles with
-    ``fullgraph=True``, with no warning and no more traces counted."""
-    from torchinstruments import capture
-
-    monkeypatch.setattr(capture, "_root_traced_warned", False)
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-    observed, twin = copy.deepcopy(base), copy.deepcopy(base)
-    inject_observer(observed, output_dir=tmp_path / "sequential", sampling=2)
-    with pytest.warns(RuntimeWarning, match="traces the observed root's own call") as caught:
-        losses = train_steps(aot_eager(observed), 4)
-    assert sum(capture.ROOT_TRACED_ADVICE in str(w.message) for w in caught) == 1
-    report = remove_observer_and_read(observed, tmp_path / "sequential")
-    assert losses == train_steps(aot_eager(twin), 4)
-    coverage = report["coverage"]["compiled_capture"]
-    traces = coverage["root_hooks_traced"]
-    assert traces >= 1
-    assert traces == capture.root_hook_traces()
-    assert coverage["mode"] == "in_graph"
-    assert coverage["slots"] == 2 * 3
-    index = (tmp_path / "sequential" / "index.md").read_text(encoding="utf-8")
-    assert f"Dynamo met the root's hooks while tracing {traces} times in the process" in index
-
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = copy.deepcopy(base)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return self.model(x)
-
-    monkeypatch.setattr(capture, "_root_traced_warned", False)
-    wrapped = Wrapped()
-    inject_observer(wrapped, output_dir=tmp_path / "wrapped", sampling=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        train_steps(aot_eager(wrapped, fullgraph=True), 4)
-    coverage = remove_observer_and_read(wrapped, tmp_path / "wrapped")["coverage"]
-    assert coverage["compiled_capture"]["root_hooks_traced"] == traces
-    assert coverage["compiled_capture"]["slots"] == 2 * 3
 
 
 class ArgMax(nn.Module):

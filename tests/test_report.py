@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -471,3 +473,37 @@ def test_index_counts_the_findings_it_does_not_list() -> None:
 
     assert _returned_text(0, 0, 6) == "6 (0 notable, 6 with a ranking of 0, in report.json only)"
     assert _returned_text(2, 3, 0) == "5 (2 notable, 3 below their noise floor, listed above)"
+
+
+def test_a_report_over_its_bytes_leaves_out_compiled_counts_at_zero_before_sections(
+    tmp_path: Path,
+) -> None:
+    """Past its findings, a report too large drops the compiled-capture fields that are
+    zero (they tell nothing) before it empties any section; fields that are not zero
+    stay, and each step is named under ``coverage.sections_omitted``."""
+    from torchinstruments._snapshot import CompiledCaptureCounts
+    from torchinstruments.report import _fit_sections
+
+    report = observe_wide(tmp_path, ReportConfig(top_k_per_category=1_000, max_bytes=4_096))
+    assert report["coverage"]["sections_omitted"] == [
+        "coverage.compiled_capture: fields at zero",
+        "config",
+    ]
+    assert report["coverage"]["compiled_capture"] == {
+        "mode": "unused",
+        "compiled_code_invalidation": "none",
+    }
+    report["coverage"]["compiled_capture"] = dataclasses.asdict(
+        CompiledCaptureCounts(root_hooks_traced=3)
+    )
+    del report["coverage"]["sections_omitted"]
+    size = len(dumps_report(report))
+    fitted = _fit_sections(copy.deepcopy(report), size - 1)
+    assert fitted["coverage"]["compiled_capture"] == {
+        "mode": "unused",
+        "root_hooks_traced": 3,
+        "compiled_code_invalidation": "none",
+    }
+    assert fitted["coverage"]["sections_omitted"] == ["coverage.compiled_capture: fields at zero"]
+    assert len(dumps_report(fitted)) <= size - 1
+    assert fitted["config"] == report["config"]

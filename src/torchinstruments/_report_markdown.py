@@ -514,12 +514,19 @@ def _compiled_lines(compiled: dict) -> list[str]:
         f"measured inside compiled graphs; not measured there: {', '.join(gaps)}."
     )
     if compiled.get("root_hooks_traced"):
+        unobserved = compiled.get("root_hooks_unobserved") or 0
         line += (
             f" Dynamo met the root's hooks while tracing {compiled['root_hooks_traced']} "
-            "times in the process: it traced the root's own call (a torch.nn class "
-            "compiled as the root, or a model called from a compiled function), where each "
-            "hook is a graph break and fullgraph=True fails; compile the model itself, or "
-            "a module of your own class that calls it."
+            "times in the process: it traced the root's own call (a model called from a "
+            "compiled function, model.compile(), or a torch.nn class compiled before "
+            "injection and called since), where each hook is a graph break"
+            + (
+                f", and in {unobserved} of those traces (fullgraph=True) the hooks did "
+                "nothing, so forwards running that code were not observed"
+                if unobserved
+                else ""
+            )
+            + "; compile the model itself with torch.compile(model)."
         )
     if compiled.get("recompile_limit_hits"):
         line += (

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._attention import calls_traced as attention_calls_traced
 from ._records import ROOT_INDEX
-from .capture import recompile_limit_hits, root_hook_traces
+from .capture import recompile_limit_hits, root_hook_traces, root_hook_traces_unobserved
 from .compiled import last_invalidation
 
 if TYPE_CHECKING:
@@ -111,8 +111,11 @@ class CompiledCaptureCounts:
     #: Times Dynamo met an observed root's pre-hook while tracing, in this process
     #: (any observer's): it traced the root's own call (a ``torch.nn`` class compiled
     #: as the root, a model called from a compiled function), where the root's hooks
-    #: are a graph break and ``fullgraph=True`` fails.
+    #: are graph breaks.
     root_hooks_traced: int = 0
+    #: Of those, the traces that refused graph breaks (``fullgraph=True``): the root's
+    #: hooks traced to nothing there, and forwards that run that code are not observed.
+    root_hooks_unobserved: int = 0
     #: Calls of ``scaled_dot_product_attention`` traced into compiled graphs in sampled
     #: forwards (once per compilation), whose attention logits are not measured.
     attention_calls_not_measured: int = 0
@@ -306,6 +309,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         gradients_not_captured=compiled.gradients_not_tapped,
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
         root_hooks_traced=root_hook_traces(),
+        root_hooks_unobserved=root_hook_traces_unobserved(),
         attention_calls_not_measured=attention_calls_traced(observer.context),
         recompile_limit_hits=recompile_limit_hits(),
         gradient_samples_lost=compiled.gradient_samples_lost,

@@ -382,8 +382,8 @@ class RootPreHook(_HookBase):
 
     def __call__(self, module: nn.Module, args: object) -> None:
         if _is_compiling():
-            if _root_traced_constant is not None:
-                _root_traced_constant()
+            if _root_traced_constant is not None and _root_traced_constant():
+                return  # a trace that refuses graph breaks: nothing (see _warn_root_traced)
             _enter_root_opaque(self, module)
             return
         observer = self._observer()
@@ -405,6 +405,8 @@ class RootPostHook(_HookBase):
 
     def __call__(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if _is_compiling():
+            if _breaks_refused_constant is not None and _breaks_refused_constant():
+                return  # as the pre-hook in such a trace
             _leave_root_opaque(self, args, output)
             return
         observer = self._observer()
@@ -470,16 +472,19 @@ def _enter_root_opaque(hook: RootPreHook, module: nn.Module) -> None:
 ROOT_TRACED_ADVICE = (
     "torchinstruments: torch.compile traces the observed root's own call, its hooks "
     "included (its class's forward is one Dynamo does not compile as a frame of its "
-    "own, as with a torch.nn class such as nn.Sequential, or the model is called from a "
-    "compiled function): the root's hooks, which take the sampling decision, run as "
-    "graph breaks around the compiled forward, and torch.compile(..., fullgraph=True) "
-    "fails on them. Compile the model itself, and where its class is a torch.nn class, "
-    "observe and compile a module of your own class whose forward calls it instead "
-    "(class Wrapped(nn.Module): ... def forward(self, x): return self.model(x))."
+    "own, as with a torch.nn class compiled before the observer was injected, or the "
+    "model is called from a compiled function or compiled with model.compile()): the "
+    "root's hooks, which take the sampling decision, run as graph breaks around the "
+    "compiled forward, and where the compile refuses graph breaks (fullgraph=True) "
+    "they do nothing, so forwards that run that code are not observed. Compile the "
+    "model itself with torch.compile(model), after inject_observer where its class is a "
+    "torch.nn class."
 )
 _root_traced_warned = False
 #: Times Dynamo met an observed root's pre-hook while tracing, in this process.
 _root_hook_traces = 0
+#: Those of them in traces that refuse graph breaks.
+_root_hook_traces_unobserved = 0
 
 
 def root_hook_traces() -> int:
@@ -489,23 +494,54 @@ def root_hook_traces() -> int:
     return _root_hook_traces
 
 
+def root_hook_traces_unobserved() -> int:
+    """Of :func:`root_hook_traces`, those in traces that refuse graph breaks
+    (``fullgraph=True``), where the root's hooks trace to nothing and the forwards that
+    run the code are not observed: ``coverage.compiled_capture.root_hooks_unobserved``."""
+    return _root_hook_traces_unobserved
+
+
+def graph_breaks_refused() -> bool:
+    """While Dynamo traces: True if the trace refuses graph breaks (``fullgraph=True``,
+    or ``torch._dynamo.error_on_graph_break(True)`` around the call), read from Dynamo's
+    instruction translator of the trace; False where Dynamo lacks what this reads, and
+    outside a trace."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        translator = InstructionTranslator.current_tx()
+    except Exception:
+        return False
+    one_graph = getattr(translator, "one_graph", False)
+    return one_graph is True or getattr(translator, "error_on_graph_break", False) is True
+
+
+def _graph_breaks_refused_flag() -> int:
+    return int(graph_breaks_refused())
+
+
 def _warn_root_traced() -> int:
     """Run by Dynamo while it traces a root pre-hook inline (a trace-time constant, see
     :data:`_root_traced_constant`): count it, and warn once per process with
-    :data:`ROOT_TRACED_ADVICE`, before a ``fullgraph=True`` compile fails on the graph
-    break that follows."""
-    global _root_traced_warned, _root_hook_traces
+    :data:`ROOT_TRACED_ADVICE`. Returns 1 where the trace refuses graph breaks: the root's
+    hooks then trace to nothing (training goes on, its forwards unobserved, counted in
+    :func:`root_hook_traces_unobserved`), and 0 where they may break the graph."""
+    global _root_traced_warned, _root_hook_traces, _root_hook_traces_unobserved
     _root_hook_traces += 1
+    refused = graph_breaks_refused()
+    _root_hook_traces_unobserved += refused
     if not _root_traced_warned:
         _root_traced_warned = True
         warn(ROOT_TRACED_ADVICE)
-    return 0
+    return int(refused)
 
 
 #: :func:`_warn_root_traced` as Dynamo sees it (``torch.compiler.assume_constant_result``:
 #: called once while tracing, its result a constant), once Dynamo is loaded; None before
 #: and where torch lacks it.
 _root_traced_constant: Callable[[], int] | None = None
+#: :func:`graph_breaks_refused` as such a constant, for the root's post-hook.
+_breaks_refused_constant: Callable[[], int] | None = None
 
 
 def trace_time_constant(function: Callable[[], int]) -> Callable[[], int] | None:
@@ -522,8 +558,9 @@ def trace_time_constant(function: Callable[[], int]) -> Callable[[], int] | None
 
 
 def _enable_root_traced_warning() -> None:
-    global _root_traced_constant
+    global _root_traced_constant, _breaks_refused_constant
     _root_traced_constant = trace_time_constant(_warn_root_traced)  # None: no advice, no count
+    _breaks_refused_constant = trace_time_constant(_graph_breaks_refused_flag)
 
 
 @_opaque_to_compiler

@@ -38,6 +38,7 @@ from ._lifecycle import AtExit, on_termination, sink_for_child
 from ._parking import HookParking
 from ._records import ROOT_INDEX
 from ._report_write import warn_if_never_written, write_report_files
+from ._root_frame import RootFrame, needs_root_frame, rechoose_compiled_wrappers
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
@@ -164,6 +165,9 @@ class Observer:
         self.parents_adopted: dict[str, str] = {}
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
+        #: The root's instance ``forward`` where its class's is one that torch.compile
+        #: does not compile as a frame (``_root_frame.py``), else None.
+        self._root_frame: RootFrame | None = None
         self._preparers: list[tuple[weakref.ref[nn.Module], PrepareScriptable]] = []
         self._atexit = AtExit(self)
         #: The ``torch.compile`` wrappers below the root given direct-call hooks, by
@@ -273,6 +277,8 @@ class Observer:
                 self._wrapped.append((ref, had, previous))
                 continue
             if is_root:
+                if needs_root_frame(module):
+                    self._root_frame = module.__dict__["forward"] = RootFrame(module)
                 self._handles.append(module.register_forward_pre_hook(RootPreHook(context)))
                 post = RootPostHook(context, index)
                 try:
@@ -293,6 +299,8 @@ class Observer:
                 handle = hook.register(module)
                 self._handles.append(handle)
                 parking.add(module, handle.id, hook)
+        if self._root_frame is not None and root is not None:
+            rechoose_compiled_wrappers(root, *filter(None, [self.target]))
         if not self.capture_direct_forwards:
             self._attach_compile_entries()
             if self.compiled_capture is not None:
@@ -412,6 +420,11 @@ class Observer:
             else:
                 del module.__dict__["forward"]
         self._wrapped.clear()
+        frame, self._root_frame = self._root_frame, None
+        root = self.root
+        if frame is not None and root is not None and root.__dict__.get("forward") is frame:
+            del root.__dict__["forward"]
+            rechoose_compiled_wrappers(root, *filter(None, [self.target]))
         for ref, preparer in self._preparers:
             module = ref()
             if module is not None and module.__dict__.get(PREPARE_ATTRIBUTE) is preparer:

@@ -437,8 +437,9 @@ _SHRINKABLE: tuple[tuple[str, str, object], ...] = (
 
 
 def _fit_sections(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
-    """Empty the bounded-but-sizeable sections of ``report`` (see ``_SHRINKABLE``) one
-    by one until its bytes fit ``max_bytes``; each emptied one is named under
+    """Leave out the fields of ``coverage.compiled_capture`` that are zero (or empty),
+    then empty the bounded-but-sizeable sections of ``report`` (see ``_SHRINKABLE``) one
+    by one until its bytes fit ``max_bytes``; each shortened one is named under
     ``coverage.sections_omitted`` and ``max_bytes`` joins ``coverage.limits_hit``.
     Findings were dropped first (all of them, if it comes to this)."""
     if len(dumps_report(report)) <= max_bytes:
@@ -459,7 +460,19 @@ def _fit_sections(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
 
         return step
 
-    shrink_to_fit(report, max_bytes, [emptying(*shrinkable) for shrinkable in _SHRINKABLE])
+    def compiled_counts_at_zero(document: dict[str, Any]) -> bool:
+        compiled = document["coverage"].get("compiled_capture")
+        if not isinstance(compiled, dict):
+            return False
+        kept = {key: value for key, value in compiled.items() if key == "mode" or value}
+        if len(kept) == len(compiled):
+            return False
+        document["coverage"]["compiled_capture"] = kept
+        omitted.append("coverage.compiled_capture: fields at zero")
+        return True
+
+    steps = [compiled_counts_at_zero, *(emptying(*shrinkable) for shrinkable in _SHRINKABLE)]
+    shrink_to_fit(report, max_bytes, steps)
     return report
 
 
@@ -567,6 +580,14 @@ def _headline(
                 "whose code was compiled before (for another model of its class): calls "
                 "made outside the root's forward run unobserved there. Inject the "
                 "observer after compiling, or train through the root."
+            )
+        if observer.compiled_capture.root_hooks_unobserved:
+            return (
+                "No training forward was observed: torch.compile traced the root's own call "
+                "with fullgraph=True (a compiled function calling the model, or "
+                "model.compile()), where the root's hooks do nothing, so forwards running "
+                "that code are not observed. Compile the model itself with "
+                "torch.compile(model) (fullgraph=True works there)."
             )
         return (
             f"No training forward was observed ({observer.counters.eval_forwards_skipped} forwards "
