@@ -223,3 +223,41 @@ def test_a_model_called_from_a_compiled_function_keeps_training(
         assert coverage["root_hooks_unobserved"] == unobserved
         assert coverage["mode"] == "in_graph"
         assert coverage["slots"] == 2 * 2
+
+
+def test_a_wrapper_made_before_injection_is_found_when_it_traces_the_root(
+    tmp_path: Path,
+) -> None:
+    """``torch.compile(nn.Sequential(...), fullgraph=True)`` made and run before the
+    observer is injected into the model itself (not the wrapper): the wrapper's first
+    call after injection still traces the root's call, where the root's hooks do
+    nothing (that forward is not observed) and the wrapper is made to choose again;
+    from the next call on it compiles the root's frame, with its hooks around it. No
+    warning, no trace counted; training is the twin's, during and after observation,
+    and after removal the wrapper still runs compiled code."""
+    base = sequential()
+    observed, twin = copy.deepcopy(base), copy.deepcopy(base)
+    backend = CountingAotEager()
+    compiled = cast(nn.Module, torch.compile(observed, backend=backend, fullgraph=True))
+    twin_compiled = cast(nn.Module, torch.compile(twin, backend=CountingAotEager(), fullgraph=True))
+    assert train(compiled, 1) == train(twin_compiled, 1)
+    traces = capture.root_hook_traces(), capture.root_hook_traces_unobserved()
+    inject_observer(observed, output_dir=tmp_path, sampling=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        losses = train(compiled, 4, first=1)
+    frame = observed.__dict__["forward"]
+    assert isinstance(frame, RootFrame)
+    assert [ref() for ref in frame.wrappers] == [compiled]
+    remove_observer(observed)
+    assert "forward" not in observed.__dict__
+    assert losses == train(twin_compiled, 4, first=1)
+    report = read_report(tmp_path)
+    assert (capture.root_hook_traces(), capture.root_hook_traces_unobserved()) == traces
+    assert report["coverage"]["samples_observed"] == 3  # forwards 2 to 4 of the 4
+    assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert report["coverage"]["compiled_capture"]["slots"] == 2 * 3
+    runs = backend.runs
+    assert train(compiled, 2, first=5) == train(twin_compiled, 2, first=5)
+    assert backend.runs == runs + 2
+    assert_same_model(observed, twin)

@@ -70,6 +70,7 @@ def test_a_snapshot_built_without_an_observer_gives_a_report() -> None:
         modules_replaced=(),
         module_kinds={"0": "Linear"},
         unhooked_compile_wrappers=(),
+        root_traces_unobserved_since_injection=0,
         root_forward_seen=True,
         report_config=ReportConfig(),
         track_config=track,

@@ -31,7 +31,7 @@ __all__ = ["COMPILE_IN_USE", "HookParking", "find_caller_depth", "root_calls_on_
 COMPILE_IN_USE = "off: torch.compile in use"
 
 #: Code of nn.Module._call_impl, whose frames show which module calls are running.
-_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
+CALL_IMPL_CODE = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
 #: Code of nn.Module._wrapped_call_impl (torch >= 2.2), which calls _call_impl.
 _WRAPPED_CALL_IMPL_CODE = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", None)
 _getframe = sys._getframe
@@ -223,7 +223,7 @@ def root_calls_on_stack(root: nn.Module, frame: Any) -> int:
     frames)."""
     calls = 0
     while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
+        if frame.f_code is CALL_IMPL_CODE and frame.f_locals.get("self") is root:
             calls += 1
         frame = frame.f_back
     return calls
@@ -235,7 +235,7 @@ def find_caller_depth(root: nn.Module, frame: Any) -> int:
     frame is not found."""
     depth = 0
     while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
+        if frame.f_code is CALL_IMPL_CODE and frame.f_locals.get("self") is root:
             frame = frame.f_back
             depth += 1
             if frame is not None and frame.f_code is _WRAPPED_CALL_IMPL_CODE:

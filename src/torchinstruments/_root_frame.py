@@ -11,11 +11,19 @@ root's hooks would then be graph breaks (or, with ``fullgraph=True``, trace to n
 So at injection such a root gets an instance ``forward``, a :class:`RootFrame`: Dynamo
 skips its own frame (``skip_code``, applied once Dynamo is loaded), and it calls a
 function made for the root's class, with a code object of its own, that calls the
-class's ``forward``. The compiled wrapper then takes the usual way, and Dynamo compiles
-that function's frame: once per class, shared by every instance, as a class's own
-``forward`` would be. Compiled wrappers of the root made before injection are made to
-choose again (:func:`rechoose_compiled_wrappers`), at injection and at removal.
-Eagerly the frame costs one more Python call per root forward.
+class's ``forward``. A compiled wrapper made after injection then takes the usual way,
+and Dynamo compiles that function's frame: once per class, shared by every instance, as
+a class's own ``forward`` would be. Eagerly the frame costs one more Python call per
+root forward.
+
+A wrapper made before injection chose the other way. It is found when Dynamo first
+traces the root's hooks inside it (:func:`rechoose_wrappers_on_stack`, from the traced
+root pre-hook: the wrapper's call is on the stack) and made to choose again; that one
+compiled forward still traces the root's call, and the next ones compile the frame.
+Each wrapper that compiled the frame is remembered by the frame (found on the stack
+while Dynamo traces it), and made to choose again at removal, when the frame goes: a
+wrapper made while the root was observed and first called after removal is not known,
+and would run its model uncompiled (``torch.compile`` it again).
 
 A deep copy of the model carries an :class:`~._copies.InertForward` in its place, as
 the ``capture_direct_forwards`` wrappers do, and a pickled one unpickles as one.
@@ -23,7 +31,6 @@ the ``capture_direct_forwards`` wrappers do, and a pickled one unpickles as one.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import os
 import sys
@@ -36,9 +43,10 @@ import torch
 from torch import nn
 
 from ._copies import InertForward, WrapperCopies
-from .capture import on_compiler_loaded
+from ._parking import CALL_IMPL_CODE
+from .capture import on_compiler_loaded, on_root_traced, trace_time_constant
 
-__all__ = ["RootFrame", "needs_root_frame", "rechoose_compiled_wrappers"]
+__all__ = ["RootFrame", "needs_root_frame", "rechoose", "rechoose_wrappers_on_stack"]
 
 #: Where torch's own code lives: Dynamo compiles no frame of a ``forward`` defined there.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -71,13 +79,16 @@ def needs_root_frame(root: nn.Module) -> bool:
 def _frame_for(cls: type) -> Callable[..., Any]:
     """A function ``(module, *args, **kwargs)`` that calls ``cls.forward``, with a code
     object made for ``cls`` (Dynamo keeps compiled code per code object: each class
-    gets entries of its own, which all its instances share)."""
+    gets entries of its own, which all its instances share). Traced by Dynamo, it first
+    notes the compiled wrappers on the stack (:func:`_note_wrappers_constant`)."""
     frame = _frames.get(cls)
     if frame is not None:
         return frame
     class_forward = cls.forward
 
     def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+        if _is_compiling() and _note_wrappers_constant is not None:
+            _note_wrappers_constant()
         return class_forward(self, *args, **kwargs)
 
     template = forward.__code__
@@ -97,7 +108,7 @@ class RootFrame(WrapperCopies):
         module: the observed root.
     """
 
-    __slots__ = ("__wrapped__", "_frame", "_module", "_original")
+    __slots__ = ("__wrapped__", "_frame", "_module", "_original", "wrappers")
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -105,6 +116,8 @@ class RootFrame(WrapperCopies):
         self._original = self._frame
         #: For ``torchinstruments.compiled``: the frame function, whose code Dynamo compiles.
         self.__wrapped__ = self._frame
+        #: The compiled wrappers (``OptimizedModule``) seen compiling this frame.
+        self.wrappers: list[weakref.ref[nn.Module]] = []
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         module = self._module()
@@ -132,9 +145,20 @@ class RootFrame(WrapperCopies):
             return None
 
 
-def _skip_own_frame() -> None:
-    """Have Dynamo run :meth:`RootFrame.__call__` eagerly, and compile the frames it
-    calls (``torch._dynamo.eval_frame.skip_code``)."""
+#: True while Dynamo traces (it evaluates the call as a constant); False when run.
+_is_compiling: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_compiling", lambda: False
+)
+#: :func:`_note_wrappers` as a trace-time constant, once Dynamo is loaded.
+_note_wrappers_constant: Callable[[], int] | None = None
+
+
+def _on_compiler_loaded() -> None:
+    """Have Dynamo run :meth:`RootFrame.__call__` eagerly and compile the frames it calls
+    (``torch._dynamo.eval_frame.skip_code``); make :func:`_note_wrappers` a trace-time
+    constant."""
+    global _note_wrappers_constant
+    _note_wrappers_constant = trace_time_constant(_note_wrappers)
     try:
         from torch._dynamo.eval_frame import skip_code
 
@@ -143,14 +167,57 @@ def _skip_own_frame() -> None:
         pass  # Dynamo then compiles the call too: guards per frame object, still correct
 
 
-on_compiler_loaded(_skip_own_frame)
+def _wrappers_on_stack() -> list[tuple[nn.Module, RootFrame]]:
+    """The compiled wrappers (``OptimizedModule``) whose call runs on the stack, of
+    roots that have a :class:`RootFrame`, each with that frame."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:
+        return []
+    found: list[tuple[nn.Module, RootFrame]] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is CALL_IMPL_CODE:
+            wrapper = frame.f_locals.get("self")
+            if isinstance(wrapper, OptimizedModule):
+                root = wrapper.__dict__.get("_modules", {}).get("_orig_mod")
+                forward = root.__dict__.get("forward") if isinstance(root, nn.Module) else None
+                if isinstance(forward, RootFrame):
+                    found.append((wrapper, forward))
+        frame = frame.f_back
+    return found
 
 
-def rechoose_compiled_wrappers(root: nn.Module, *known: nn.Module) -> int:
-    """Make each ``torch.compile`` wrapper of ``root`` (``OptimizedModule``: those in
-    ``known``, and any other that the garbage collector tracks) choose again how it
-    compiles ``root``'s call, now that ``root`` has a :class:`RootFrame` or no longer
-    has one. Their code is compiled again at their next call. Returns the number of
+def _note_wrappers() -> int:
+    """While Dynamo traces a root frame: remember each compiled wrapper on the stack in
+    its root's frame, for :func:`rechoose` at removal. Returns 0."""
+    for wrapper, frame in _wrappers_on_stack():
+        if not any(ref() is wrapper for ref in frame.wrappers):
+            frame.wrappers.append(weakref.ref(wrapper))
+    return 0
+
+
+def rechoose_wrappers_on_stack() -> int:
+    """While Dynamo traces an observed root's pre-hook: make each compiled wrapper on
+    the stack whose root has a :class:`RootFrame` but that traces the root's whole call
+    (made before injection) choose again (:func:`rechoose`), so that its next calls
+    compile the frame. Returns the number of wrappers changed."""
+    changed = 0
+    for wrapper, frame in _wrappers_on_stack():
+        callable_ = getattr(wrapper.__dict__.get("forward"), "_torchdynamo_orig_callable", None)
+        if getattr(callable_, "__self__", None) is frame._module():
+            continue  # it already calls the root's __call__, so compiles the frame
+        changed += rechoose(wrapper)
+        if not any(ref() is wrapper for ref in frame.wrappers):
+            frame.wrappers.append(weakref.ref(wrapper))
+    return changed
+
+
+def rechoose(*wrappers: object) -> int:
+    """Make each ``torch.compile`` wrapper (``OptimizedModule``) in ``wrappers`` choose
+    again how it compiles its module's call (``OptimizedModule._initialize``), now that
+    the module has a :class:`RootFrame` or no longer has one; anything else is left
+    alone. Their code is compiled again at their next call. Returns the number of
     wrappers changed; 0 without Dynamo loaded or where its wrapper lacks
     ``_initialize``."""
     if "torch._dynamo" not in sys.modules:
@@ -159,20 +226,18 @@ def rechoose_compiled_wrappers(root: nn.Module, *known: nn.Module) -> int:
         from torch._dynamo.eval_frame import OptimizedModule
     except Exception:
         return 0
-    if not callable(getattr(OptimizedModule, "_initialize", None)):
-        return 0
-    wrappers = {id(w): w for w in known if isinstance(w, OptimizedModule)}
-    for candidate in gc.get_objects():
-        # type(), not isinstance(): an object's __class__ may be a property with effects
-        if issubclass(type(candidate), OptimizedModule):
-            wrappers.setdefault(id(candidate), candidate)
     changed = 0
-    for wrapper in wrappers.values():
-        if wrapper.__dict__.get("_modules", {}).get("_orig_mod") is not root:
+    for wrapper in wrappers:
+        initialize = getattr(wrapper, "_initialize", None)
+        if not isinstance(wrapper, OptimizedModule) or not callable(initialize):
             continue
         try:
-            wrapper._initialize()
+            initialize()
         except Exception:
             continue
         changed += 1
     return changed
+
+
+on_compiler_loaded(_on_compiler_loaded)
+on_root_traced(rechoose_wrappers_on_stack)

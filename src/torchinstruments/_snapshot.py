@@ -171,6 +171,9 @@ class RunSnapshot:
     #: ``Observer.unhooked_compile_wrappers``); looked for only while no training
     #: forward was seen.
     unhooked_compile_wrappers: tuple[str, ...]
+    #: Traces of an observed root's hooks that refused graph breaks (any observer's)
+    #: since this observer was made: where no training forward was seen, why.
+    root_traces_unobserved_since_injection: int
     #: True once a training forward went through the root.
     root_forward_seen: bool
     report_config: ReportConfig
@@ -266,6 +269,9 @@ def take_snapshot(observer: Observer) -> RunSnapshot:
             tuple(observer.unhooked_compile_wrappers())
             if not ctx.root_forward_seen and not ctx.forwards_seen
             else ()
+        ),
+        root_traces_unobserved_since_injection=(
+            root_hook_traces_unobserved() - observer.root_traces_unobserved_at_injection
         ),
         root_forward_seen=ctx.root_forward_seen,
         report_config=observer.report_config,

@@ -520,15 +520,38 @@ def _graph_breaks_refused_flag() -> int:
     return int(graph_breaks_refused())
 
 
+#: Called (in order) when Dynamo traces a root pre-hook inline; each returns how many
+#: compiled wrappers it made compile the root's forward frame from their next call on.
+_ROOT_TRACED_CALLBACKS: list[Callable[[], int]] = []
+
+
+def on_root_traced(callback: Callable[[], int]) -> None:
+    """Call ``callback`` whenever Dynamo traces an observed root's pre-hook inline (see
+    :func:`_warn_root_traced`). It returns the number of compiled wrappers it made
+    compile the root's forward as a frame from their next call on (``_root_frame.py``
+    registers one); where any did, the trace is a one-off, neither counted nor warned
+    about."""
+    _ROOT_TRACED_CALLBACKS.append(callback)
+
+
 def _warn_root_traced() -> int:
     """Run by Dynamo while it traces a root pre-hook inline (a trace-time constant, see
-    :data:`_root_traced_constant`): count it, and warn once per process with
-    :data:`ROOT_TRACED_ADVICE`. Returns 1 where the trace refuses graph breaks: the root's
-    hooks then trace to nothing (training goes on, its forwards unobserved, counted in
-    :func:`root_hook_traces_unobserved`), and 0 where they may break the graph."""
+    :data:`_root_traced_constant`): unless a callback of :func:`on_root_traced` made the
+    compiled wrapper on the stack compile the root's frame from its next call on, count
+    it and warn once per process with :data:`ROOT_TRACED_ADVICE`. Returns 1 where the
+    trace refuses graph breaks: the root's hooks then trace to nothing (training goes
+    on, its forwards unobserved, counted in :func:`root_hook_traces_unobserved`), and 0
+    where they may break the graph."""
     global _root_traced_warned, _root_hook_traces, _root_hook_traces_unobserved
-    _root_hook_traces += 1
     refused = graph_breaks_refused()
+    rechosen = 0
+    for callback in _ROOT_TRACED_CALLBACKS:
+        # Never break the compile: a callback that raises counts as one that changed nothing.
+        with contextlib.suppress(Exception):
+            rechosen += callback()
+    if rechosen:
+        return int(refused)  # one forward; the wrapper's next calls compile the frame
+    _root_hook_traces += 1
     _root_hook_traces_unobserved += refused
     if not _root_traced_warned:
         _root_traced_warned = True

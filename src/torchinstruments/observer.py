@@ -38,7 +38,7 @@ from ._lifecycle import AtExit, on_termination, sink_for_child
 from ._parking import HookParking
 from ._records import ROOT_INDEX
 from ._report_write import warn_if_never_written, write_report_files
-from ._root_frame import RootFrame, needs_root_frame, rechoose_compiled_wrappers
+from ._root_frame import RootFrame, needs_root_frame, rechoose
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
@@ -54,6 +54,7 @@ from .capture import (
     RootPreHook,
     is_compile_wrapper,
     passive,
+    root_hook_traces_unobserved,
     without_compile_wrappers,
 )
 from .config import ReportConfig, TrackConfig
@@ -165,6 +166,8 @@ class Observer:
         self.parents_adopted: dict[str, str] = {}
         self._handles: list[Any] = []
         self._wrapped: list[tuple[weakref.ref[nn.Module], bool, object]] = []
+        #: ``capture.root_hook_traces_unobserved()`` when this observer was made.
+        self.root_traces_unobserved_at_injection = root_hook_traces_unobserved()
         #: The root's instance ``forward`` where its class's is one that torch.compile
         #: does not compile as a frame (``_root_frame.py``), else None.
         self._root_frame: RootFrame | None = None
@@ -299,8 +302,8 @@ class Observer:
                 handle = hook.register(module)
                 self._handles.append(handle)
                 parking.add(module, handle.id, hook)
-        if self._root_frame is not None and root is not None:
-            rechoose_compiled_wrappers(root, *filter(None, [self.target]))
+        if self._root_frame is not None:
+            rechoose(self.target)  # a wrapper given to inject_observer (others: _root_frame.py)
         if not self.capture_direct_forwards:
             self._attach_compile_entries()
             if self.compiled_capture is not None:
@@ -424,7 +427,7 @@ class Observer:
         root = self.root
         if frame is not None and root is not None and root.__dict__.get("forward") is frame:
             del root.__dict__["forward"]
-            rechoose_compiled_wrappers(root, *filter(None, [self.target]))
+            rechoose(self.target, *(ref() for ref in frame.wrappers))
         for ref, preparer in self._preparers:
             module = ref()
             if module is not None and module.__dict__.get(PREPARE_ATTRIBUTE) is preparer:

@@ -581,7 +581,7 @@ def _headline(
                 "made outside the root's forward run unobserved there. Inject the "
                 "observer after compiling, or train through the root."
             )
-        if observer.compiled_capture.root_hooks_unobserved:
+        if observer.root_traces_unobserved_since_injection:
             return (
                 "No training forward was observed: torch.compile traced the root's own call "
                 "with fullgraph=True (a compiled function calling the model, or "
