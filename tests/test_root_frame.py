@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tests.harness import assert_same_model, read_report
 from tests.harness.scenarios import assert_same_telemetry, written_series
 from torchinstruments import capture, inject_observer, remove_observer
-from torchinstruments._copies import InertForward
+from torchinstruments import observer as observer_module
 from torchinstruments._root_frame import RootFrame, needs_root_frame
 
 
@@ -88,8 +88,10 @@ def test_a_torch_nn_root_compiles_whole_with_fullgraph(tmp_path: Path, order: st
     """``torch.compile(nn.Sequential(...), fullgraph=True)``, compiled before or after
     injection: no graph break, nothing traced of the root's hooks, every series of the
     three leaves and the root equal to the eager path's, training bit-identical to the
-    compiled twin's; after removal the model has no instance ``forward`` and its
-    compiled wrapper goes on running compiled code, training as the twin."""
+    compiled twin's; after removal the
+    compiled wrapper goes on running compiled code, training as the twin: its frame
+    stays, since that code runs it, and observing the model again three times compiles
+    nothing more."""
     base = sequential()
     eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     train(eager, 1)
@@ -116,7 +118,7 @@ def test_a_torch_nn_root_compiles_whole_with_fullgraph(tmp_path: Path, order: st
         losses = train(compiled, 4, first=1)
     assert graph_counts() == (graphs + 1, breaks)
     remove_observer(observed)
-    assert "forward" not in observed.__dict__
+    assert isinstance(observed.__dict__["forward"], RootFrame)  # compiled code runs it
     assert losses == train(twin_compiled, 4, first=1)
     report = read_report(tmp_path / "compiled")
     coverage = report["coverage"]["compiled_capture"]
@@ -132,12 +134,21 @@ def test_a_torch_nn_root_compiles_whole_with_fullgraph(tmp_path: Path, order: st
     assert backend.runs == runs + 3  # compiled still
     assert after == train(twin_compiled, 3, first=5)
     assert_same_model(observed, twin)
+    graphs, breaks = graph_counts()
+    for cycle in range(3):  # the frame stays: observing again compiles nothing more
+        inject_observer(observed, output_dir=tmp_path / f"again-{cycle}", sampling=1)
+        assert train(compiled, 2, first=8 + 2 * cycle) == train(
+            twin_compiled, 2, first=8 + 2 * cycle
+        )
+        remove_observer(observed)
+    assert graph_counts() == (graphs, breaks)
 
 
 def test_the_frame_copies_pickles_and_signs_as_the_class_forward(tmp_path: Path) -> None:
-    """A deep copy and an unpickled copy carry an inert forward that leaves at their
-    first forward (the copy is not observed); ``inspect.signature`` sees the class
-    ``forward``'s parameters; the frame holds the root weakly."""
+    """A deep copy and an unpickled copy carry a copied frame that leaves at their first
+    forward when it runs eagerly (the copy is not observed); removal takes out a frame
+    that no compiled code ran; ``inspect.signature`` sees the class ``forward``'s
+    parameters; the frame holds the root weakly."""
     model = sequential()
     inject_observer(model, output_dir=tmp_path, sampling=1)
     assert inspect.signature(model.forward) == inspect.signature(nn.Sequential().forward)
@@ -148,10 +159,13 @@ def test_the_frame_copies_pickles_and_signs_as_the_class_forward(tmp_path: Path)
     copied = copy.deepcopy(model)
     x = torch.randn(3, 6)
     for copy_of_model in (copied, loaded):
-        assert isinstance(copy_of_model.__dict__["forward"], InertForward)
+        frame = copy_of_model.__dict__["forward"]
+        assert isinstance(frame, RootFrame) and frame.copied
         assert torch.equal(copy_of_model(x), model(x))
-        assert "forward" not in copy_of_model.__dict__
+        assert "forward" not in copy_of_model.__dict__  # run eagerly: a clean copy
+        assert not copy_of_model._forward_pre_hooks and not copy_of_model._forward_hooks
     remove_observer(model)
+    assert "forward" not in model.__dict__  # never compiled: the frame goes
     collected = sequential()
     inject_observer(collected, output_dir=tmp_path / "collected", sampling=1)
     frame = collected.__dict__["forward"]
@@ -225,16 +239,21 @@ def test_a_model_called_from_a_compiled_function_keeps_training(
         assert coverage["slots"] == 2 * 2
 
 
-def test_a_wrapper_made_before_injection_is_found_when_it_traces_the_root(
-    tmp_path: Path,
+@pytest.mark.parametrize("found", ["at_injection", "while_tracing"])
+def test_a_wrapper_made_before_injection_compiles_the_frame(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, found: str
 ) -> None:
     """``torch.compile(nn.Sequential(...), fullgraph=True)`` made and run before the
-    observer is injected into the model itself (not the wrapper): the wrapper's first
-    call after injection still traces the root's call, where the root's hooks do
-    nothing (that forward is not observed) and the wrapper is made to choose again;
-    from the next call on it compiles the root's frame, with its hooks around it. No
-    warning, no trace counted; training is the twin's, during and after observation,
-    and after removal the wrapper still runs compiled code."""
+    observer is injected into the model itself (not the wrapper). Injection finds the
+    wrapper and has it compile the root's frame, with the root's hooks around it.
+    Where injection misses it (``while_tracing``: as if the search found nothing), the
+    wrapper's first call after injection still traces the root's call, where the
+    root's hooks do nothing (that forward is not observed), and is found on the stack
+    then; its next calls compile the frame. No warning, no trace counted; training is
+    the twin's, during and after observation, and after removal the wrapper still runs
+    compiled code."""
+    if found == "while_tracing":
+        monkeypatch.setattr(observer_module, "wrappers_of", lambda root: [])
     base = sequential()
     observed, twin = copy.deepcopy(base), copy.deepcopy(base)
     backend = CountingAotEager()
@@ -250,14 +269,43 @@ def test_a_wrapper_made_before_injection_is_found_when_it_traces_the_root(
     assert isinstance(frame, RootFrame)
     assert [ref() for ref in frame.wrappers] == [compiled]
     remove_observer(observed)
-    assert "forward" not in observed.__dict__
+    assert observed.__dict__["forward"] is frame  # the wrapper's compiled code runs it
     assert losses == train(twin_compiled, 4, first=1)
     report = read_report(tmp_path)
     assert (capture.root_hook_traces(), capture.root_hook_traces_unobserved()) == traces
-    assert report["coverage"]["samples_observed"] == 3  # forwards 2 to 4 of the 4
+    unobserved = 1 if found == "while_tracing" else 0  # the first forward, traced whole
+    assert report["coverage"]["samples_observed"] == 4 - unobserved
     assert report["coverage"]["compiled_capture"]["mode"] == "in_graph"
     assert report["coverage"]["compiled_capture"]["slots"] == 2 * 3
     runs = backend.runs
     assert train(compiled, 2, first=5) == train(twin_compiled, 2, first=5)
     assert backend.runs == runs + 2
     assert_same_model(observed, twin)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_copy_compiled_before_its_first_forward_runs_compiled(
+    tmp_path: Path, fullgraph: bool
+) -> None:
+    """An EMA copy (``copy.deepcopy``) or a ``torch.load`` copy of an observed
+    ``nn.Sequential``, compiled before its first forward: its wrapper compiles the
+    copy's frame (kept, since the wrapper chose it), every call runs compiled code, the
+    copy is not observed (its inert hooks leave at the first call) and computes what
+    the model does."""
+    model = sequential()
+    inject_observer(model, output_dir=tmp_path, sampling=1)
+    x = torch.randn(4, 6)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copy_of_model in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        backend = CountingAotEager()
+        compiled = cast(
+            nn.Module, torch.compile(copy_of_model, backend=backend, fullgraph=fullgraph)
+        )
+        outputs = [compiled(x) for _ in range(4)]
+        assert backend.runs == 4
+        assert all(torch.equal(output, model(x)) for output in outputs)
+        assert isinstance(copy_of_model.__dict__["forward"], RootFrame)
+        assert not copy_of_model._forward_pre_hooks and not copy_of_model._forward_hooks
+    remove_observer(model)

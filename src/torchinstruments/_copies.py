@@ -154,6 +154,11 @@ class WrapperCopies:
     _module: weakref.ref[nn.Module]
     _original: Callable[..., object]
 
+    def removable(self, module: nn.Module) -> bool:
+        """Whether :func:`remove_inert` takes this ``forward`` out of ``module`` (a copy's):
+        False here; a copied root frame (``_root_frame.RootFrame``) says otherwise."""
+        return False
+
     def unwrapped(self, module: nn.Module) -> object | None:
         """What ``module.__dict__["forward"]`` would be without this wrapper: None where
         the class's ``forward`` applies, else the instance ``forward`` it wraps."""
@@ -228,8 +233,9 @@ PREPARE_ATTRIBUTE = "__prepare_scriptable__"
 def remove_inert(module: nn.Module) -> None:
     """Remove the inert placeholders of a copied observed model from ``module`` and its
     submodules: :class:`InertHook` entries of the hook dictionaries (with their flags),
-    :class:`InertForward` instance attributes and inert :class:`PrepareScriptable`
-    attributes. Nothing else changes; a module without them is left as it is."""
+    :class:`InertForward` instance attributes, copied root frames that no compiled
+    wrapper runs, and inert :class:`PrepareScriptable` attributes. Nothing else
+    changes; a module without them is left as it is."""
     for sub in module.modules():
         state = sub.__dict__
         inert = {
@@ -244,7 +250,10 @@ def remove_inert(module: nn.Module) -> None:
                 entries = state.get(name)
                 if isinstance(entries, dict):
                     entries.pop(key, None)
-        if isinstance(state.get("forward"), InertForward):
+        forward = state.get("forward")
+        if isinstance(forward, InertForward) or (
+            isinstance(forward, WrapperCopies) and forward.removable(sub)
+        ):
             del state["forward"]
     _drop_copied_preparers(module)
 

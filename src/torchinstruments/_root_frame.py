@@ -16,14 +16,19 @@ and Dynamo compiles that function's frame: once per class, shared by every insta
 a class's own ``forward`` would be. Eagerly the frame costs one more Python call per
 root forward.
 
-A wrapper made before injection chose the other way. It is found when Dynamo first
-traces the root's hooks inside it (:func:`rechoose_wrappers_on_stack`, from the traced
-root pre-hook: the wrapper's call is on the stack) and made to choose again; that one
-compiled forward still traces the root's call, and the next ones compile the frame.
-Each wrapper that compiled the frame is remembered by the frame (found on the stack
-while Dynamo traces it), and made to choose again at removal, when the frame goes: a
-wrapper made while the root was observed and first called after removal is not known,
-and would run its model uncompiled (``torch.compile`` it again).
+A wrapper made before injection chose the other way: at injection the wrappers of the
+root are found (:func:`wrappers_of`, a pass over the objects the garbage collector
+tracks, only where Dynamo is loaded) and made to choose again (:func:`rechoose`). One
+that escapes it is found when Dynamo first traces the root's hooks inside it
+(:func:`rechoose_wrappers_on_stack`, from the traced root pre-hook), at the cost of one
+compiled forward that traces the root's call (and one cache entry of Dynamo's that
+counts towards its recompile limit).
+
+Removal leaves the frame in place where compiled code may run it: a wrapper of the
+root exists (found at injection, on the stack while Dynamo traced the frame, or by the
+same pass over the objects at removal) or ``module.compile()`` compiled the root's
+call. Otherwise it takes the frame out and has a wrapper given to ``inject_observer``
+choose again.
 
 A deep copy of the model carries an :class:`~._copies.InertForward` in its place, as
 the ``capture_direct_forwards`` wrappers do, and a pickled one unpickles as one.
@@ -31,6 +36,7 @@ the ``capture_direct_forwards`` wrappers do, and a pickled one unpickles as one.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import sys
@@ -42,11 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._copies import InertForward, WrapperCopies
+from ._copies import WrapperCopies
 from ._parking import CALL_IMPL_CODE
 from .capture import on_compiler_loaded, on_root_traced, trace_time_constant
 
-__all__ = ["RootFrame", "needs_root_frame", "rechoose", "rechoose_wrappers_on_stack"]
+__all__ = ["RootFrame", "needs_root_frame", "rechoose", "rechoose_wrappers_on_stack", "wrappers_of"]
 
 #: Where torch's own code lives: Dynamo compiles no frame of a ``forward`` defined there.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -102,15 +108,29 @@ def _frame_for(cls: type) -> Callable[..., Any]:
 class RootFrame(WrapperCopies):
     """The instance ``forward`` of a root whose class's ``forward`` Dynamo does not
     compile as a frame (see the module docstring). Calls the class's ``forward``
-    through the frame function made for the class; holds the module weakly.
+    through the frame function made for the class; holds the module weakly. It refers
+    to no observer: left on a model after removal (see :meth:`compiled`), it only keeps
+    that model's compiled code running. Dynamo's guards may check its identity; it can
+    be weakly referenced, so that their entries go when it does.
 
     Args:
         module: the observed root.
+        copied: True for the frame of a copy of the model (``copy.deepcopy``,
+            unpickling): :func:`~._copies.remove_inert` takes it out at the copy's first
+            forward unless a compiled wrapper of the copy runs it (see :meth:`removable`).
     """
 
-    __slots__ = ("__wrapped__", "_frame", "_module", "_original", "wrappers")
+    __slots__ = (
+        "__weakref__",
+        "__wrapped__",
+        "_frame",
+        "_module",
+        "_original",
+        "copied",
+        "wrappers",
+    )
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, copied: bool = False) -> None:
         self._module = weakref.ref(module)
         self._frame = _frame_for(type(module))
         self._original = self._frame
@@ -118,6 +138,7 @@ class RootFrame(WrapperCopies):
         self.__wrapped__ = self._frame
         #: The compiled wrappers (``OptimizedModule``) seen compiling this frame.
         self.wrappers: list[weakref.ref[nn.Module]] = []
+        self.copied = copied
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         module = self._module()
@@ -125,12 +146,55 @@ class RootFrame(WrapperCopies):
             raise RuntimeError("torchinstruments: the observed root no longer exists")
         return self._frame(module, *args, **kwargs)
 
+    def note_wrappers(self, wrappers: list[nn.Module]) -> None:
+        """Remember ``wrappers`` (``OptimizedModule``) as compiling this frame."""
+        for wrapper in wrappers:
+            if not any(ref() is wrapper for ref in self.wrappers):
+                self.wrappers.append(weakref.ref(wrapper))
+
+    def compiled(self, module: nn.Module) -> bool:
+        """True if compiled code of ``module`` may run this frame: ``module.compile()``
+        compiled the module's call (whose code then calls this frame), or a compiled
+        wrapper of ``module`` exists (one seen compiling the frame, or any that
+        :func:`wrappers_of` finds: made since injection, it chose to compile the frame,
+        and may run code that Dynamo compiled for another instance of the class, so
+        without tracing it). Removal leaves the frame in place then."""
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            return True
+        self.note_wrappers(wrappers_of(module))
+        return any(ref() is not None for ref in self.wrappers)
+
+    def removable(self, module: nn.Module) -> bool:
+        """For :func:`~._copies.remove_inert` (called from the first forward of a copy of
+        the model): True unless a compiled wrapper of ``module`` is calling it (it chose
+        to compile this frame when it was made), in which case the frame stays."""
+        if not self.copied:
+            return False
+        if any(wrapper._orig_mod is module for wrapper, _ in _wrappers_on_stack()):
+            self.copied = False
+            return False
+        return True
+
     def unwrapped(self, module: nn.Module) -> object | None:
         """None: without this frame the class's ``forward`` applies."""
         return None
 
+    def __deepcopy__(self, memo: dict[int, object]) -> object:
+        module = self._module()
+        copied = memo.get(id(module)) if module is not None else None
+        return RootFrame(copied, copied=True) if isinstance(copied, nn.Module) else self
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (InertForward, (self._module(),))
+        return (_copied_frame, (self._module(),))
+
+    @property
+    def __code__(self) -> types.CodeType | None:
+        """The class ``forward``'s code (``torch.export`` reads its name and place)."""
+        return getattr(getattr(self._frame, "__wrapped__", None), "__code__", None)
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
 
     @property
     def __signature__(self) -> inspect.Signature | None:
@@ -143,6 +207,11 @@ class RootFrame(WrapperCopies):
             return inspect.signature(type(module).forward.__get__(module, type(module)))
         except (TypeError, ValueError):
             return None
+
+
+def _copied_frame(module: nn.Module | None) -> RootFrame | None:
+    """What a pickled :class:`RootFrame` unpickles as: the frame of a copy."""
+    return RootFrame(module, copied=True) if isinstance(module, nn.Module) else None
 
 
 #: True while Dynamo traces (it evaluates the call as a constant); False when run.
@@ -190,10 +259,9 @@ def _wrappers_on_stack() -> list[tuple[nn.Module, RootFrame]]:
 
 def _note_wrappers() -> int:
     """While Dynamo traces a root frame: remember each compiled wrapper on the stack in
-    its root's frame, for :func:`rechoose` at removal. Returns 0."""
+    its root's frame (see :meth:`RootFrame.compiled`). Returns 0."""
     for wrapper, frame in _wrappers_on_stack():
-        if not any(ref() is wrapper for ref in frame.wrappers):
-            frame.wrappers.append(weakref.ref(wrapper))
+        frame.note_wrappers([wrapper])
     return 0
 
 
@@ -208,9 +276,28 @@ def rechoose_wrappers_on_stack() -> int:
         if getattr(callable_, "__self__", None) is frame._module():
             continue  # it already calls the root's __call__, so compiles the frame
         changed += rechoose(wrapper)
-        if not any(ref() is wrapper for ref in frame.wrappers):
-            frame.wrappers.append(weakref.ref(wrapper))
+        frame.note_wrappers([wrapper])
     return changed
+
+
+def wrappers_of(root: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers (``OptimizedModule``) of ``root`` that exist now,
+    found among the objects the garbage collector tracks (one pass over them: about
+    0.1 s in a process with ``transformers`` loaded); none without Dynamo loaded (no
+    wrapper can exist then)."""
+    if "torch._dynamo" not in sys.modules:
+        return []
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:
+        return []
+    return [
+        candidate
+        for candidate in gc.get_objects()
+        # type(), not isinstance(): an object's __class__ may be a property with effects
+        if issubclass(type(candidate), OptimizedModule)
+        and candidate.__dict__.get("_modules", {}).get("_orig_mod") is root
+    ]
 
 
 def rechoose(*wrappers: object) -> int:

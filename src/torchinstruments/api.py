@@ -710,10 +710,12 @@ def _forget_compiled_code(model: nn.Module, *, root: nn.Module | None = None) ->
 def remove_observer(model: nn.Module) -> None:
     """Detach the observer of ``model``, write its final report, restore the model.
 
-    Every hook and wrapper of ours is removed and instance attributes are restored; a
-    second call (or a call on a model without an observer) does nothing, except on a
-    copy of an observed model (``copy.deepcopy``, ``torch.load``): the inert
-    placeholders that its first forward would remove are removed at once.
+    Every hook and wrapper of ours is removed and instance attributes are restored
+    (except the instance ``forward`` given to a root of a ``torch.nn`` class where
+    compiled code may still run it, see ``_root_frame.py``); a second call (or a call
+    on a model without an observer) does nothing, except on a copy of an observed model
+    (``copy.deepcopy``, ``torch.load``): the inert placeholders that its first forward
+    would remove are removed at once.
 
     Raises:
         ConfigError: ``model`` is not an ``nn.Module``.

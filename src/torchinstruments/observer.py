@@ -38,7 +38,7 @@ from ._lifecycle import AtExit, on_termination, sink_for_child
 from ._parking import HookParking
 from ._records import ROOT_INDEX
 from ._report_write import warn_if_never_written, write_report_files
-from ._root_frame import RootFrame, needs_root_frame, rechoose
+from ._root_frame import RootFrame, needs_root_frame, rechoose, wrappers_of
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
@@ -302,8 +302,10 @@ class Observer:
                 handle = hook.register(module)
                 self._handles.append(handle)
                 parking.add(module, handle.id, hook)
-        if self._root_frame is not None:
-            rechoose(self.target)  # a wrapper given to inject_observer (others: _root_frame.py)
+        if self._root_frame is not None and root is not None:
+            wrappers = wrappers_of(root)  # made before injection: they compile the frame now
+            rechoose(self.target, *wrappers)
+            self._root_frame.note_wrappers(wrappers)
         if not self.capture_direct_forwards:
             self._attach_compile_entries()
             if self.compiled_capture is not None:
@@ -425,9 +427,14 @@ class Observer:
         self._wrapped.clear()
         frame, self._root_frame = self._root_frame, None
         root = self.root
-        if frame is not None and root is not None and root.__dict__.get("forward") is frame:
+        if (
+            frame is not None
+            and root is not None
+            and root.__dict__.get("forward") is frame
+            and not frame.compiled(root)  # else compiled code runs it: it stays
+        ):
             del root.__dict__["forward"]
-            rechoose(self.target, *(ref() for ref in frame.wrappers))
+            rechoose(self.target)
         for ref, preparer in self._preparers:
             module = ref()
             if module is not None and module.__dict__.get(PREPARE_ATTRIBUTE) is preparer:
