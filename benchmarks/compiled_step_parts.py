@@ -45,7 +45,10 @@ Kinds of copy:
 - ``observer, one sample``: ``inject_observer(..., sampling=10**9)``, so only the first
   forward is sampled (the observer's fixed cost per forward);
 - ``observer, default``: ``inject_observer`` at default sampling (adds the sampled
-  forwards' graph variant with the reductions, and the flushes).
+  forwards' graph variant with the reductions, and the flushes);
+- ``observer, sentinel 1 in 16`` (not run unless named): the same with the root
+  sentinel checking one unsampled training forward in 16 instead of
+  ``ROOT_SENTINEL_INTERVAL`` (8), what that interval costs.
 
 How the copies are kept comparable: compiled code is cached per code object, so each
 copy gets a class of its own whose ``forward`` is a fresh code object (no copy runs or
@@ -103,9 +106,20 @@ from torchinstruments.capture import ForwardHook, RootPostHook, RootPreHook, rec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "basic_training.py"
 WARMUP_STEPS = 1_600  # the default schedule reaches its steady interval by then
-KINDS = ("plain", "plain, hook guards", "no-op hooks", "observer, one sample", "observer, default")
+KINDS = (
+    "plain",
+    "plain, hook guards",
+    "no-op hooks",
+    "observer, one sample",
+    "observer, default",
+    "observer, sentinel 1 in 16",
+)
 #: ``--kinds`` names of the kinds.
-KIND_NAMES = dict(zip(("plain", "guards", "no-op", "one-sample", "default"), KINDS, strict=True))
+KIND_NAMES = dict(
+    zip(("plain", "guards", "no-op", "one-sample", "default", "sentinel16"), KINDS, strict=True)
+)
+#: The root sentinel's interval of the kind ``sentinel16``.
+WIDER_SENTINEL_INTERVAL = 16
 GPT2_VOCABULARY, GPT2_TOKENS = 512, 64
 #: What ``--compile`` compiles, as the first line of the output says it.
 COMPILED_PARTS = {
@@ -221,6 +235,9 @@ def _make_copy(
         inject_observer(model, output_dir=directory / f"one-{number}", sampling=10**9)
     elif kind == "observer, default":
         inject_observer(model, output_dir=directory / f"default-{number}")
+    elif kind == "observer, sentinel 1 in 16":
+        handle = inject_observer(model, output_dir=directory / f"sentinel16-{number}")
+        handle._observer.context.ROOT_SENTINEL_INTERVAL = WIDER_SENTINEL_INTERVAL
     compiled: Any
     if compile_what == "blocks":
         blocks = model.get_submodule(_blocks_name(model_name))
@@ -275,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--kinds",
-        default=",".join(KIND_NAMES),
-        help=f"comma-separated kinds of copy, plain among them (default: {','.join(KIND_NAMES)})",
+        default=",".join(name for name in KIND_NAMES if name != "sentinel16"),
+        help=f"comma-separated kinds of copy, plain among them, of {','.join(KIND_NAMES)} "
+        "(default: all but sentinel16)",
     )
     parser.add_argument(
         "--root-hooks",
