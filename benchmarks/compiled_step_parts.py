@@ -237,7 +237,10 @@ def _make_copy(
         inject_observer(model, output_dir=directory / f"default-{number}")
     elif kind == "observer, sentinel 1 in 16":
         handle = inject_observer(model, output_dir=directory / f"sentinel16-{number}")
-        handle._observer.context.ROOT_SENTINEL_INTERVAL = WIDER_SENTINEL_INTERVAL
+        observer = handle._observer
+        if observer is None:
+            raise RuntimeError("inject_observer returned a handle without its observer")
+        observer.context.ROOT_SENTINEL_INTERVAL = WIDER_SENTINEL_INTERVAL
     compiled: Any
     if compile_what == "blocks":
         blocks = model.get_submodule(_blocks_name(model_name))
