@@ -30,8 +30,9 @@ same pass over the objects at removal) or ``module.compile()`` compiled the root
 call. Otherwise it takes the frame out and has a wrapper given to ``inject_observer``
 choose again.
 
-A deep copy of the model carries an :class:`~._copies.InertForward` in its place, as
-the ``capture_direct_forwards`` wrappers do, and a pickled one unpickles as one.
+A deep copy of the model, and an unpickled one, carry a frame flagged ``copied``:
+:func:`~._copies.remove_inert` takes it out at the copy's first forward, unless a
+compiled wrapper of the copy is calling it (the wrapper chose to compile it).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch import nn
 
 from ._copies import WrapperCopies
 from ._parking import CALL_IMPL_CODE
-from .capture import on_compiler_loaded, on_root_traced, trace_time_constant
+from .capture import _is_compiling, on_compiler_loaded, on_root_traced, trace_time_constant
 
 __all__ = ["RootFrame", "needs_root_frame", "rechoose", "rechoose_wrappers_on_stack", "wrappers_of"]
 
@@ -120,22 +121,11 @@ class RootFrame(WrapperCopies):
             forward unless a compiled wrapper of the copy runs it (see :meth:`removable`).
     """
 
-    __slots__ = (
-        "__weakref__",
-        "__wrapped__",
-        "_frame",
-        "_module",
-        "_original",
-        "copied",
-        "wrappers",
-    )
+    __slots__ = ("__weakref__", "_frame", "_module", "copied", "wrappers")
 
     def __init__(self, module: nn.Module, copied: bool = False) -> None:
         self._module = weakref.ref(module)
         self._frame = _frame_for(type(module))
-        self._original = self._frame
-        #: For ``torchinstruments.compiled``: the frame function, whose code Dynamo compiles.
-        self.__wrapped__ = self._frame
         #: The compiled wrappers (``OptimizedModule``) seen compiling this frame.
         self.wrappers: list[weakref.ref[nn.Module]] = []
         self.copied = copied
@@ -188,6 +178,12 @@ class RootFrame(WrapperCopies):
         return (_copied_frame, (self._module(),))
 
     @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The frame function, whose code Dynamo compiles (``torchinstruments.compiled``
+        follows ``__wrapped__`` to it, and from it to the class ``forward``)."""
+        return self._frame
+
+    @property
     def __code__(self) -> types.CodeType | None:
         """The class ``forward``'s code (``torch.export`` reads its name and place)."""
         return getattr(getattr(self._frame, "__wrapped__", None), "__code__", None)
@@ -214,10 +210,6 @@ def _copied_frame(module: nn.Module | None) -> RootFrame | None:
     return RootFrame(module, copied=True) if isinstance(module, nn.Module) else None
 
 
-#: True while Dynamo traces (it evaluates the call as a constant); False when run.
-_is_compiling: Callable[[], bool] = getattr(
-    getattr(torch, "compiler", None), "is_compiling", lambda: False
-)
 #: :func:`_note_wrappers` as a trace-time constant, once Dynamo is loaded.
 _note_wrappers_constant: Callable[[], int] | None = None
 
