@@ -144,6 +144,47 @@ def test_a_torch_nn_root_compiles_whole_with_fullgraph(tmp_path: Path, order: st
     assert graph_counts() == (graphs, breaks)
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_torch_nn_root_compiled_in_place_before_injection_compiles_its_frame(
+    tmp_path: Path, fullgraph: bool
+) -> None:
+    """``model.compile()`` on an ``nn.Sequential`` before injection compiled the
+    root's whole call, hooks included (a graph break, or under ``fullgraph=True`` no
+    forward observed). Injection compiles the call again with the same settings: no
+    graph break, no traced root hook, series equal to the eager path's, training
+    bit-identical to the compiled twin's, and after removal the call still runs
+    compiled code."""
+    base = sequential()
+    eager, observed, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    train(eager, 1)
+    inject_observer(eager, output_dir=tmp_path / "eager", sampling=1)
+    train(eager, 4, first=1)
+    remove_observer(eager)
+
+    twin.compile(backend=CountingAotEager(), fullgraph=fullgraph)
+    backend = CountingAotEager()
+    observed.compile(backend=backend, fullgraph=fullgraph)
+    assert train(observed, 1) == train(twin, 1)
+    traces = capture.root_hook_traces()
+    inject_observer(observed, output_dir=tmp_path / "compiled", sampling=1)
+    graphs, breaks = graph_counts()
+    runs = backend.runs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no advice about traced roots
+        losses = train(observed, 4, first=1)
+    assert backend.runs == runs + 4
+    assert graph_counts() == (graphs + 1, breaks)
+    remove_observer(observed)
+    assert losses == train(twin, 4, first=1)
+    assert capture.root_hook_traces() == traces
+    assert read_report(tmp_path / "compiled")["coverage"]["compiled_capture"]["mode"] == "in_graph"
+    assert_same_telemetry(written_series(tmp_path / "eager"), written_series(tmp_path / "compiled"))
+    runs = backend.runs
+    assert train(observed, 2, first=5) == train(twin, 2, first=5)
+    assert backend.runs == runs + 2  # compiled still, without the hooks
+    assert_same_model(observed, twin)
+
+
 def test_the_frame_copies_pickles_and_signs_as_the_class_forward(tmp_path: Path) -> None:
     """A deep copy and an unpickled copy carry a copied frame that leaves at their first
     forward when it runs eagerly (the copy is not observed); removal takes out a frame

@@ -518,8 +518,8 @@ def _compiled_lines(compiled: dict) -> list[str]:
         line += (
             f" Dynamo met the root's hooks while tracing {compiled['root_hooks_traced']} "
             "times in the process: it traced the root's own call (a model called from a "
-            "compiled function, model.compile(), or a torch.nn class compiled before "
-            "injection and called since), where each hook is a graph break"
+            "compiled function, or a torch.nn class compiled before injection, for one "
+            "call), where each hook is a graph break"
             + (
                 f", and in {unobserved} of those traces (fullgraph=True) the hooks did "
                 "nothing, so forwards running that code were not observed"

@@ -16,6 +16,10 @@ and Dynamo compiles that function's frame: once per class, shared by every insta
 a class's own ``forward`` would be. Eagerly the frame costs one more Python call per
 root forward.
 
+``module.compile()`` made before injection chose the same way (its compiled call traces
+``nn.Module._call_impl`` whole where the ``forward`` is skipped): :func:`recompile_call`
+compiles the call again with the same settings once the frame exists.
+
 A wrapper made before injection chose the other way: at injection the wrappers of the
 root are found (:func:`wrappers_of`, a pass over the objects the garbage collector
 tracks, only where Dynamo is loaded) and made to choose again (:func:`rechoose`). One
@@ -53,7 +57,14 @@ from ._copies import WrapperCopies
 from ._parking import CALL_IMPL_CODE
 from .capture import _is_compiling, on_compiler_loaded, on_root_traced, trace_time_constant
 
-__all__ = ["RootFrame", "needs_root_frame", "rechoose", "rechoose_wrappers_on_stack", "wrappers_of"]
+__all__ = [
+    "RootFrame",
+    "needs_root_frame",
+    "rechoose",
+    "rechoose_wrappers_on_stack",
+    "recompile_call",
+    "wrappers_of",
+]
 
 #: Where torch's own code lives: Dynamo compiles no frame of a ``forward`` defined there.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -316,6 +327,43 @@ def rechoose(*wrappers: object) -> int:
             continue
         changed += 1
     return changed
+
+
+def recompile_call(root: nn.Module) -> int:
+    """Where ``root.compile()`` ran before ``root`` had a :class:`RootFrame` (so its
+    compiled call traces ``nn.Module._call_impl`` whole, the root's hooks included:
+    graph breaks, or under ``fullgraph=True`` unobserved forwards), compile the call
+    again with the same ``torch.compile`` settings now that the frame exists: the new
+    compiled call runs the hooks eagerly and compiles the frame, as ``root.compile()``
+    made after injection does. Nothing is compiled here; Dynamo compiles at the next
+    call. The settings are those of the ``torch.compile`` context that made the
+    compiled call, read from that call's closure (its free variable ``self``,
+    ``_TorchDynamoContext.__call__`` in ``torch/_dynamo/eval_frame.py``).
+
+    Returns 1 if it compiled the call again; 0 where ``root`` has no such compiled
+    call, Dynamo is not loaded, or the context cannot be read (the call then stays
+    traced whole: the root's hooks are counted in
+    ``coverage.compiled_capture.root_hooks_traced``)."""
+    compiled = root.__dict__.get("_compiled_call_impl")
+    if compiled is None or "torch._dynamo" not in sys.modules:
+        return 0
+    # Dynamo wraps a call it would skip in a function of its own (external_utils.wrap_inline)
+    traced_whole = getattr(compiled, "_torchdynamo_orig_callable", None)
+    call = getattr(traced_whole, "__wrapped__", None)
+    if getattr(call, "__self__", None) is not root or getattr(call, "__name__", "") != "_call_impl":
+        return 0
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+
+        code = compiled.__code__
+        cells = dict(zip(code.co_freevars, compiled.__closure__ or (), strict=True))
+        context = cells["self"].cell_contents
+        if not isinstance(context, _TorchDynamoContext):
+            return 0
+        root._compiled_call_impl = context(root._call_impl)
+    except Exception:
+        return 0
+    return 1
 
 
 on_compiler_loaded(_on_compiler_loaded)

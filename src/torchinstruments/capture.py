@@ -473,7 +473,7 @@ ROOT_TRACED_ADVICE = (
     "torchinstruments: torch.compile traces the observed root's own call, its hooks "
     "included (its class's forward is one Dynamo does not compile as a frame of its "
     "own, as with a torch.nn class compiled before the observer was injected, or the "
-    "model is called from a compiled function or compiled with model.compile()): the "
+    "model is called from a compiled function): the "
     "root's hooks, which take the sampling decision, run as graph breaks around the "
     "compiled forward, and where the compile refuses graph breaks (fullgraph=True) "
     "they do nothing, so forwards that run that code are not observed. Compile the "

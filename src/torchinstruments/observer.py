@@ -38,7 +38,7 @@ from ._lifecycle import AtExit, on_termination, sink_for_child
 from ._parking import HookParking
 from ._records import ROOT_INDEX
 from ._report_write import warn_if_never_written, write_report_files
-from ._root_frame import RootFrame, needs_root_frame, rechoose, wrappers_of
+from ._root_frame import RootFrame, needs_root_frame, rechoose, recompile_call, wrappers_of
 from ._sentinel import Sentinel
 from ._snapshot import RunSnapshot, take_snapshot
 from ._staging import StatisticsBuffer
@@ -306,6 +306,7 @@ class Observer:
             wrappers = wrappers_of(root)  # made before injection: they compile the frame now
             rechoose(self.target, *wrappers)
             self._root_frame.note_wrappers(wrappers)
+            recompile_call(root)  # root.compile() made before injection: the same
         if not self.capture_direct_forwards:
             self._attach_compile_entries()
             if self.compiled_capture is not None:

@@ -584,10 +584,10 @@ def _headline(
         if observer.root_traces_unobserved_since_injection:
             return (
                 "No training forward was observed: torch.compile traced the root's own call "
-                "with fullgraph=True (a compiled function calling the model, or "
-                "model.compile()), where the root's hooks do nothing, so forwards running "
-                "that code are not observed. Compile the model itself with "
-                "torch.compile(model) (fullgraph=True works there)."
+                "with fullgraph=True (a compiled function calling the model), where the "
+                "root's hooks do nothing, so forwards running that code are not observed. "
+                "Compile the model itself with torch.compile(model) (fullgraph=True works "
+                "there)."
             )
         return (
             f"No training forward was observed ({observer.counters.eval_forwards_skipped} forwards "
