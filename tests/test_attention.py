@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.harness import act, attach, finish, fit, make_batches, observe_against_twin, series
+from tests.harness.scenarios import assert_same_telemetry, written_series
 from torchinstruments import _attention, remove_observer
-from torchinstruments._attention import ATTENTION_LOGITS_PATH, logits_block
+from torchinstruments._attention import ATTENTION_LOGITS_PATH, dense_logits_block, logits_block
 
 LOGITS = act("attention", path=ATTENTION_LOGITS_PATH)
 
@@ -88,16 +89,39 @@ def test_under_a_causal_mask_the_block_is_the_last_half_of_queries_against_keys_
 
 
 def test_a_boolean_mask_keeps_its_true_scores_and_a_float_mask_is_added() -> None:
-    q, k = torch.randn(1, 2, 3, 2), torch.randn(1, 2, 3, 2)
+    q, k = torch.randn(1, 2, 3, 2), torch.randn(1, 2, 4, 2)  # 3 queries, 4 keys
     full = q @ k.transpose(-1, -2) / math.sqrt(2)
-    keep = torch.tensor([[True, False, True], [True, True, False], [False, False, True]])
+    keep = torch.tensor(
+        [[True, False, True, True], [True, True, False, False], [False, False, True, True]]
+    )
     block = logits_block(q, k, keep)
     assert block is not None
-    torch.testing.assert_close(block, full[keep.expand(1, 2, 3, 3)])
-    bias = torch.zeros(3, 3).masked_fill(~keep, -math.inf) + 0.25
+    torch.testing.assert_close(block, full[keep.expand(1, 2, 3, 4)])
+    bias = torch.zeros(3, 4).masked_fill(~keep, -math.inf) + 0.25
     added = logits_block(q, k, bias)
     assert added is not None
-    torch.testing.assert_close(added, full[keep.expand(1, 2, 3, 3)] + 0.25)
+    torch.testing.assert_close(added, full[keep.expand(1, 2, 3, 4)] + 0.25)
+    dense = dense_logits_block(q, k, keep)
+    assert dense is not None and dense[1] is not None
+    torch.testing.assert_close(dense[0], full)
+    assert torch.equal(dense[1], keep.expand(1, 2, 3, 4))
+
+
+def test_with_a_mask_and_as_many_queries_as_keys_the_block_is_the_causal_one() -> None:
+    """Queries 3..5 against keys 0..3 of 6, as with ``is_causal=True``: a causal mask
+    keeps all of it, so it gives the scores ``is_causal=True`` gives."""
+    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    by_flag = logits_block(q, k, is_causal=True)
+    by_mask = logits_block(q, k, causal)
+    assert by_flag is not None and by_mask is not None
+    assert by_flag.shape == (2, 2, 3, 4)
+    torch.testing.assert_close(by_mask, by_flag.reshape(-1))
+    padded = causal.clone()
+    padded[:, 0] = False  # the first key masked for every query
+    kept = logits_block(q, k, padded)
+    assert kept is not None
+    torch.testing.assert_close(kept, by_flag[..., 1:].reshape(-1))
 
 
 def test_the_block_is_bounded_by_thinning_rows_then_queries() -> None:
@@ -192,16 +216,28 @@ def test_an_error_while_measuring_is_counted_and_training_goes_on(
     assert "broken logits" in entries[0]["message"]
 
 
-def test_a_compiled_model_compiles_whole_and_trains_as_without_the_observer(
-    tmp_path: Path,
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_compiled_model_measures_the_logits_inside_its_graph(
+    tmp_path: Path, causal: bool
 ) -> None:
-    # Inside compiled graphs the wrapper is torch's function: no graph break (fullgraph),
-    # nothing measured there, torch's function back after every sampled forward.
+    """Compiled whole with ``fullgraph=True`` (no graph break): training as without the
+    observer, torch's function back after every sampled forward, and every series, the
+    attention logits' among them, equal to those of the same model observed eagerly;
+    every traced call is measured."""
     original = F.scaled_dot_product_attention
-    model, twin = _net(), _net()
-    attach(model, tmp_path, sampling=2)
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
-    compiled_twin = torch.compile(twin, backend="eager", fullgraph=True)
+
+    def factory() -> Net:
+        torch.manual_seed(3)
+        return Net(causal=causal)
+
+    model, twin, eager = factory(), factory(), factory()
+    attach(eager, tmp_path / "eager", sampling=2)
+    for x, y in make_batches(4):
+        F.mse_loss(eager(x), y).backward()
+    finish(eager, tmp_path / "eager")
+    attach(model, tmp_path / "compiled", sampling=2)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled_twin = torch.compile(twin, backend="aot_eager", fullgraph=True)
     for x, y in make_batches(4):
         losses = []
         for m in (compiled, compiled_twin):
@@ -210,9 +246,16 @@ def test_a_compiled_model_compiles_whole_and_trains_as_without_the_observer(
             losses.append(loss.item())
         assert losses[0] == losses[1]
         assert F.scaled_dot_product_attention is original
-    report = finish(model, tmp_path)
-    assert not [k for k in series(report) if ATTENTION_LOGITS_PATH in k[3]]
+    report = finish(model, tmp_path / "compiled")
+    assert series(report)[LOGITS]["observations"] == 2
+    assert report["coverage"]["compiled_capture"]["attention_calls_not_measured"] == 0
     assert report["errors"] == []
+    eager_series = written_series(tmp_path / "eager")
+    assert {key[3] for key in eager_series if key[0] == "attention"} == {
+        "output",
+        ATTENTION_LOGITS_PATH,
+    }
+    assert_same_telemetry(eager_series, written_series(tmp_path / "compiled"))
 
 
 def test_a_wrong_attention_scale_heads_the_report_as_a_step_of_the_logits(tmp_path: Path) -> None:
@@ -280,20 +323,24 @@ def test_masks_of_the_most_negative_float_mask_out_and_nan_scores_stay() -> None
     q = torch.ones(1, 2, 4, 4)
     q[:, 1] = float("nan")
     keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    keep[3, 0] = False
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         mask = torch.zeros(4, 4, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
         block = logits_block(q, q, mask)
         assert block is not None
-        assert block.numel() == 2 * 10  # the 10 kept scores of each head
-        assert torch.isnan(block).sum() == 10  # the diverged head's scores are kept
-        assert block[torch.isfinite(block)].tolist() == [2.0] * 10
+        # Queries 2 and 3 against keys 0..2: 3 + 2 kept scores in each head.
+        assert block.numel() == 2 * 5
+        assert torch.isnan(block).sum() == 5  # the diverged head's scores are kept
+        assert block[torch.isfinite(block)].tolist() == [2.0] * 5
 
 
 def test_a_mask_with_more_batch_dimensions_than_the_query_broadcasts() -> None:
     q = torch.randn(8, 6, 2)
     block = logits_block(q, q, torch.zeros(1, 1, 6, 6))
     assert block is not None
-    torch.testing.assert_close(block, (q @ q.transpose(-1, -2) / math.sqrt(2)).reshape(-1))
+    # (1, 8) rows; queries 3..5 against keys 0..3 (a mask, as many queries as keys)
+    expected = (q @ q.transpose(-1, -2) / math.sqrt(2))[:, 3:, :4]
+    torch.testing.assert_close(block, expected.reshape(-1))
 
 
 def test_an_interrupted_sampled_forward_gives_torch_its_function_back(tmp_path: Path) -> None:

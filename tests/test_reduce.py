@@ -743,3 +743,31 @@ def test_deferred_subsamples_finished_in_a_batch_match_the_direct_rows():
     broken = torch.randn(100_000, generator=generator)
     broken[7] = float("nan")
     assert reduce_module.cpu_statistics_deferred(broken) == tensor_statistics(broken).tolist()
+
+
+# ---------------------------------------------------------------- rows restricted to a mask
+
+
+def test_a_row_restricted_to_kept_elements_is_the_row_of_those_elements_alone():
+    """``_statistics_rows(x, kept=...)`` (compiled graphs' masked attention logits): the
+    kept elements' row, non-finite ones among them counted, the others absent."""
+    from torchinstruments._reduce_device import _statistics_rows
+
+    nan = float("nan")
+    x = torch.tensor([[1.0, -2.0, 0.0, 3.0, 100.0, nan], [nan, 5.0, 0.0, 0.0, 7.0, -1.0]])
+    kept = torch.tensor(
+        [[True, True, True, True, False, False], [True, False, True, True, False, True]]
+    )
+    rows = _statistics_rows(x, kept=kept)
+    # Row 0: the hand example [1, -2, 0, 3] (100 and the NaN are masked out).
+    assert rows[0].tolist() == pytest.approx(
+        [4.0, 4.0, 1.0, 3.0, 2 / 3, 2.0, 14 / 9, 13 / 9, 78.25 / 81], rel=1e-6
+    )
+    # Row 1: [nan, 0, 0, -1]: 4 kept, 3 finite, 2 zeros; scaled by 1: sum -1, |sum| 1,
+    # squares 1, mean -1/3, deviations 1/3, 1/3, -2/3: central sums 6/9 and 18/81.
+    assert rows[1].tolist() == pytest.approx(
+        [4.0, 3.0, 2.0, 1.0, -1.0, 1.0, 1.0, 6 / 9, 18 / 81], rel=1e-6
+    )
+    for index in range(2):
+        alone = _statistics_rows(x[index][kept[index]].reshape(1, -1), masked=True)[0]
+        assert rows[index].tolist() == pytest.approx(alone.tolist(), rel=1e-6)

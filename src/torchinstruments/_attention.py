@@ -34,13 +34,17 @@ the host and no random number is drawn):
   the queries are the last half of the positions and the keys those that all of them
   see (``0 .. L - ceil(L/2)``): a block of scores that the mask keeps whole;
 * a boolean ``attn_mask`` keeps the scores where it is True, a float mask is added and
-  the scores where the sum is not finite are dropped; on a device other than the CPU
-  selecting them would read the mask back to the host, so such calls are not measured
-  there (counted under ``coverage.tensors_skipped`` as ``attention_mask_on_device``).
+  the scores where the sum is not finite are dropped; with a mask and as many queries
+  as keys, the block is the one ``is_causal=True`` takes (a causal mask then gives the
+  flag's scores); eagerly, on a device other than the CPU selecting them would read the
+  mask back to the host, so such calls are not measured there (counted under
+  ``coverage.tensors_skipped`` as ``attention_mask_on_device``).
 
-Inside compiled graphs (``torch.compile``) the wrapper is the original function: the
-logits are not captured there, and each call Dynamo traces in a sampled forward is
-counted (once per compilation, under ``coverage.compiled_capture.attention_calls_not_measured``).
+Inside compiled graphs (``torch.compile``) the wrapper, traced in a sampled forward,
+calls torch's function and then :data:`traced_call` (``_attention_graph.py``), which
+measures the same block inside the graph as a row of the calling module's forward hook;
+the calls it cannot measure there are counted (once per compilation, under
+``coverage.compiled_capture.attention_calls_not_measured``).
 """
 
 from __future__ import annotations
@@ -63,7 +67,14 @@ from .series import ACTIVATION, ATTENTION_LOGITS_PATH
 if TYPE_CHECKING:
     from ._context import ForwardContext
 
-__all__ = ["ATTENTION_LOGITS_PATH", "MAX_LOGITS", "begin_sample", "end_sample", "logits_block"]
+__all__ = [
+    "ATTENTION_LOGITS_PATH",
+    "MAX_LOGITS",
+    "begin_sample",
+    "dense_logits_block",
+    "end_sample",
+    "logits_block",
+]
 
 #: Most scores computed and measured per ``scaled_dot_product_attention`` call.
 MAX_LOGITS = 1 << 16
@@ -136,45 +147,71 @@ def _observed_attention(*args: Any, **kwargs: Any) -> Any:
     if _any_active:
         if not _is_compiling():
             _measure(args, kwargs, sys._getframe(1))
-        elif _count_traced is not None:
-            _count_traced()
+        else:
+            if _count_traced is not None:
+                _count_traced()
+            if traced_call is not None:
+                traced_call(args, kwargs)
     return result
 
 
+#: What the wrapper runs, traced by Dynamo, to measure the call inside the graph
+#: (``_attention_graph.traced_call``, set once Dynamo is loaded); None before.
+traced_call: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None
+
 #: Per context, the calls of the wrapper that Dynamo traced into compiled graphs in
-#: sampled forwards, by compilation (Dynamo's compile id) and attempt at it: Dynamo may
-#: restart a trace, and only the attempt it kept counts (see :func:`calls_traced`).
-_traced: weakref.WeakKeyDictionary[ForwardContext, dict[object, dict[int, int]]] = (
+#: sampled forwards, and of them those measured there, by compilation (Dynamo's compile
+#: id) and attempt at it: Dynamo may restart a trace, and only the attempt it kept
+#: counts (see :func:`calls_not_measured`).
+_traced: weakref.WeakKeyDictionary[ForwardContext, dict[object, dict[int, list[int]]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def calls_traced(ctx: ForwardContext) -> int:
+def calls_not_measured(ctx: ForwardContext) -> int:
     """Calls of ``scaled_dot_product_attention`` that Dynamo traced into the compiled
-    graphs of ``ctx``'s sampled forwards, whose attention logits are not measured: per
-    compilation, those of its last attempt
+    graphs of ``ctx``'s sampled forwards and whose attention logits the graph does not
+    measure (see ``_attention_graph.py``): per compilation, those of its last attempt
     (``coverage.compiled_capture.attention_calls_not_measured``)."""
-    return sum(attempts[max(attempts)] for attempts in _traced.get(ctx, {}).values())
+    total = 0
+    for attempts in _traced.get(ctx, {}).values():
+        traced, measured = attempts[max(attempts)]
+        total += max(0, traced - measured)
+    return total
 
 
-def _count_calls_traced() -> int:
-    """At trace time: one more traced call for each context in a sampled forward."""
-    compile_id: object = None
-    attempt = 0
+def trace_key() -> tuple[object, int] | None:
+    """While Dynamo traces: the compilation (its compile id) and attempt at it; None
+    outside a trace or where torch lacks trace ids."""
     try:
         from torch._guards import CompileContext
 
         trace = CompileContext.current_trace_id()
-        if trace is not None:
-            compile_id, attempt = trace.compile_id, trace.attempt
-    except Exception:  # a torch without trace ids: every attempt counts
-        pass
+    except Exception:
+        return None
+    return None if trace is None else (trace.compile_id, trace.attempt)
+
+
+def _count(column: int, count: int) -> None:
+    """At trace time: add ``count`` to column ``column`` (0: traced calls, 1: measured)
+    of the trace's counts, for each context in a sampled forward."""
+    compile_id, attempt = trace_key() or (None, 0)  # without trace ids every attempt counts
     for ref, _ in list(_active.values()):
         ctx = ref()
         if ctx is not None:
             attempts = _traced.setdefault(ctx, {}).setdefault(compile_id, {})
-            attempts[attempt] = attempts.get(attempt, 0) + 1
+            attempts.setdefault(attempt, [0, 0])[column] += count
+
+
+def _count_calls_traced() -> int:
+    """At trace time: one more traced call for each context in a sampled forward."""
+    _count(0, 1)
     return 0
+
+
+def note_measured(count: int) -> None:
+    """At trace time: ``count`` traced calls are measured inside the graph."""
+    _count(1, count)
 
 
 #: :func:`_count_calls_traced` as a trace-time constant (Dynamo calls it once per trace
@@ -258,6 +295,20 @@ def _calling_module(ctx: ForwardContext, frame: Any) -> int | None:
     return None
 
 
+def note_unobserved_caller(module: nn.Module) -> None:
+    """At trace time: ``module``, which made an attention call in a sampled forward of
+    each context in one, has no rows in compiled graphs: where it is not observed and
+    the first samples' adoption is not done, note it in :data:`unobserved_callers` (as
+    :func:`_calling_module` does eagerly)."""
+    for ref, _ in list(_active.values()):
+        ctx = ref()
+        if ctx is None or ctx._adoption_done:
+            continue
+        if any(observed() is module for observed in ctx.modules):
+            continue
+        unobserved_callers.setdefault(ctx, {}).setdefault(id(module), weakref.ref(module))
+
+
 def _measure_call(
     ctx: ForwardContext,
     state: list[Any],
@@ -311,7 +362,41 @@ def logits_block(
     enable_gqa: bool = False,
     max_logits: int = MAX_LOGITS,
 ) -> Tensor | None:
-    """The block of attention logits that is measured for one call (module docstring).
+    """The block of attention logits that is measured for one call (module docstring):
+    :func:`dense_logits_block`'s scores, those its mask keeps only.
+
+    Returns:
+        A float32 tensor of the scores kept (with a mask, 1-D), or None when no score is
+        kept. Non-finite scores stay (they are measured as such).
+    """
+    dense = dense_logits_block(
+        query,
+        key,
+        attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        max_logits=max_logits,
+    )
+    if dense is None:
+        return None
+    logits, kept = dense
+    return logits if kept is None else logits[kept]
+
+
+def dense_logits_block(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    max_logits: int = MAX_LOGITS,
+) -> tuple[Tensor, Tensor | None] | None:
+    """The block of attention logits of one call before its mask selects from it: the
+    form that compiled graphs reduce (selecting would give a tensor whose size depends
+    on the mask's values).
 
     Args:
         query: ``(..., L, E)``.
@@ -319,18 +404,22 @@ def logits_block(
             ``enable_gqa``, fewer heads in dimension -3, each serving
             ``query heads / key heads`` query heads, as the function does).
         attn_mask: boolean (True takes part) or additive float mask, broadcastable to
-            ``(..., L, S)``; a device other than the CPU is refused by the caller. A
-            float entry that is not finite, or at most half the most negative finite
-            number of its dtype (``torch.finfo(dtype).min`` is a common way to mask),
-            masks its score out.
+            ``(..., L, S)``. A float entry that is not finite, or at most half the most
+            negative finite number of its dtype (``torch.finfo(dtype).min`` is a common
+            way to mask), masks its score out. With a mask and ``L == S`` the block is
+            the one ``is_causal=True`` takes (the last half of the query positions
+            against the keys all of them see), so that a model that passes its causal
+            mask (as ``transformers`` does under ``torch.compile``) has the same scores
+            measured as with ``is_causal=True``.
         is_causal: a top-left causal mask (ignored with ``attn_mask``, as the function
             raises for both).
         scale: the scores' factor; default ``1 / sqrt(E)``, as the function's.
         max_logits: most scores computed (rows, then queries, then keys are thinned).
 
     Returns:
-        A float32 tensor of the scores kept (with a mask, 1-D), or None when no score is
-        kept. Non-finite scores stay (they are measured as such).
+        ``(logits, kept)``: the float32 scores of the block (``scale * Q K^T``, the float
+        mask added), and where there is a mask, the boolean tensor of the same shape
+        that tells which of them it keeps (else None); None when the block is empty.
     """
     length, width = query.shape[-2], query.shape[-1]
     keys = key.shape[-2]
@@ -348,7 +437,7 @@ def logits_block(
         shapes.append(attn_mask.shape[:-2])
     batch = tuple(torch.broadcast_shapes(*shapes))
     first_query, key_count = 0, keys
-    if is_causal and attn_mask is None:
+    if (is_causal and attn_mask is None) or (attn_mask is not None and length == keys):
         first_query = length // 2
         key_count = min(keys, first_query + 1)
     queries = length - first_query
@@ -372,14 +461,14 @@ def logits_block(
         k = key.expand(*batch, keys, width)[(*rows, slice(0, key_count, key_step))]
     logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * factor
     if attn_mask is None:
-        return logits
+        return logits, None
     m = attn_mask.expand(*batch, length, keys)
     m = m[(*rows, slice(first_query, None, query_step), slice(0, key_count, key_step))]
     if m.dtype == torch.bool:
-        return logits[m]
+        return logits, m
     bias = m.float()
     kept = torch.isfinite(bias) & (m > torch.finfo(m.dtype).min / 2)
-    return (logits + bias)[kept]
+    return logits + bias, kept
 
 
 def _row_steps(batch: tuple[int, ...], most: int) -> list[int]:

@@ -58,8 +58,13 @@ all) counts 0 elements and is left out by the series store, which also tells the
 observer which modules the graphs did run (:meth:`CompiledCapture.note_measured`):
 parents are adopted only once those are known (:attr:`CompiledCapture.modules_known`).
 
-What is not captured inside compiled graphs: histograms, the full sentinel and attention
-logits (counted, see ``_attention.py``); the count of output tensors that cannot be
+Attention logits of ``scaled_dot_product_attention`` calls are written by the calling
+module's hook too: :func:`~._attention_graph.claimed_rows` hands it their rows before
+its output's (``_attention_graph.py``).
+
+What is not captured inside compiled graphs: histograms, the full sentinel, attention
+logits of calls whose module's hook is not traced in the same graph (counted, see
+``_attention_graph.py``); the count of output tensors that cannot be
 reduced (integer, empty, float8: ``coverage.tensors_skipped`` counts them eagerly only;
 a module with nothing else still counts as run, see
 :attr:`CompiledCapture.traced_without_rows`); tensors of one module's calls beyond its
@@ -100,6 +105,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ._attention_graph import claimed_rows, drop_pending
 from ._context_cadence import remember_sample
 from ._copies import InertHook
 from ._records import CompiledRows, TracedPath
@@ -516,6 +522,7 @@ class CompiledCapture:
         if not self.active:
             return
         self.active = False
+        drop_pending()  # attention rows no hook claimed (a graph break between them)
         chosen, self._sample_set = self._sample_set, -1
         try:
             with passive():
@@ -1235,6 +1242,16 @@ def traced_activation(
     tappable: set[str] | None = None  # paths of the tensors the output can be rebuilt with
     in_region: bool | None = None  # inside a checkpoint region that AOTAutograd recomputes
     unreduced = False  # an output tensor that cannot be reduced
+    # The attention logits of calls the module made, as eagerly before its output.
+    for path, statistics in claimed_rows(_any_block(rows)):
+        device = str(statistics.device)
+        entry = rows.get(device)
+        if entry is None:
+            _count_dropped_constant(_any_block(rows))
+            continue
+        slot = assign(entry[0], path, _NO_GRADIENT)
+        if slot >= 0:
+            _write_row(capture, entry[0], calls, device, statistics, slot)
     for path, leaf in iter_output_tensors(output):
         if not _reducible(leaf):
             unreduced = unreduced or isinstance(leaf, Tensor)
@@ -1264,19 +1281,10 @@ def traced_activation(
         slot = assign(block, path, gradient)
         if slot < 0:
             continue
-        capture.graphs_ran = True  # a side effect: Dynamo stores it after each run
-        capture.rows_pending = True  # likewise: rows to take before the next eager call
-        counters = block[_COUNTER_ROW]
-        call = calls.get(device)
-        if call is None:
-            call = calls[device] = counters[0].clone()
-        row = counters[1].clamp(max=_OVERFLOW_ROW).long().reshape(1)
-        ids = torch.stack((call, torch.full_like(call, slot)))
         value = leaf.detach()
         if value.is_complex():
             value = value.abs()
-        block.index_copy_(0, row, torch.cat((_row(value)[0], ids)).unsqueeze(0))
-        counters[1].add_(1)
+        row, ids = _write_row(capture, block, calls, device, _row(value), slot)
         if gradient == GRAD_OUTPUT:
             tap = next((tap for tap in taps if tap[0] is leaf), None)
             if tap is None:
@@ -1301,6 +1309,31 @@ def traced_activation(
     if not tapped:
         return None
     return _rebuilt(output, "output", tapped, 0)
+
+
+def _write_row(
+    capture: CompiledCapture,
+    block: Tensor,
+    calls: dict[str, Tensor],
+    device: str,
+    statistics: Tensor,
+    slot: int,
+) -> tuple[Tensor, Tensor]:
+    """Traced: ``statistics`` (a ``(1, STAT_WIDTH)`` row), the hook call's call index
+    (taken from the block's counters at the call's first row on ``device``, kept in
+    ``calls``) and ``slot`` (the tensor path's index) into the next row of ``block``.
+    Returns that row's index (a one-element long tensor) and its ids."""
+    capture.graphs_ran = True  # a side effect: Dynamo stores it after each run
+    capture.rows_pending = True  # likewise: rows to take before the next eager call
+    counters = block[_COUNTER_ROW]
+    call = calls.get(device)
+    if call is None:
+        call = calls[device] = counters[0].clone()
+    row = counters[1].clamp(max=_OVERFLOW_ROW).long().reshape(1)
+    ids = torch.stack((call, torch.full_like(call, slot)))
+    block.index_copy_(0, row, torch.cat((statistics[0], ids)).unsqueeze(0))
+    counters[1].add_(1)
+    return row, ids
 
 
 def _any_block(rows: HookRows | None) -> Tensor | None:

@@ -219,15 +219,19 @@ def device_statistics_batch_unchecked(flats: Sequence[Tensor]) -> Tensor:
     )
 
 
-def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
+def _statistics_rows(x: Tensor, masked: bool | None = None, kept: Tensor | None = None) -> Tensor:
     """Statistics rows of a ``(k, n)`` real floating matrix, one per row, on its device.
 
     ``masked`` selects the path that excludes non-finite elements; ``None`` decides by
     reading the extremes, which only the CPU does for free (on CUDA it would synchronise,
-    so CUDA always masks).
+    so CUDA always masks). ``kept``, a boolean ``(k, n)`` tensor, restricts each row to
+    the elements it marks (the masked path): the row is then that of the kept elements
+    alone (its element count theirs), as if the others were not there.
     """
     rows, numel = x.shape
     low, high = torch.aminmax(x, dim=1)
+    if kept is not None:
+        masked = True
     if masked is None:
         # On the CPU reading the extremes costs nothing; take the cheap path when all
         # values are finite (a non-finite value makes the extremes non-finite).
@@ -237,6 +241,8 @@ def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
     finite_mask: Tensor | None = None
     if masked:
         finite_mask = torch.isfinite(x)
+        if kept is not None:
+            finite_mask &= kept
         finite = finite_mask.sum(dim=1)
         x = torch.where(finite_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
         low, high = torch.aminmax(x, dim=1)
@@ -267,7 +273,7 @@ def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
     central2 = scaled.sum(dim=1)
     scaled.square_()
     central4 = scaled.sum(dim=1)
-    counts = torch.stack((finite, (numel - nonzero) - (numel - finite)), dim=1)
+    counts = torch.stack((finite, finite - nonzero), dim=1)
     sums = torch.stack(
         (sum_scaled, sum_abs, sum_sq, central2.clamp_min(0.0), central4.clamp_min(0.0)), dim=1
     )
@@ -275,7 +281,9 @@ def _statistics_rows(x: Tensor, masked: bool | None = None) -> Tensor:
         (
             # torch.full launches a fill kernel; torch.tensor(..., device=cuda) would
             # copy from the host and synchronise.
-            torch.full((rows, 1), float(numel), dtype=torch.float64, device=x.device),
+            torch.full((rows, 1), float(numel), dtype=torch.float64, device=x.device)
+            if kept is None
+            else kept.sum(dim=1, keepdim=True).to(torch.float64),
             counts.to(torch.float64),
             max_abs.to(torch.float64).unsqueeze(1),
             sums.to(torch.float64),

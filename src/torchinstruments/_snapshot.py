@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._attention import calls_traced as attention_calls_traced
+from ._attention import calls_not_measured as attention_calls_not_measured
 from ._records import ROOT_INDEX
 from .capture import recompile_limit_hits, root_hook_traces, root_hook_traces_unobserved
 from .compiled import last_invalidation
@@ -316,7 +316,7 @@ def _compiled_counts(observer: Observer) -> CompiledCaptureCounts:
         calls_under_saved_tensor_hooks=compiled.calls_under_saved_tensor_hooks,
         root_hooks_traced=root_hook_traces(),
         root_hooks_unobserved=root_hook_traces_unobserved(),
-        attention_calls_not_measured=attention_calls_traced(observer.context),
+        attention_calls_not_measured=attention_calls_not_measured(observer.context),
         recompile_limit_hits=recompile_limit_hits(),
         gradient_samples_lost=compiled.gradient_samples_lost,
         compiled_code_invalidation=last_invalidation(),

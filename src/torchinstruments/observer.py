@@ -614,8 +614,9 @@ class Observer:
         if root is None or self.capture_direct_forwards:
             return
         observed = {id(ref()) for ref in self._modules}
+        adopted = set(self.attention_modules_adopted)  # observed after that forward
         for index, name in enumerate(list(self.names)):
-            if index == ROOT_INDEX or index in self.capture.modules_called:
+            if index == ROOT_INDEX or index in self.capture.modules_called or name in adopted:
                 continue
             parent_name = name.rpartition(".")[0]
             if not parent_name or parent_name in self.parents_adopted.values():
