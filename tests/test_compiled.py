@@ -15,6 +15,7 @@ import io
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -178,6 +179,67 @@ def check_inject_and_remove_keep_another_models_compiled_code(tmp_path: Path) ->
 
 
 # ----------------------------------------------------------- capture inside compiled graphs
+class Holder(nn.Module):
+    """Holds an ``ObservedNet`` (a teacher, an EMA copy) and adds a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ObservedNet()
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.inner(x))
+
+
+def test_a_compiled_model_holding_the_observed_class_compiles_once_over_injections(
+    tmp_path: Path, fresh_dynamo: None
+) -> None:
+    """A model holding another instance of the observed class, compiled whole with
+    ``fullgraph=True`` before any injection: the first injection invalidates its code
+    (which ran that class's submodules without hook guards), its new code guards on
+    their hooks, so ten more injections of new models of the class compile nothing
+    more (each used to add an entry, until ``recompile_limit`` stopped training)."""
+    torch.manual_seed(0)
+    backend = CountingBackend()
+    holder = cast(nn.Module, torch.compile(Holder(), backend=backend, fullgraph=True))
+    x = torch.randn(4, 6)
+    holder(x).sum().backward()
+    for run in range(10):
+        observed = ObservedNet()
+        inject_observer(observed, output_dir=tmp_path / str(run), sampling=1)
+        observed(x).sum().backward()
+        holder(x).sum().backward()
+        remove_observer(observed)
+    assert backend.graphs == 2
+
+
+def test_a_compiled_step_function_with_fullgraph_survives_a_sweep(
+    tmp_path: Path, fresh_dynamo: None
+) -> None:
+    """A step function compiled with ``fullgraph=True`` traces the observed root's call
+    (its hooks do nothing there): removal resets the code that guards on the removed
+    hooks' ids, so a sweep of ten models through it never reaches ``recompile_limit``
+    (it failed at the eighth), at most two compilations a run."""
+    backend = CountingBackend()
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def step(model: nn.Module, x: Tensor) -> Tensor:
+        return model(x).pow(2).mean()
+
+    x = torch.randn(4, 6)
+    for run in range(10):
+        torch.manual_seed(run)
+        model = ObservedNet()
+        before = backend.graphs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the advice about traced roots
+            inject_observer(model, output_dir=tmp_path / str(run), sampling=1)
+            for _ in range(3):
+                step(model, x).backward()
+        remove_observer(model)
+        assert backend.graphs - before <= 2, run
+
+
 def test_fullgraph_training_is_identical_and_telemetry_equals_eager(tmp_path: Path) -> None:
     """``fullgraph=True`` compiles with the observer (so the observer adds no graph
     break); training is bit-identical to the same compiled model
@@ -837,8 +899,8 @@ def test_gpt2_blocks_compiled_one_by_one_share_their_graphs(
     compiled_graphs = counters["stats"]["unique_graphs"] - graphs
     report = remove_observer_and_read(model, tmp_path)
     torch._dynamo.reset()
-    # One graph, and one more where the attention modules come to be observed (SDPA
-    # attention never calls attn_dropout, so its parent is adopted): for all six blocks.
+    # One graph, and one more where the attention modules come to be observed (they call
+    # scaled_dot_product_attention): for all six blocks.
     assert compiled_graphs <= 2, compiled_graphs
     coverage = report["coverage"]
     assert coverage["compiled_capture"]["recompile_limit_hits"] == 0
@@ -849,6 +911,14 @@ def test_gpt2_blocks_compiled_one_by_one_share_their_graphs(
         assert len(series[key]) == 6, index
         grad = (f"transformer.h.{index}.mlp.c_fc", 0, "grad_output", "output", "rms")
         assert len(series[grad]) == 6, index
+        # Measured in the shared graph from the second sample on, each block's own.
+        logits = (f"transformer.h.{index}.attn", 0, "activation", "attention_logits", "rms")
+        assert [sample for sample, _ in series[logits]] == [1, 2, 3, 4, 5], index
+    values = {
+        series[(f"transformer.h.{i}.attn", 0, "activation", "attention_logits", "rms")][0][1]
+        for i in range(6)
+    }
+    assert len(values) == 6  # six blocks, six different values
 
 
 class SweepNet(nn.Module):

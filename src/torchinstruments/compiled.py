@@ -51,6 +51,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "forget_code_with_hooks",
     "forget_compiled_code",
     "guard_on_hooks",
     "hooks_guarded",
@@ -115,7 +116,9 @@ def guard_on_hooks() -> bool:
     ``skip_nnmodule_hook_guards`` is True (Dynamo's default) the wrapper still guards an
     empty hook dictionary (its length, the check Dynamo makes with the setting False)
     where our hooks come and go or tell models apart. That is the ``_forward_hooks`` of
-    an observed module; of any module whose guard source starts at a module of an
+    an observed module; of any module inside a module of an observed root's class (a
+    model holding another instance of it: :func:`_inside_observed_root_class`); of any
+    module whose guard source starts at a module of an
     observed module's class (:func:`_top_module`: the frame's ``self``, or the module a
     compiled function or Dynamo's wrapper of a ``torch.nn`` module takes, which another
     call of the same code may pass an observed model as); and of any module traced in a
@@ -223,6 +226,8 @@ def _keeps_hook_guard(builder: Any, guard: Any) -> bool:
         top = _top_module(builder, source.base)
         if top is None or type(top) in _observed_types:
             return True
+        if _inside_observed_root_class(builder, source.base):
+            return True
         code = getattr(builder, "f_code", None)
         return (
             code is None
@@ -249,6 +254,24 @@ def _top_module(builder: Any, source: Any) -> nn.Module | None:
         if isinstance(value, nn.Module):
             return value
     return None
+
+
+def _inside_observed_root_class(builder: Any, source: Any) -> bool:
+    """Whether a module on ``source``'s chain of bases (``source`` included) is of an
+    observed root's class: a model holding another instance of it (a teacher, an EMA
+    copy, the same class observed later) runs that class's submodules inline, and
+    without hook guards each injection would invalidate (and recompile) its code."""
+    depth = 0
+    while source is not None and depth < _MAX_SOURCE_DEPTH:
+        try:
+            value = builder.get(source)
+        except Exception:
+            value = None
+        if isinstance(value, nn.Module) and type(value) in _observed_root_types:
+            return True
+        source = getattr(source, "base", None)
+        depth += 1
+    return False
 
 
 def _module_codes(modules: Iterable[nn.Module]) -> set[types.CodeType]:
@@ -382,6 +405,54 @@ def forget_compiled_code(modules: Iterable[nn.Module], *, root: nn.Module | None
                 return _reset_all(dynamo)
     _last_method = "reset_code" if reset_codes else "cache_entries" if invalidated else "none"
     return invalidated
+
+
+def forget_code_with_hooks(hook_ids: Iterable[int]) -> int:
+    """At removal: reset Dynamo's caches of the code objects that hold an entry compiled
+    with one of the hooks of ``hook_ids`` (handle ids) traced in place: its guards
+    require a module's ``_forward_hooks_always_called`` (or another hook dictionary) to
+    contain that id. Such code traced a root's hooks inline (a compiled function that
+    calls the model, a model compiled whole that holds the observed one); the hooks are
+    gone, so the entry never runs again, yet it counts towards Dynamo's
+    ``recompile_limit`` on its code, and each injection (new handle ids) adds one: after
+    eight, ``fullgraph=True`` code would fail. The code compiles again at its next call.
+    Uses ``torch._C._dynamo.eval_frame.reset_code``; does nothing without it, or without
+    Dynamo loaded.
+
+    Returns:
+        The number of code objects reset.
+    """
+    dynamo = _dynamo()
+    ids = set(hook_ids)
+    if dynamo is None or not ids:
+        return 0
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except Exception:
+        return 0
+    reset = 0
+    for code in _compiled_codes():
+        try:
+            entries = _debug_get_cache_entry_list(code)
+        except Exception:
+            continue
+        if any(_requires_hook(_guard_text(entry.guard_manager), ids) for entry in entries):
+            try:
+                reset_code(code)
+            except Exception:
+                continue
+            reset += 1
+    return reset
+
+
+#: A guard that a hook dictionary contain a handle id (not its negation): Dynamo writes
+#: it where traced code looked the hook up (``_forward_hooks_always_called``).
+_HOOK_KEY = re.compile(r"(?<!not )___dict_contains\((\d+), [^)]*\._forward\w*hooks\w*\)")
+
+
+def _requires_hook(text: str, ids: set[int]) -> bool:
+    """Whether guard text ``text`` requires a hook dictionary to contain one of ``ids``."""
+    return any(int(number) in ids for number in _HOOK_KEY.findall(text))
 
 
 #: Dynamo's type and identity guards as their text shows them: (source, id).

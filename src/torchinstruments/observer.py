@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import inspect
+import sys
 import threading
 import time
 import weakref
@@ -54,9 +55,11 @@ from .capture import (
     RootPreHook,
     is_compile_wrapper,
     passive,
+    root_hook_traces,
     root_hook_traces_unobserved,
     without_compile_wrappers,
 )
+from .compiled import forget_code_with_hooks
 from .config import ReportConfig, TrackConfig
 from .distributed import RankInfo
 from .histogram import HistogramSpec
@@ -411,9 +414,13 @@ class Observer:
     def detach(self) -> None:
         """Remove every hook and wrapper; restore previous instance attributes."""
         self.context.detach()
+        hook_ids = [handle.id for handle in self._handles]
         for handle in self._handles + self.capture.leaf_hooks:
             handle.remove()
         self._handles.clear()
+        if root_hook_traces() and "torch._dynamo" in sys.modules:
+            # Code that traced the root's hooks inline guards on their ids: stale now.
+            forget_code_with_hooks(hook_ids)
         self.drop_compile_entries()
         self.capture.leaf_hooks.clear()
         for ref, had, previous in self._wrapped:
@@ -666,8 +673,9 @@ class Observer:
     def _adopt_attention_callers(self, root: nn.Module, observed: set[int]) -> None:
         """Observe the modules of ``root`` that called ``scaled_dot_product_attention``
         in the first sampled forward without being observed (an attention module whose
-        children all run, as Llama's): their attention logits, and their outputs, are
-        series from the next sample on; listed under ``coverage.attention_modules_observed``.
+        children all run, as Llama's), and the other modules of their classes: their
+        attention logits, and their outputs, are series from the next sample on; listed
+        under ``coverage.attention_modules_observed``.
         Not where ``include`` or ``module_types`` chose the modules, nor modules that
         ``exclude`` names."""
         callers = unobserved_callers.pop(self.context, {})
@@ -680,6 +688,15 @@ class Observer:
             for name, module in root.named_modules()
             if name
         }
+        classes = {
+            type(module) for module in (ref() for ref in callers.values()) if module is not None
+        }
+        # Modules of a caller's class run the same code, so call it too: where compiled
+        # graphs are shared (blocks compiled one by one), only one of them was traced.
+        modules = {id(module): module for _, module in root.named_modules()}
+        for key, module in modules.items():
+            if type(module) in classes and key not in callers:
+                callers[key] = weakref.ref(module)
         for key, ref in callers.items():
             module = ref()
             name = names.get(key)
