@@ -362,8 +362,8 @@ def test_index_names_an_echo_s_call_when_it_is_not_the_first(
     ]
     index = render_markdown(report)
     assert (
-        "Echoes (moved with it, at its sample and in its signal unless others are given; "
-        "not listed separately): "
+        "Echoes (moved with it, at its sample, in its signal and tensor path unless others "
+        "are given; not listed separately): "
     ) in index
     assert "`block.relu (call 1)`, `block.fc`." in index
     # An echo whose change began at another sample, or in another signal, says which.
@@ -372,6 +372,16 @@ def test_index_names_an_echo_s_call_when_it_is_not_the_first(
     index = render_markdown(report)
     later = event["onset"]["sample"] + 1
     assert f"`block.relu (call 1)` (grad_output), `block.fc` (from sample {later})." in index
+    # An echo in another tensor path (attention logits of the module) names it.
+    event["echoes"][1]["tensor_path"] = "attention_logits"
+    index = render_markdown(report)
+    assert f"`block.fc` (`attention_logits`, from sample {later})." in index
+    # A change on a young reference says why it may be listed after later ones.
+    line = "- Young reference: the change came while its series had fewer than"
+    event["young_reference"] = True
+    assert line in render_markdown(report)
+    event["young_reference"] = False
+    assert line not in render_markdown(report)
 
 
 def test_a_cross_section_of_differences_is_headed_so(

@@ -150,14 +150,17 @@ def md_code(value: object, *, in_table: bool = False) -> str:
 
 
 def _echo_name(echo: dict[str, Any], event: dict[str, Any]) -> str:
-    """An echo as index.md names it: its module (and call), then its signal and the
-    sample its change began at where they differ from the event's."""
+    """An echo as index.md names it: its module (and call), then its signal, tensor
+    path and the sample its change began at where they differ from the event's."""
     name = md_code(
         echo["module"] + (f" (call {echo['call_index']})" if echo.get("call_index") else "")
     )
     notes = []
     if echo.get("signal") and echo["signal"] != event.get("signal"):
         notes.append(str(echo["signal"]))
+    path = echo.get("tensor_path")
+    if isinstance(path, str) and path != (event.get("tensor_path") or "output"):
+        notes.append(md_code(path))
     onset = (event.get("onset") or {}).get("sample")
     if echo.get("onset_sample") is not None and echo["onset_sample"] != onset:
         notes.append(f"from sample {echo['onset_sample']}")
@@ -266,6 +269,13 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         f"{f['category']} #{f['rank']} ({f['metric']})" for f in e.get("findings", [])
     )
     lines.append(f"- Findings: {facets}.")
+    if e.get("young_reference"):
+        lines.append(
+            "- Young reference: the change came while its series had fewer than 1.5 "
+            "warm-ups of values before it, so it had to pass twice the usual residual "
+            "spreads, and it is listed after the events whose reference was older: weigh "
+            "it by its size."
+        )
     if e.get("also_named"):
         names = ", ".join(md_code(n) for n in e["also_named"])
         lines.append(f"- The same tensor is also the output of: {names}.")
@@ -273,8 +283,8 @@ def _markdown_event(e: dict[str, Any]) -> list[str]:
         names = ", ".join(_echo_name(x, e) for x in e["echoes"])
         more = f" and {e['echoes_omitted']} more" if e.get("echoes_omitted") else ""
         lines.append(
-            f"- Echoes (moved with it, at its sample and in its signal unless others are "
-            f"given; not listed separately): {names}{more}."
+            f"- Echoes (moved with it, at its sample, in its signal and tensor path unless "
+            f"others are given; not listed separately): {names}{more}."
         )
     history = (e.get("history") or {}).get("points") or []
     if len(history) >= 2:
