@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from . import _attention
 from ._attention import ATTENTION_LOGITS_PATH, dense_logits_block
 from .capture import ForwardHook, on_compiler_loaded, trace_time_constant
-from .reduce import FLOAT8_DTYPES, _statistics_rows
+from .reduce import _statistics_rows, reducible_when_traced
 
 __all__ = ["claimed_rows", "drop_pending", "traced_call"]
 
@@ -65,15 +65,9 @@ _PENDING: list[tuple[int, Tensor | None]] = []
 _tickets: tuple[object, list[tuple[frozenset[int], bool] | None]] = (None, [])
 
 
-def _reducible(tensor: object) -> bool:
-    """What the eager path measures (``reduce.skip_reason`` accepts), as Dynamo traces it."""
-    return (
-        isinstance(tensor, Tensor)
-        and tensor.layout == torch.strided
-        and tensor.is_floating_point()
-        and tensor.dtype not in FLOAT8_DTYPES
-        and tensor.numel() > 0
-    )
+def _real(tensor: object) -> bool:
+    """A query or key the eager path measures, as Dynamo traces the check."""
+    return reducible_when_traced(tensor) and not cast(Tensor, tensor).is_complex()
 
 
 def traced_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -86,8 +80,8 @@ def traced_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     given = dict(zip(_attention._ARGUMENTS, args, strict=False))
     given.update(kwargs)
     query, key, mask = given.get("query"), given.get("key"), given.get("attn_mask")
-    measurable = (
-        _reducible(query) and _reducible(key) and (mask is None or isinstance(mask, Tensor))
+    measurable = all(_real(tensor) for tensor in (query, key)) and (
+        mask is None or isinstance(mask, Tensor)
     )
     ticket = _ticket_constant(measurable)
     if ticket < 0:
@@ -256,7 +250,7 @@ def _enable() -> None:
     except Exception:
         return
     _all_claimed_constant = trace_time_constant(_all_claimed)
-    _ticket_constant, _claim_constant = ticket, claim
+    _ticket_constant, _claim_constant = ticket, claim  # (trace_time_constant: no arguments)
     _attention.traced_call = traced_call
 
 

@@ -124,7 +124,7 @@ from .capture import (
     on_compiler_loaded,
     passive,
 )
-from .reduce import FLOAT8_DTYPES, STAT_WIDTH, _statistics_rows
+from .reduce import STAT_WIDTH, _statistics_rows, reducible_when_traced
 from .series import ACTIVATION, GRAD_OUTPUT
 
 if TYPE_CHECKING:
@@ -1173,18 +1173,6 @@ class _GradientTap(torch.autograd.Function):
         return grad, block.index_copy(0, row, written), None, None
 
 
-def _reducible(leaf: object) -> bool:
-    """What :func:`~torchinstruments.reduce.skip_reason` accepts, as Dynamo can trace it
-    (a float8 output raised in the traced reductions, and training stopped)."""
-    return (
-        isinstance(leaf, Tensor)
-        and leaf.layout == torch.strided
-        and (leaf.is_floating_point() or leaf.is_complex())
-        and leaf.dtype not in FLOAT8_DTYPES
-        and leaf.numel() > 0
-    )
-
-
 def traced_activation(
     capture: CompiledCapture,
     rows: HookRows | None,
@@ -1253,7 +1241,7 @@ def traced_activation(
         if slot >= 0:
             _write_row(capture, entry[0], calls, device, statistics, slot)
     for path, leaf in iter_output_tensors(output):
-        if not _reducible(leaf):
+        if not reducible_when_traced(leaf):
             unreduced = unreduced or isinstance(leaf, Tensor)
             continue
         assert isinstance(leaf, Tensor)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import inspect
-import sys
 import threading
 import time
 import weakref
@@ -418,7 +417,7 @@ class Observer:
         for handle in self._handles + self.capture.leaf_hooks:
             handle.remove()
         self._handles.clear()
-        if root_hook_traces() and "torch._dynamo" in sys.modules:
+        if root_hook_traces():
             # Code that traced the root's hooks inline guards on their ids: stale now.
             forget_code_with_hooks(hook_ids)
         self.drop_compile_entries()
@@ -683,20 +682,18 @@ class Observer:
         if not callers or options.get("include") or options.get("module_types"):
             return  # the user chose the modules
         excluded = [str(p) for p in options.get("exclude") or ()]  # type: ignore[union-attr]
-        names = {
-            id(module): without_compile_wrappers(name)
-            for name, module in root.named_modules()
-            if name
-        }
         classes = {
             type(module) for module in (ref() for ref in callers.values()) if module is not None
         }
-        # Modules of a caller's class run the same code, so call it too: where compiled
-        # graphs are shared (blocks compiled one by one), only one of them was traced.
-        modules = {id(module): module for _, module in root.named_modules()}
-        for key, module in modules.items():
-            if type(module) in classes and key not in callers:
-                callers[key] = weakref.ref(module)
+        names = {}
+        for name, module in root.named_modules():
+            if not name:
+                continue
+            names[id(module)] = without_compile_wrappers(name)
+            # Modules of a caller's class run the same code, so call it too: where compiled
+            # graphs are shared (blocks compiled one by one), only one of them was traced.
+            if type(module) in classes:
+                callers.setdefault(id(module), weakref.ref(module))
         for key, ref in callers.items():
             module = ref()
             name = names.get(key)

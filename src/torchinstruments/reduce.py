@@ -63,6 +63,7 @@ __all__ = [
     "device_statistics_batch_unchecked",
     "finish_statistics",
     "is_reducible",
+    "reducible_when_traced",
     "skip_reason",
     "tensor_statistics",
 ]
@@ -130,6 +131,19 @@ def skip_reason(value: object) -> str | None:
 def is_reducible(value: object) -> bool:
     """True if :func:`tensor_statistics` accepts ``value``."""
     return skip_reason(value) is None
+
+
+def reducible_when_traced(value: object) -> bool:
+    """What :func:`skip_reason` accepts, in checks that Dynamo can trace (a strided
+    floating or complex tensor, not float8, not empty): used inside compiled graphs,
+    where a float8 tensor raised in the traced reductions and stopped training."""
+    return (
+        isinstance(value, Tensor)
+        and value.layout == torch.strided
+        and (value.is_floating_point() or value.is_complex())
+        and value.dtype not in FLOAT8_DTYPES
+        and value.numel() > 0
+    )
 
 
 @torch.no_grad()
